@@ -1,0 +1,246 @@
+"""Run configuration: typed dataclasses, loaded from TOML and overridden with `--set section.key=value`.
+
+Every key has a type, and keys with a fixed set of values list them in CHOICES, so a typo or a wrong
+type is a one-line ConfigError naming the key and what it accepts. The resolved config is written back
+as TOML into the run directory, which makes every run reproducible from its own folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpt2train.model import GPTConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which key and why."""
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/shakespeare"  # folder written by `gpt2train prepare` (meta.json + shards)
+    loader: str = "auto"  # ram: load all tokens; memmap: read from disk; auto: ram when it fits
+    order: str = "random"  # random windows, or sequential epochs over a seeded permutation of windows
+
+
+@dataclass
+class TrainConfig:
+    device: str = "auto"  # auto (cuda, then mps, then cpu), cpu, cuda, cuda:N, mps
+    seed: int = 1337
+    micro_batch: int = 8  # sequences per forward/backward on one device
+    seq_len: int = 0  # 0: the model's block_size
+    total_batch_tokens: int = 0  # tokens per optimizer step; 0: one micro-batch on every rank
+    max_steps: int = 1000
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | constant | wsd (warmup, stable, linear decay at the end)
+    decay_fraction: float = 0.2  # wsd: the last fraction of steps that decays
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones, fp32 on CPU
+    compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
+    tf32: bool = True
+    distributed: str = "ddp"  # ddp | fsdp (under torchrun)
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 250  # steps between validation runs; 0: only at the end
+    val_batches: int = 20  # micro-batches per validation; 0: the whole val split
+    hellaswag_interval: int = 0  # steps between HellaSwag runs during training; 0: never
+    hellaswag_limit: int = 0  # examples per run; 0: all
+    sample_interval: int = 0  # steps between samples logged during training; 0: never
+    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])
+    sample_tokens: int = 64
+
+
+@dataclass
+class LogConfig:
+    interval: int = 10  # steps between console/JSONL lines
+    progress: str = "auto"  # auto: a bar on a terminal, lines otherwise; bar; lines
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "gpt2train"
+    wandb_mode: str = "offline"  # online | offline | disabled
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500  # 0: never by step count
+    every_minutes: float = 0.0  # 0: never by wall time
+    keep_last: int = 3  # ring of recent checkpoints
+    save_best: bool = True  # keep the best-by-val-loss checkpoint apart
+    save_final: bool = True
+
+
+@dataclass
+class GuardConfig:
+    enabled: bool = True
+    spike_factor: float = 3.0  # a loss above this multiple of its recent average rolls back
+    spike_window: int = 50  # steps in that recent average
+    max_nonfinite: int = 3  # non-finite steps in a row before rolling back
+
+
+@dataclass
+class Config:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+
+
+CHOICES: dict[str, tuple] = {
+    "model.attention": ("sdpa", "naive"),
+    "data.loader": ("auto", "ram", "memmap"),
+    "data.order": ("random", "sequential"),
+    "train.schedule": ("cosine", "constant", "wsd"),
+    "train.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "train.compile": (True, False, "auto"),
+    "train.distributed": ("ddp", "fsdp"),
+    "log.progress": ("auto", "bar", "lines"),
+    "log.wandb_mode": ("online", "offline", "disabled"),
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- TOML file <- `section.key=value` overrides, each checked against its type."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    cfg = from_dict(data)
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    for section, values in data.items():
+        if section not in _sections():
+            raise ConfigError(f"unknown config section [{section}]; sections are {', '.join(_sections())}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] must be a table of keys")
+        for key, value in values.items():
+            _set(cfg, section, key, value)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `section.key=value`; the value is read as TOML (1e-3, true, "x", [1, 2]) or a bare string."""
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    if section not in _sections():
+        raise ConfigError(f"--set {item!r}: unknown section {section!r}; sections are {', '.join(_sections())}")
+    _set(cfg, section, key, value)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_resolved(d: dict) -> Config:
+    """Rebuild a Config from to_dict() output (a checkpoint's copy), ignoring keys this version lacks."""
+    cfg = Config()
+    for section, values in d.items():
+        if section in _sections():
+            known = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+            for key, value in values.items():
+                if key in known:
+                    _set(cfg, section, key, value)
+    return cfg
+
+
+def dump_toml(cfg: Config) -> str:
+    """The resolved config as TOML (flat tables of scalars and lists, all this config holds)."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(dump_toml(cfg))
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _set(cfg: Config, section: str, key: str, value) -> None:
+    obj = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        raise ConfigError(f"unknown key {section}.{key}; keys in [{section}] are {', '.join(fields)}")
+    name = f"{section}.{key}"
+    hints = typing.get_type_hints(type(obj))
+    value = _coerce(name, value, hints[key])
+    choices = CHOICES.get(name)
+    if choices is not None and value not in choices:
+        allowed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
+        raise ConfigError(f"{name} = {value!r} is not allowed; use one of: {allowed}")
+    setattr(obj, key, value)
+
+
+def _coerce(name: str, value, tp):
+    """Check value against a field type (int, float, bool, str, list[str] or a union of these)."""
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+    expected = " or ".join(_type_name(o) for o in options)
+    raise ConfigError(f"{name} = {value!r} has the wrong type; expected {expected}")
+
+
+def _type_name(tp) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a list of strings")
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

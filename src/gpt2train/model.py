@@ -1,0 +1,226 @@
+"""GPT-2 in one file, in the order the data flows.
+
+Token + position embeddings -> n_layer pre-LN blocks (attention, MLP) -> final LayerNorm -> lm_head,
+whose weight is the token embedding (tied). Parameter names follow Hugging Face's GPT-2 so that
+import/export is a transpose and a rename away. Nothing here knows about training loops, devices or
+distributed wrappers: those are applied from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024  # longest sequence the position embedding covers
+    vocab_size: int = 50257  # the tokenizer's vocabulary; 0 means "take it from the prepared data"
+    pad_vocab_multiple: int = 64  # 50257 -> 50304: matmuls on multiples of 64 run faster
+    dropout: float = 0.0
+    bias: bool = True
+    attention: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (reference)
+    grad_checkpointing: bool = False  # recompute each block's activations in backward
+    loss_chunk: int = 0  # > 0: cross-entropy over this many rows at a time, never the full logits
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = max(1, self.pad_vocab_multiple)
+        return (self.vocab_size + m - 1) // m * m
+
+
+# Hugging Face's shapes for the four GPT-2 sizes, plus small ones that train on a CPU.
+PRESETS: dict[str, dict] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+    "gpt2-mini": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
+    "gpt2-tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+}
+
+
+def preset_config(name: str, **overrides) -> GPTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far, preallocated to max_len."""
+
+    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # tokens already cached (the same for every layer once a forward ends)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        start, end = self.length, self.length + k.size(2)
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
+        self.layer = layer
+        self.n_head = cfg.n_head
+        self.attention = cfg.attention
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.is_residual_projection = True
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        past = 0
+        if kv_cache is not None:
+            past = kv_cache.length
+            k, v = kv_cache.append(self.layer, k, v)  # (B, nh, past + T, hs)
+        dropout = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            if past == 0:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            else:
+                # SDPA's is_causal aligns the mask top-left; with cached keys the new queries sit at the end.
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(T, past, x.device))
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, past + T)
+            att = att.masked_fill(~_causal_mask(T, past, x.device), float("-inf"))
+            att = F.dropout(F.softmax(att, dim=-1), p=dropout, training=self.training)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def _causal_mask(T: int, past: int, device) -> torch.Tensor:
+    """Boolean (T, past + T) mask: query i (at position past + i) sees keys 0 .. past + i."""
+    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.is_residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, layer)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, kv_cache: KVCache | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
+        self.config = cfg
+        V = cfg.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
+        self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads and writes tokens
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if getattr(module, "is_residual_projection", False):
+                # Each block adds two projections into the residual stream; scale them so its
+                # variance does not grow with depth (GPT-2 paper, section 2.3).
+                std = 0.02 / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (the tied lm_head is the token embedding). non_embedding leaves
+        out both embeddings, as FLOPs estimates and scaling laws count them."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None):
+        """idx (B, T) token ids -> logits (B, T, V), or the mean cross-entropy when targets are given.
+
+        With targets and config.loss_chunk > 0 the logits are never materialized, and None is returned
+        in their place. Targets of -1 are ignored.
+        """
+        B, T = idx.shape
+        past = kv_cache.length if kv_cache is not None else 0
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}")
+        pos = torch.arange(past, past + T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            if self.config.grad_checkpointing and self.training and kv_cache is None:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        x = self.transformer.ln_f(x)
+
+        if targets is None:
+            return self.lm_head(x)  # (B, T, V)
+        if self.config.loss_chunk > 0:
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk)
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+    """Mean cross-entropy of (hidden @ weight.T) against targets, `chunk` rows at a time.
+
+    Each chunk's logits are recomputed in backward (activation checkpointing) instead of being kept, so
+    peak memory holds one (chunk, V) block instead of the full (B*T, V) fp32 logits.
+    """
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    targets = targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.size(0), chunk):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        total = total + checkpoint(_summed_cross_entropy, h, weight, t, use_reentrant=False)
+    return total / (targets != -1).sum().clamp(min=1)
+
+
+def _summed_cross_entropy(h, weight, t):
+    return F.cross_entropy((h @ weight.t()).float(), t, ignore_index=-1, reduction="sum")
