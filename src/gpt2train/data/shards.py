@@ -1,0 +1,76 @@
+"""Token shards in llm.c's layout, so shards written here and by llm.c interoperate.
+
+A shard is a 1024-byte header of 256 little-endian int32 followed by the tokens:
+  header[0] magic: 20240520 for uint16 tokens, 20240801 for uint32 tokens (vocabularies above 65,535)
+  header[1] version: 1 for uint16, 7 for uint32
+  header[2] number of tokens; the rest is zero.
+Writes go to a temporary file that is renamed into place, so a crash never leaves half a shard.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+FORMATS = {  # magic -> (version, token dtype)
+    20240520: (1, np.dtype("<u2")),
+    20240801: (7, np.dtype("<u4")),
+}
+
+
+class ShardError(ValueError):
+    """A shard file that cannot be read as llm.c tokens; the message says what is wrong."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def write_shard(path: str | Path, tokens, vocab_size: int) -> None:
+    """Write tokens (ids < vocab_size) as one shard, atomically."""
+    path = Path(path)
+    dtype = token_dtype(vocab_size)
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ShardError(f"{path.name}: token id {int(tokens.max())} does not fit a vocabulary of {vocab_size}")
+    magic = next(m for m, (_, dt) in FORMATS.items() if dt == dtype)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (magic, FORMATS[magic][0], tokens.size)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_header(path: str | Path) -> tuple[np.dtype, int]:
+    """Check a shard's header and size; return (token dtype, token count)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes is shorter than the 1024-byte llm.c header; the file is truncated")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = int(header[0]), int(header[1]), int(header[2])
+    if magic not in FORMATS:
+        raise ShardError(f"{path}: magic {magic} is not an llm.c token shard (expected 20240520 or 20240801)")
+    expected_version, dtype = FORMATS[magic]
+    if version != expected_version:
+        raise ShardError(f"{path}: version {version} with magic {magic}; expected version {expected_version}")
+    if size != HEADER_BYTES + count * dtype.itemsize:
+        raise ShardError(f"{path}: header says {count} tokens but the file holds "
+                         f"{(size - HEADER_BYTES) // dtype.itemsize}; the shard is truncated or corrupt")
+    return dtype, count
+
+
+def open_shard(path: str | Path, in_memory: bool = False) -> np.ndarray:
+    """The shard's tokens, memory-mapped (default) or read into RAM."""
+    dtype, count = read_header(path)
+    if in_memory:
+        return np.fromfile(path, dtype=dtype, count=count, offset=HEADER_BYTES)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))

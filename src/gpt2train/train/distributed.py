@@ -1,0 +1,131 @@
+"""Process-group setup under torchrun, device choice, and wrapping a plain model in DDP or FSDP2.
+
+The model never imports anything from here: parallelism is applied from the outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto: cuda, then mps, then cpu."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r} but CUDA is not available; use auto or cpu")
+    return device
+
+
+def init_distributed(device_name: str = "auto") -> DistInfo:
+    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set), else run single-process."""
+    device = resolve_device(device_name)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return DistInfo(device=device)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, local_rank, world_size, device)
+
+
+def shutdown_distributed():
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def wrap_model(model: torch.nn.Module, info: DistInfo, strategy: str) -> torch.nn.Module:
+    """DDP (replicate, all-reduce grads) or FSDP2 (shard params, grads and optimizer state per block)."""
+    if not info.enabled:
+        return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+
+
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Context in which backward all-reduces gradients only when `sync` (the last micro-batch)."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        @contextlib.contextmanager
+        def no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return no_sync()
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (a one-element list when not distributed)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain GPT under DDP's `.module` and torch.compile's `._orig_mod`."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model

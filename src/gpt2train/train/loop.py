@@ -1,0 +1,374 @@
+"""The training loop: one batch from shard to optimizer step, in the order that keeps runs correct.
+
+    lr = lr_at(step)                       an explicit function of the step, so resume needs no scheduler state
+    zero_grad(set_to_none)
+    for each micro-batch:                  gradient accumulation
+        loss = model(x, y) / n_micro       autocast (bf16 / fp16 / fp32); DDP syncs on the last one only
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)             before the clip, so the clip sees true gradients
+    norm = clip_grad_norm_(1.0)            the pre-clip norm is logged
+    scaler.step(optimizer); scaler.update()
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gpt2train
+from gpt2train.checkpoint import CheckpointError, load_checkpoint, load_model_state, model_state, save_checkpoint
+from gpt2train.config import Config, ConfigError, save_config, to_dict
+from gpt2train.data.loader import TokenLoader
+from gpt2train.data.prepare import load_meta
+from gpt2train.model import GPT
+from gpt2train.train import distributed as D
+from gpt2train.train.metrics import MetricsLogger, flops_per_token, peak_for_run
+from gpt2train.train.optim import lr_at, make_optimizer
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # CPU and every CUDA device
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per optimizer step: total_batch_tokens / (micro_batch * seq_len * world_size), exactly."""
+    per_pass = cfg.train.micro_batch * cfg.train.seq_len * world_size
+    if cfg.train.total_batch_tokens <= 0:
+        return 1
+    if cfg.train.total_batch_tokens % per_pass:
+        raise ConfigError(f"train.total_batch_tokens = {cfg.train.total_batch_tokens} is not a multiple of "
+                          f"micro_batch * seq_len * world_size = {per_pass}; pick a multiple of {per_pass}")
+    return cfg.train.total_batch_tokens // per_pass
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.dist = D.init_distributed(cfg.train.device)
+        self.device = self.dist.device
+        self.is_main = self.dist.is_main
+
+        # Data first: the tokenizer's vocabulary sizes the model.
+        self.data_meta = load_meta(cfg.data.dir)
+        data_vocab = int(self.data_meta["vocab_size"])
+        if cfg.model.vocab_size == 0:
+            cfg.model.vocab_size = data_vocab
+        elif cfg.model.vocab_size < data_vocab:
+            raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
+                              f"({data_vocab}); set it to {data_vocab} or 0 (from the data)")
+        if cfg.train.seq_len == 0:
+            cfg.train.seq_len = cfg.model.block_size
+        if cfg.train.seq_len > cfg.model.block_size:
+            raise ConfigError(f"train.seq_len = {cfg.train.seq_len} exceeds model.block_size = {cfg.model.block_size}")
+        self.grad_accum = accumulation_steps(cfg, self.dist.world_size)
+        self.tokens_per_step = cfg.train.micro_batch * cfg.train.seq_len * self.dist.world_size * self.grad_accum
+
+        # Numerics: TF32 matmuls, autocast dtype, and a GradScaler only for fp16.
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+            torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+        self.dtype = resolve_dtype(cfg.train.dtype, self.device)
+        self.autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
+                         else nullcontext())
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+
+        # Model: built plain, seeded identically on every rank, then compiled and wrapped from outside.
+        seed_everything(cfg.train.seed)
+        self.raw_model = GPT(cfg.model).to(self.device)
+        use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and self.device.type == "cuda")
+        self.compiled = use_compile
+        model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed)
+        self.model = torch.compile(model) if use_compile else model
+        self.optimizer = make_optimizer(self.raw_model, cfg.train, self.device.type)
+
+        # Data streams: the same seed on every rank, each rank taking its own slice of every draw.
+        loader_args = dict(rank=self.dist.rank, world_size=self.dist.world_size, mode=cfg.data.loader, device=self.device)
+        self.train_loader = TokenLoader(cfg.data.dir, "train", cfg.train.micro_batch, cfg.train.seq_len,
+                                        seed=cfg.train.seed, order=cfg.data.order, **loader_args)
+        self.val_loader = TokenLoader(cfg.data.dir, "val", cfg.train.micro_batch, cfg.train.seq_len,
+                                      seed=cfg.train.seed + 1, order="sequential", **loader_args)
+
+        self.step = 0  # optimizer steps done
+        self.tokens = 0
+        self.best_val = math.inf
+        self.resumed_from = None
+        if resume:
+            self._resume(resume)
+
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_flops = peak_for_run(self.device, self.dtype, cfg.train.tf32)
+        if self.is_main and self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.logger = MetricsLogger(self.run_dir if self.is_main else None, cfg.log.tensorboard, cfg.log.wandb,
+                                    cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg))
+        self.stop_signal = None
+
+    # --- resume ------------------------------------------------------------------------------------
+    def _resume(self, resume: str):
+        if resume == "auto":
+            if self.run_dir is None or not (self.run_dir / "checkpoints" / "latest").exists():
+                return  # nothing saved yet: start fresh
+            resume = str(self.run_dir)
+        weights, state, meta = load_checkpoint(resume)
+        saved = meta["config"]["model"]
+        mine = to_dict(self.cfg)["model"]
+        shape_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
+        changed = [k for k in shape_keys if saved.get(k) != mine[k]]
+        if changed:
+            raise ConfigError(f"cannot resume: model shape changed ({', '.join(f'{k}: {saved.get(k)} -> {mine[k]}' for k in changed)}); "
+                              "resume with the checkpoint's model settings or start a new run directory")
+        load_model_state(self.raw_model, weights)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        rank = self.dist.rank
+        if len(state["rng"]) == self.dist.world_size:
+            set_rng_state(state["rng"][rank])
+            self.train_loader.load_state_dict(state["loader"][rank])
+        else:
+            print(f"warning: checkpoint saved with {len(state['rng'])} ranks, resuming with {self.dist.world_size}; "
+                  "data order and RNG restart from the seed", file=sys.stderr)
+        self.step, self.tokens = int(meta["step"]), int(meta["tokens"])
+        self.best_val = float(meta.get("best_val_loss") or math.inf)
+        self.resumed_from = str(resume)
+
+    # --- one optimizer step ------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        step = self.step + 1
+        lr = lr_at(step, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum):
+            x, y = self.train_loader.next_batch()
+            with D.gradient_sync(self.model, sync=micro == self.grad_accum - 1), self.autocast:
+                _, loss = self.model(x, y)
+                loss = loss / self.grad_accum  # the sum over micro-batches is the mean over the full batch
+            loss_sum += loss.detach()
+            self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
+        loss_value, norm_value = loss_sum.item(), float(grad_norm)
+        skipped = self.cfg.guard.enabled and not (math.isfinite(loss_value) and math.isfinite(norm_value))
+        if skipped and not self.scaler.is_enabled():
+            pass  # a non-finite update would poison the weights: leave them as they are
+        else:
+            self.scaler.step(self.optimizer)  # with fp16, the scaler itself skips non-finite steps
+        self.scaler.update()
+        self.step = step
+        self.tokens += self.tokens_per_step
+        return {"loss": loss_value, "lr": lr, "grad_norm": norm_value, "skipped": skipped}
+
+    # --- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first val_batches windows of the val split (all of it when 0), the same
+        windows every time. Runs the uncompiled model so that evaluation never triggers a recompile."""
+        self.raw_model.eval()
+        self.val_loader.reset()
+        n = self.cfg.eval.val_batches or max(1, int(self.val_loader.cum_starts[-1]) // (self.val_loader.B * self.dist.world_size))
+        total = torch.zeros((), device=self.device)
+        for _ in range(n):
+            x, y = self.val_loader.next_batch()
+            with self.autocast:
+                _, loss = self.raw_model(x, y)
+            total += loss.float()
+        self.raw_model.train()
+        return float(D.all_reduce_mean(total / n))
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def save(self, is_best: bool = False):
+        """Collect every rank's RNG and loader state, then rank 0 writes the checkpoint atomically."""
+        rngs = D.all_gather_objects(rng_state())
+        loaders = D.all_gather_objects(self.train_loader.state_dict())
+        if self.is_main and self.run_dir is not None:
+            state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
+                     "rng": rngs, "loader": loaders}
+            meta = {"tokens": self.tokens, "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
+                    "config": to_dict(self.cfg), "tokenizer": self.data_meta["tokenizer"],
+                    "world_size": self.dist.world_size}
+            path = save_checkpoint(self.run_dir, self.step, model_state(self.raw_model), state, meta,
+                                   keep_last=self.cfg.checkpoint.keep_last, is_best=is_best)
+            self.logger.log("checkpoint", step=self.step, path=str(path), best=is_best)
+        D.barrier()
+
+    # --- the run -----------------------------------------------------------------------------------
+    def _install_signal_handlers(self):
+        def handler(signum, frame):
+            self.stop_signal = signum  # finish the current step, save, then exit
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+
+    def _log_start(self):
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        hardware = {"device": str(self.device), "device_name": name, "torch": torch.__version__,
+                    "world_size": self.dist.world_size, "cuda": torch.version.cuda}
+        self.logger.log("run_start", step=self.step, config=to_dict(self.cfg), hardware=hardware,
+                        git=git_revision(), version=gpt2train.__version__, params=self.raw_model.num_params(),
+                        params_non_embedding=self.raw_model.num_params(non_embedding=True),
+                        flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, resumed_from=self.resumed_from)
+        if self.is_main:
+            print(f"device: {name} ({self.device}), world size {self.dist.world_size}, dtype {str(self.dtype).split('.')[-1]}, "
+                  f"compile {'on' if self.compiled else 'off'}")
+            print(f"model: {self.raw_model.num_params() / 1e6:.2f}M parameters "
+                  f"({self.raw_model.num_params(non_embedding=True) / 1e6:.2f}M without embeddings)")
+            print(f"batch: {self.tokens_per_step:,} tokens/step = {self.cfg.train.micro_batch} x {self.cfg.train.seq_len} "
+                  f"x {self.dist.world_size} ranks x {self.grad_accum} micro-steps")
+            if self.resumed_from:
+                print(f"resumed from {self.resumed_from} at step {self.step}")
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        if self.is_main and self.run_dir is not None:
+            save_config(cfg, self.run_dir / "config.toml")
+        self._install_signal_handlers()
+        self._log_start()
+        start_wall = time.time()
+        first_step = self.step + 1
+        last_save = time.time()
+        progress = self._progress_bar()
+        reason = "done"
+        val_loss = None
+        while self.step < cfg.train.max_steps:
+            t0 = time.perf_counter()
+            out = self.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            step = self.step
+            if out["skipped"]:
+                self.logger.log("guard", step=step, action="skip", reason="non-finite loss or grad norm",
+                                loss=_finite_or_none(out["loss"]), grad_norm=_finite_or_none(out["grad_norm"]))
+            first_compiled = self.compiled and step == first_step
+            if step % cfg.log.interval == 0 or step == first_step or step == cfg.train.max_steps:
+                self._log_train(out, dt, first_compiled, progress)
+            if progress is not None:
+                progress.update(1)
+
+            last = step == cfg.train.max_steps
+            is_best = False
+            if (cfg.eval.interval and step % cfg.eval.interval == 0) or last:
+                val_loss = self.evaluate()
+                is_best = val_loss < self.best_val
+                self.best_val = min(self.best_val, val_loss)
+                self.logger.log("val", step=step, tokens=self.tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+                self._print(f"step {step}: val loss {val_loss:.4f}" + (" (best)" if is_best else ""), progress)
+            due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (
+                cfg.checkpoint.every_minutes and time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)
+            if due or (last and cfg.checkpoint.save_final) or (is_best and cfg.checkpoint.save_best):
+                self.save(is_best=is_best and cfg.checkpoint.save_best)
+                last_save = time.time()
+            if self.stop_signal is not None:
+                if not (due or last):
+                    self.save()
+                reason = "signal"
+                self._print(f"received signal {self.stop_signal}: saved step {step}, exiting", progress)
+                break
+        if progress is not None:
+            progress.close()
+        self.logger.log("run_end", step=self.step, tokens=self.tokens, wall_s=time.time() - start_wall, reason=reason)
+        self.logger.close()
+        return {"step": self.step, "tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
+                "reason": reason}
+
+    def _log_train(self, out: dict, dt: float, first_compiled: bool, progress):
+        loss = float(D.all_reduce_mean(torch.tensor(out["loss"], device=self.device)))
+        tok_s = self.tokens_per_step / dt
+        mfu = tok_s * self.flops_per_token / (self.peak_flops * self.dist.world_size) if self.peak_flops else None
+        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        record = dict(step=self.step, tokens=self.tokens, loss=loss, lr=out["lr"], grad_norm=out["grad_norm"],
+                      step_ms=dt * 1000, tokens_per_s=tok_s, mfu=mfu, peak_mem_mb=peak_mem)
+        if first_compiled:
+            record["compile_ms"] = dt * 1000  # the first compiled step includes compilation
+        self.logger.log("train", **record)
+        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        line = (f"step {self.step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {out['lr']:.2e} | "
+                f"norm {out['grad_norm']:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {dt * 1000:.0f} ms")
+        if first_compiled:
+            line += " (includes compilation)"
+        if progress is not None:
+            progress.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s | mfu {mfu_text}", refresh=False)
+            if self.cfg.log.progress == "bar":
+                return
+        self._print(line, progress)
+
+    def _progress_bar(self):
+        mode = self.cfg.log.progress
+        if not self.is_main or mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _print(self, text: str, progress=None):
+        if not self.is_main:
+            return
+        if progress is not None:
+            progress.write(text)
+        else:
+            print(text, flush=True)
+
+
+def _finite_or_none(x: float):
+    return x if math.isfinite(x) else None
+
+
+def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
+    """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # fewer fragmentation OOMs; must precede CUDA's start
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    trainer = Trainer(cfg, run_dir, resume)
+    try:
+        return trainer.fit()
+    finally:
+        D.shutdown_distributed()
