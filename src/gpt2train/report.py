@@ -1,0 +1,706 @@
+"""See a run: read RUN_DIR/metrics.jsonl and write figures, a one-file HTML page and a JSON summary.
+
+The flow is read -> merge relaunches -> summarize -> plot -> write. Reading is forgiving (a run in
+progress, a line cut short by a crash, kinds from a newer version), because a report is most wanted
+exactly when a run went wrong. The schema is docs/metrics.md; the page is described in docs/report.md.
+
+matplotlib is imported only when figures are drawn, through its object-oriented API on the Agg
+canvas: no pyplot, so a report never changes the backend or global state of the caller's process.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import io
+import json
+import logging
+import math
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+KNOWN_KINDS = ("run_start", "train", "val", "hellaswag", "sample", "guard", "checkpoint", "run_end")
+# Kinds that describe the state of training at a step. A resume or a rollback re-does steps, and
+# the re-done records replace these. The other kinds are events (a launch, a guard action, a save):
+# they stay, since they are the history the page lists.
+SERIES_KINDS = ("train", "val", "hellaswag", "sample")
+
+SPIKE_WINDOW = 50  # logged values in the trailing window
+SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
+SPIKE_MAD_FLOOR = 0.1  # the MAD counts as at least this fraction of the median
+SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
+
+TRAIN_HINT = "train first with `gpt2train train ...`"
+
+
+class ReportError(ValueError):
+    """Input a report cannot be made from; the message is one line saying what to fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class Run:
+    """One run directory's records, merged across its launches."""
+
+    name: str  # label in legends and tables
+    path: Path
+    records: list[dict]  # after merging relaunches, in file order
+    launches: list[list[dict]]  # raw records grouped by run_start, before merging: for wall time
+    malformed_lines: int = 0  # unreadable lines in the middle of the file, skipped
+    truncated_last_line: bool = False  # the last line did not parse: a crash cut it short, or a write in progress
+
+    def of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The known records of RUN_DIR/metrics.jsonl, with re-done steps replacing the earlier ones.
+
+    Raises ReportError when the directory or file is missing, empty, or holds no readable record.
+    """
+    return load_run(run_dir).records
+
+
+def load_run(run_dir: str | Path, name: str | None = None) -> Run:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.exists():
+        raise ReportError(f"run directory {run_dir} does not exist: pass a folder written by `gpt2train train`")
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is a file, not a run directory: pass the folder that holds metrics.jsonl")
+    if not path.is_file():
+        raise ReportError(f"{path} not found: is {run_dir} a run directory? {TRAIN_HINT}")
+    text = path.read_bytes().decode("utf-8", errors="replace")  # a crash can cut a character in two
+    if not text.strip():
+        raise ReportError(f"{path} is empty: {TRAIN_HINT}")
+
+    raw, malformed, truncated = _parse_lines(text)
+    if not raw:
+        raise ReportError(
+            f"{path} has no readable records: it is not a gpt2train metrics file, or every line is damaged"
+        )
+    if malformed:
+        log.warning("%s: skipped %d malformed line%s", path, malformed, "" if malformed == 1 else "s")
+    return Run(
+        name=name or run_dir.resolve().name,
+        path=run_dir,
+        records=merge_relaunches(raw),
+        launches=_split_launches(raw),
+        malformed_lines=malformed,
+        truncated_last_line=truncated,
+    )
+
+
+def _parse_lines(text: str) -> tuple[list[dict], int, bool]:
+    """(records of known kinds, malformed lines before the last, whether the last line failed)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records, malformed, truncated = [], 0, False
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not _is_record(rec):
+            if i == len(lines) - 1:
+                truncated = True  # expected after a crash: not worth a warning
+            else:
+                malformed += 1
+            continue
+        if rec["kind"] in KNOWN_KINDS:  # kinds from a newer version are skipped, as the schema asks
+            records.append(rec)
+    return records, malformed, truncated
+
+
+def _is_record(rec) -> bool:
+    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
+        return False
+    # A series record is only usable at a step; an event may lack one.
+    return rec["kind"] not in SERIES_KINDS or _is_int(rec.get("step"))
+
+
+def merge_relaunches(records: list[dict]) -> list[dict]:
+    """Drop series records that a later launch or rollback re-did; the later record for a step wins.
+
+    A `run_start` at step s (a resume) re-does steps s and on; a guard rollback to step t re-does t+1
+    and on. Series records from those steps, written before, describe training that was thrown away.
+    """
+    kept: list[dict] = []
+    for rec in records:
+        redo_from = None
+        if rec["kind"] == "run_start" and _is_int(rec.get("step")):
+            redo_from = rec["step"]
+        elif rec["kind"] == "guard" and rec.get("action") == "rollback" and _is_int(rec.get("to_step")):
+            redo_from = rec["to_step"] + 1
+        if redo_from is not None:
+            kept = [r for r in kept if not (r["kind"] in SERIES_KINDS and r["step"] >= redo_from)]
+        kept.append(rec)
+
+    # Two records of one kind at one step without a relaunch between them (a val at the last step
+    # that is also an eval step, say): the later one wins.
+    last = {(r["kind"], r["step"]): i for i, r in enumerate(kept) if r["kind"] in SERIES_KINDS}
+    return [r for i, r in enumerate(kept) if r["kind"] not in SERIES_KINDS or last[(r["kind"], r["step"])] == i]
+
+
+def _split_launches(records: list[dict]) -> list[list[dict]]:
+    launches: list[list[dict]] = []
+    for rec in records:
+        if rec["kind"] == "run_start" or not launches:
+            launches.append([])
+        launches[-1].append(rec)
+    return launches
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary
+
+
+def summarize(run: Run) -> dict:
+    """The per-run numbers of the page's table (and of metrics.json)."""
+    train, val = run.of("train"), run.of("val")
+    starts = run.of("run_start")
+    start = starts[-1] if starts else {}  # the latest launch has the config now in force
+    cfg, hw = start.get("config") or {}, start.get("hardware") or {}
+
+    best = min((r for r in val if _finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
+    # The first compiled step includes compilation: its speed says nothing about the run's.
+    timed = [r for r in train if not r.get("compile_ms")]
+    series = [r for r in run.records if r["kind"] in SERIES_KINDS]
+    with_tokens = [r for r in series if _is_int(r.get("tokens"))]
+    seq_len = _get(cfg, "train", "seq_len") or _get(cfg, "model", "block_size")
+
+    return {
+        "run": run.name,
+        "path": str(run.path),
+        "status": _status(run),
+        "steps": series[-1]["step"] if series else None,
+        "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
+        "wall_s": _wall_seconds(run),
+        "best_val_loss": best["val_loss"] if best else None,
+        "best_val_step": best["step"] if best else None,
+        "last_train_loss": train[-1].get("loss") if train else None,
+        "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),
+        "mean_mfu": _mean(r.get("mfu") for r in timed),
+        "peak_mem_mb": max((r["peak_mem_mb"] for r in train if _finite(r.get("peak_mem_mb"))), default=None),
+        "params": start.get("params"),
+        "n_layer": _get(cfg, "model", "n_layer"),
+        "n_head": _get(cfg, "model", "n_head"),
+        "n_embd": _get(cfg, "model", "n_embd"),
+        "micro_batch": _get(cfg, "train", "micro_batch"),
+        "seq_len": seq_len,
+        "lr": _get(cfg, "train", "lr"),
+        "schedule": _get(cfg, "train", "schedule"),
+        "dtype": _get(cfg, "train", "dtype"),
+        "compile": _get(cfg, "train", "compile"),
+        "device_name": hw.get("device_name") or hw.get("device"),
+        "torch": hw.get("torch"),
+        "world_size": hw.get("world_size"),
+        "git": start.get("git"),
+        "launches": len(starts),
+        "guard_events": len(run.of("guard")),
+        "malformed_lines": run.malformed_lines,
+    }
+
+
+def _status(run: Run) -> str:
+    last = run.launches[-1]
+    ends = [r for r in last if r["kind"] == "run_end"]
+    if not ends:
+        return "in progress (or stopped without a run_end record)"
+    return str(ends[-1].get("reason", "ended"))
+
+
+def _wall_seconds(run: Run) -> float | None:
+    """Wall time summed over launches; a launch without run_end counts up to its last record."""
+    total, known = 0.0, False
+    for launch in run.launches:
+        ends = [r for r in launch if r["kind"] == "run_end" and _finite(r.get("wall_s"))]
+        times = [r["time"] for r in launch if _finite(r.get("time"))]
+        if ends:
+            total += ends[-1]["wall_s"]
+        elif len(times) >= 2:
+            total += max(0.0, max(times) - times[0])  # clocks can step back; time spent cannot
+        else:
+            continue
+        known = True
+    return total if known else None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if _finite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _get(d: dict, section: str, key: str):
+    sub = d.get(section)
+    return sub.get(key) if isinstance(sub, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Spikes
+
+
+def find_spikes(values: list[float], window: int = SPIKE_WINDOW, k: float = SPIKE_MADS) -> list[int]:
+    """Indices of values above median + k * MAD of the `window` finite values logged before them.
+
+    Median and MAD (median absolute deviation) are robust: one earlier spike in the window barely
+    moves them, unlike a mean and standard deviation. The MAD is floored at 10% of the median, so the
+    bar is never below 1.5x the median: on a very steady stretch (MAD near 0) ordinary noise is not a
+    spike. Non-finite values are not spikes here: the guard reports those.
+    """
+    spikes, history = [], []
+    for i, v in enumerate(values):
+        if not _finite(v):
+            continue
+        if len(history) >= SPIKE_MIN_HISTORY:
+            recent = np.asarray(history[-window:])
+            median = float(np.median(recent))
+            mad = float(np.median(np.abs(recent - median)))
+            if v > median + k * max(mad, SPIKE_MAD_FLOOR * abs(median)):
+                spikes.append(i)
+        history.append(v)
+    return spikes
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures
+
+
+@dataclass
+class Chart:
+    name: str  # file stem: loss -> loss.png
+    title: str
+    figure: object | None  # a matplotlib Figure, or None when there is nothing to draw
+    notes: list[str] = field(default_factory=list)  # what is missing, shown under the figure
+
+
+def _matplotlib() -> types.SimpleNamespace:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        raise ReportError("the report draws with matplotlib, which is not installed: pip install matplotlib") from None
+    return types.SimpleNamespace(Figure=Figure, FigureCanvasAgg=FigureCanvasAgg, Line2D=Line2D,
+                                 FuncFormatter=FuncFormatter)
+
+
+def _new_axes():
+    mpl = _matplotlib()
+    # Constrained layout makes room for labels and the outside legend, so nothing overlaps.
+    fig = mpl.Figure(figsize=(10, 3.6), layout="constrained")
+    mpl.FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.grid(True, alpha=0.3)
+    ax.set_xlabel("step")
+    return fig, ax
+
+
+def _legend(fig, runs: list[Run], extra: list = ()) -> None:
+    """One entry per run (its colour), then entries for line styles and markers."""
+    Line2D = _matplotlib().Line2D
+    handles = [Line2D([], [], color=_colour(i), lw=2, label=run.name) for i, run in enumerate(runs)] + list(extra)
+    # Above the axes, not beside them: every figure then has the same plot width, so steps line up
+    # from one figure to the next.
+    fig.legend(handles=handles, loc="outside upper center", ncols=min(len(handles), 5), fontsize="small",
+               frameon=False)
+
+
+def _log_y(ax) -> None:
+    """A log y axis labelled 0.5, 1, 2, 5 rather than 5x10^-1: read at a glance."""
+
+    def label(y, _):
+        mantissa = y / 10 ** math.floor(math.log10(y) + 1e-9) if y > 0 else 0
+        return f"{y:g}" if round(mantissa) in (1, 2, 5) else ""
+
+    ax.set_yscale("log")
+    for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis_formatter(_matplotlib().FuncFormatter(label))
+
+
+def _colour(i: int) -> str:
+    return f"C{i % 10}"
+
+
+def _xy(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _missing(runs: list[Run], what: str, has) -> list[str]:
+    """A note naming the runs that lack a series, when only some of them do."""
+    lacking = [run.name for run in runs if not has(run)]
+    return [f"No {what} in {', '.join(lacking)}."] if lacking and len(lacking) < len(runs) else []
+
+
+def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
+    title = "Loss"
+
+    def has_train(run):
+        return bool(_xy(run.of("train"), "loss")[0])
+
+    def has_val(run):
+        return bool(_xy(run.of("val"), "val_loss")[0])
+
+    if not any(has_train(r) or has_val(r) for r in runs):
+        return Chart("loss", title, None, ["Loss not drawn: no train or val records with a finite loss yet."])
+    Line2D = _matplotlib().Line2D
+    fig, ax = _new_axes()
+    for i, run in enumerate(runs):
+        ax.plot(*_xy(run.of("train"), "loss"), color=_colour(i), lw=1, alpha=0.8)
+        ax.plot(*_xy(run.of("val"), "val_loss"), color=_colour(i), lw=1.5, ls="--", marker="o", ms=4)
+        for start in run.of("run_start")[1:]:  # resumes: where a new launch took over
+            if _is_int(start.get("step")):
+                ax.axvline(start["step"], color=_colour(i), lw=1, ls="-.", alpha=0.6)
+    ax.set_ylabel("loss")
+    if log_y:
+        _log_y(ax)
+    styles = [Line2D([], [], color="grey", lw=1, label="train")]
+    if any(has_val(r) for r in runs):
+        styles.append(Line2D([], [], color="grey", lw=1.5, ls="--", marker="o", ms=4, label="val"))
+    if any(len(run.of("run_start")) > 1 for run in runs):
+        styles.append(Line2D([], [], color="grey", lw=1, ls="-.", label="resume"))
+    _legend(fig, runs, styles)
+    notes = _missing(runs, "train records", has_train) + _missing(runs, "val records", has_val)
+    if not any(has_val(r) for r in runs):
+        notes.append("No val records yet: validation runs every eval.interval steps and at the end.")
+    return Chart("loss", title, fig, notes)
+
+
+def _grad_norm_chart(runs: list[Run]) -> Chart:
+    title = "Gradient norm before clipping"
+    if not any(_xy(run.of("train"), "grad_norm")[0] for run in runs):
+        return Chart("grad_norm", title, None, [f"{title} not drawn: no train records with grad_norm yet."])
+    Line2D = _matplotlib().Line2D
+    fig, ax = _new_axes()
+    all_positive, any_spike, actions = True, False, set()
+    for i, run in enumerate(runs):
+        steps, norms = _xy(run.of("train"), "grad_norm")
+        all_positive &= all(n > 0 for n in norms)
+        ax.plot(steps, norms, color=_colour(i), lw=1)
+        spikes = find_spikes(norms)
+        any_spike |= bool(spikes)
+        ax.plot([steps[j] for j in spikes], [norms[j] for j in spikes], ls="none", marker="x", ms=9, mew=2, color="red")
+        for g in run.of("guard"):
+            if _is_int(g.get("step")):
+                actions.add(g.get("action"))
+                ax.axvline(g["step"], color=_colour(i), lw=1.2, ls=_guard_style(g.get("action")))
+    clips = {_get(start.get("config") or {}, "train", "grad_clip") for run in runs for start in run.of("run_start")}
+    clips = sorted(c for c in clips if _finite(c) and c > 0)
+    for clip in clips:
+        ax.axhline(clip, color="black", lw=0.8, alpha=0.5)
+    if all_positive:
+        _log_y(ax)  # early norms and spikes are orders of magnitude above the steady state
+    ax.set_ylabel("grad norm")
+    extra = []  # legend entries only for what the figure shows
+    if any_spike:
+        extra.append(Line2D([], [], ls="none", marker="x", ms=9, mew=2, color="red",
+                            label=f"spike (> median + {SPIKE_MADS:g} MAD)"))
+    for action in sorted(actions, key=str):
+        extra.append(Line2D([], [], color="grey", lw=1.2, ls=_guard_style(action), label=f"guard: {action}"))
+    if clips:
+        extra.append(Line2D([], [], color="black", lw=0.8, alpha=0.5, label="clip threshold"))
+    _legend(fig, runs, extra)
+    return Chart("grad_norm", title, fig)
+
+
+def _guard_style(action) -> str:
+    return {"skip": ":", "rollback": "--"}.get(action, "-.")
+
+
+def _series_chart(runs: list[Run], name: str, title: str, kind: str, key: str, ylabel: str, why_absent: str,
+                  scale: float = 1.0, skip_compile_step: bool = False) -> Chart:
+    """A figure of one field of one kind against step, one line per run."""
+
+    def points(run):
+        records = run.of(kind)
+        if skip_compile_step:  # its time includes compilation and would squash the axis
+            records = [r for r in records if not r.get("compile_ms")]
+        steps, values = _xy(records, key)
+        return steps, [v * scale for v in values]
+
+    if not any(points(run)[0] for run in runs):
+        return Chart(name, title, None, [f"{title} not drawn: {why_absent}"])
+    fig, ax = _new_axes()
+    top = 0.0
+    for i, run in enumerate(runs):
+        steps, values = points(run)
+        ax.plot(steps, values, color=_colour(i), lw=1)
+        top = max([top, *values])
+    ax.set_ylabel(ylabel)
+    # From zero: rates and sizes read wrong on an axis cut short. Headroom: a steady line is not
+    # drawn on the frame.
+    ax.set_ylim(0, top * 1.1 or 1.0)
+    if name != "lr":  # 1,300,000 tokens/s, not 1.3 under a "1e6" in the corner
+        plain = _matplotlib().FuncFormatter(lambda y, _: f"{y:,.0f}" if y >= 100 else f"{y:g}")
+        ax.yaxis.set_major_formatter(plain)
+    _legend(fig, runs)
+    return Chart(name, title, fig, _missing(runs, key, lambda run: bool(points(run)[0])))
+
+
+def _hellaswag_chart(runs: list[Run]) -> Chart | None:
+    if not any(run.of("hellaswag") for run in runs):
+        return None  # optional during training; its absence needs no note
+    Line2D = _matplotlib().Line2D
+    fig, ax = _new_axes()
+    for i, run in enumerate(runs):
+        ax.plot(*_xy(run.of("hellaswag"), "acc_norm"), color=_colour(i), lw=1.5, marker="o", ms=4)
+        ax.plot(*_xy(run.of("hellaswag"), "acc"), color=_colour(i), lw=1, ls="--", alpha=0.7)
+    ax.axhline(0.25, color="black", lw=0.8, alpha=0.5)  # four endings: chance
+    ax.set_ylabel("accuracy")
+    styles = [
+        Line2D([], [], color="grey", lw=1.5, marker="o", ms=4, label="acc_norm"),
+        Line2D([], [], color="grey", lw=1, ls="--", label="acc"),
+        Line2D([], [], color="black", lw=0.8, alpha=0.5, label="chance (0.25)"),
+    ]
+    _legend(fig, runs, styles)
+    return Chart("hellaswag", "HellaSwag accuracy", fig)
+
+
+def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:
+    charts = [
+        _loss_chart(runs, log_y),
+        _series_chart(runs, "lr", "Learning rate", "train", "lr", "learning rate", "no train records yet."),
+        _grad_norm_chart(runs),
+        _series_chart(runs, "tokens_per_s", "Throughput", "train", "tokens_per_s", "tokens / s",
+                      "no train records with tokens_per_s yet.", skip_compile_step=True),
+        _series_chart(runs, "mfu", "MFU", "train", "mfu", "MFU (%)",
+                      "MFU is null when the device's peak FLOP/s is unknown (on a CPU, for one).",
+                      scale=100.0, skip_compile_step=True),
+        _series_chart(runs, "memory", "Peak memory", "train", "peak_mem_mb", "peak memory (GiB)",
+                      "peak memory is only measured on CUDA devices.", scale=1 / 1024),
+        _hellaswag_chart(runs),
+    ]
+    return [c for c in charts if c is not None]
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+def build_report(run_dirs: list[Path], out_dir: Path | None = None, *, log_y: bool = False) -> Path:
+    """Write PNG figures, report.html and metrics.json for one or more runs; return report.html's path.
+
+    out_dir defaults to RUN_DIR/report for one run and ./report for several (overlaid for comparison).
+    """
+    if isinstance(run_dirs, (str, Path)):  # one run passed bare: not a list of its characters
+        run_dirs = [run_dirs]
+    if not run_dirs:
+        raise ReportError("no run directory given: pass at least one RUN_DIR")
+    runs = [load_run(d, name) for d, name in zip(run_dirs, _run_names(run_dirs))]
+    if out_dir is None:
+        out_dir = Path(run_dirs[0]) / "report" if len(runs) == 1 else Path("report")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    images = {}
+    charts = _charts(runs, log_y)
+    for chart in charts:
+        png_path = out_dir / f"{chart.name}.png"
+        if chart.figure is None:
+            png_path.unlink(missing_ok=True)  # a figure from an earlier report would no longer match the page
+            continue
+        images[chart.name] = _png(chart.figure)
+        png_path.write_bytes(images[chart.name])
+
+    summaries = [summarize(run) for run in runs]
+    (out_dir / "metrics.json").write_text(json.dumps({"runs": [_json_safe(s) for s in summaries]}, indent=2) + "\n")
+    html_path = out_dir / "report.html"
+    html_path.write_text(_page(runs, summaries, charts, images))
+    return html_path
+
+
+def _run_names(run_dirs: list[Path]) -> list[str]:
+    """Folder names, with the parent prepended where two runs share one (a/run1, b/run1)."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+
+
+def _json_safe(summary: dict) -> dict:
+    # Strict JSON has no NaN or Infinity; a diverged run's loss becomes null.
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# HTML
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+img { max-width: 100%; display: block; margin: 0.5em 0; }
+.note { color: #8a5a00; background: #fff7e6; padding: 0.3em 0.6em; border-left: 3px solid #f0ad4e; }
+.muted { color: #777; }
+pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.8em; border: 1px solid #e4e4e4; }
+"""
+
+# (label, summary key, format): the rows of the summary table, one column per run.
+SUMMARY_ROWS = [
+    ("status", "status", str),
+    ("steps", "steps", lambda v: f"{v:,}"),
+    ("tokens seen", "tokens", lambda v: f"{v:,}"),
+    ("wall time", "wall_s", lambda v: _duration(v)),
+    ("best val loss", "best_val_loss", lambda v: f"{v:.4f}"),
+    ("best val step", "best_val_step", lambda v: f"{v:,}"),
+    ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
+    ("mean tokens/s", "mean_tokens_per_s", lambda v: f"{v:,.0f}"),
+    ("mean MFU", "mean_mfu", lambda v: f"{100 * v:.1f}%"),
+    ("peak memory", "peak_mem_mb", lambda v: f"{v / 1024:.2f} GiB"),
+    ("parameters", "params", lambda v: f"{v:,}"),
+    ("n_layer / n_head / n_embd", None, None),  # filled from three keys in _summary_table
+    ("micro_batch", "micro_batch", str),
+    ("seq_len", "seq_len", str),
+    ("lr", "lr", lambda v: f"{v:g}"),
+    ("schedule", "schedule", str),
+    ("dtype", "dtype", str),
+    ("compile", "compile", lambda v: str(v).lower()),
+    ("device", "device_name", str),
+    ("torch", "torch", str),
+    ("world size", "world_size", str),
+    ("git revision", "git", str),
+    ("launches", "launches", str),
+    ("guard events", "guard_events", str),
+    ("malformed lines skipped", "malformed_lines", str),
+]
+
+
+def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
+    names = ", ".join(html.escape(run.name) for run in runs)
+    generated = _when(datetime.datetime.now(datetime.timezone.utc).timestamp())
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gpt2train report: {names}</title><style>{CSS}</style></head><body>",
+        "<h1>gpt2train report</h1>",
+        f'<p class="muted">{names} &middot; generated {generated} &middot; '
+        "a run in progress shows what its metrics.jsonl holds so far</p>",
+        *_read_notes(runs),
+        "<h2>Summary</h2>",
+        _summary_table(summaries),
+        "<h2>Figures</h2>",
+    ]
+    for chart in charts:
+        parts.append(f"<h3>{html.escape(chart.title)}</h3>")
+        if chart.name in images:
+            data = base64.b64encode(images[chart.name]).decode("ascii")
+            parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
+        parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
+    parts += ["<h2>Guard events and resumes</h2>", _events_table(runs), "<h2>Last sample</h2>", *_samples(runs)]
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _read_notes(runs: list[Run]) -> list[str]:
+    notes = []
+    for run in runs:
+        if run.malformed_lines:
+            notes.append(f"{run.name}: skipped {run.malformed_lines} malformed line(s) in metrics.jsonl.")
+        if run.truncated_last_line:
+            notes.append(f"{run.name}: the last line of metrics.jsonl is incomplete "
+                         "(a crash, or a write in progress).")
+    return [f'<p class="note">{html.escape(n)}</p>' for n in notes]
+
+
+def _summary_table(summaries: list[dict]) -> str:
+    head = "".join(f"<th>{html.escape(s['run'])}</th>" for s in summaries)
+    rows = [f"<tr><th></th>{head}</tr>"]
+    for label, key, fmt in SUMMARY_ROWS:
+        cells = []
+        for s in summaries:
+            if key is None:
+                text = " / ".join("?" if s[k] is None else str(s[k]) for k in ("n_layer", "n_head", "n_embd"))
+            else:
+                text = _format(s[key], fmt)
+            cells.append(f'<td class="num">{html.escape(text)}</td>')
+        rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
+    return "<table>\n" + "\n".join(rows) + "\n</table>"
+
+
+def _format(value, fmt) -> str:
+    if value is None:
+        return "-"
+    try:
+        return fmt(value)  # a diverged loss shows as nan
+    except (TypeError, ValueError):  # a field of an unexpected type: show it as it is
+        return str(value)
+
+
+def _events_table(runs: list[Run]) -> str:
+    rows = []
+    for run in runs:
+        for i, rec in enumerate(run.of("run_start")):
+            if i == 0 and not rec.get("resumed_from"):
+                continue  # the first launch is not a resume
+            where = f"from {rec.get('resumed_from') or '?'}"
+            rows.append((run.name, rec.get("step"), "resume", where, rec.get("time")))
+        for rec in run.of("guard"):
+            detail = f"{rec.get('reason', '')}; loss {_num(rec.get('loss'))}, grad norm {_num(rec.get('grad_norm'))}"
+            if rec.get("action") == "rollback":
+                detail += f"; back to step {rec.get('to_step', '?')}"
+            rows.append((run.name, rec.get("step"), f"guard: {rec.get('action', '?')}", detail, rec.get("time")))
+    if not rows:
+        return '<p class="muted">None: no guard actions and no resumes.</p>'
+    rows.sort(key=lambda r: (r[0], r[1] if _is_int(r[1]) else -1))
+    body = "".join(
+        f"<tr><td>{html.escape(name)}</td><td class=\"num\">{html.escape(str(step))}</td><td>{html.escape(what)}</td>"
+        f"<td>{html.escape(detail)}</td><td>{_when(t)}</td></tr>"
+        for name, step, what, detail, t in rows
+    )
+    return f"<table><tr><th>run</th><th>step</th><th>event</th><th>detail</th><th>time</th></tr>{body}</table>"
+
+
+def _samples(runs: list[Run]) -> list[str]:
+    parts = []
+    for run in runs:
+        samples = run.of("sample")
+        if not samples:
+            parts.append(f'<p class="muted">{html.escape(run.name)}: no sample records yet '
+                         "(eval.sample_interval logs them).</p>")
+            continue
+        s = samples[-1]
+        prompt = html.escape(repr(s.get("prompt", "")))  # repr: a prompt of "\n" stays visible
+        parts.append(f"<p><b>{html.escape(run.name)}</b>, step {s['step']}, prompt {prompt}:</p>")
+        parts.append(f"<pre>{html.escape(str(s.get('text', '')))}</pre>")
+    return parts
+
+
+def _num(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h {s % 3600 // 60:02d}m {s % 60:02d}s" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def _when(t) -> str:
+    if not _finite(t):
+        return ""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
