@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -14,7 +13,7 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 
-from gpt2train import cli_report, report  # noqa: E402
+from gpt2train import cli, report  # noqa: E402
 from gpt2train.report import ReportError, build_report, find_spikes, load_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -322,14 +321,11 @@ def test_find_spikes_flags_only_the_outlier():
 
 
 def test_cli_report_command(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="gpt2train")
-    cli_report.register(parser.add_subparsers(dest="command"))
     run_dir = write_run(tmp_path / "r", full_run())
 
-    args = parser.parse_args(["report", str(run_dir), "--out", str(tmp_path / "out")])
-    assert args.handler(args) == 0
+    assert cli.main(["report", str(run_dir), "--out", str(tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out" / "report.html")
 
-    args = parser.parse_args(["report", str(tmp_path / "nope")])
-    with pytest.raises(ReportError, match="does not exist"):
-        args.handler(args)
+    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1

@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def cmd_prepare_shakespeare(args) -> int:
@@ -56,6 +57,13 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from gpt2train.report import build_report
+
+    print(build_report(args.run_dirs, args.out, log_y=args.log_y))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -85,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories; several overlay")
+    p.add_argument("--out", type=Path, metavar="DIR", help="default: RUN_DIR/report, or ./report for several runs")
+    p.add_argument("--log-y", action="store_true", help="loss on a log scale")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

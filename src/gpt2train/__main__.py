@@ -1,0 +1,5 @@
+import sys
+
+from gpt2train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny prepared datasets and a tiny config, so every test trains in seconds on a CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpt2train.config import Config
+from gpt2train.data.prepare import prepare_shakespeare
+from gpt2train.model import GPTConfig
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory) -> Path:
+    """Tiny Shakespeare with the char tokenizer (vocab 66): small embeddings, fast steps."""
+    out = tmp_path_factory.mktemp("char_data")
+    prepare_shakespeare(out, tokenizer="char")
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_data(tmp_path_factory) -> Path:
+    """Tiny Shakespeare with the GPT-2 tokenizer."""
+    out = tmp_path_factory.mktemp("gpt2_data")
+    prepare_shakespeare(out, tokenizer="gpt2")
+    return out
+
+
+def tiny_config(data_dir: Path, **train) -> Config:
+    """A 2-layer, 32-wide model on CPU in fp32, eager, logging every step; train kwargs override."""
+    cfg = Config()
+    cfg.model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=0)
+    cfg.data.dir = str(data_dir)
+    cfg.train.device = "cpu"
+    cfg.train.micro_batch = 4
+    cfg.train.seq_len = 32
+    cfg.train.max_steps = 10
+    cfg.train.warmup_steps = 2
+    cfg.train.lr = 1e-3
+    cfg.train.dtype = "float32"
+    cfg.train.compile = False
+    cfg.eval.interval = 5
+    cfg.eval.val_batches = 2
+    cfg.log.interval = 1
+    cfg.log.progress = "lines"
+    cfg.checkpoint.every_steps = 5
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m gpt2train ARGS` in a subprocess with this checkout's sources first on the path."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "gpt2train", *args], cwd=cwd or REPO, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
