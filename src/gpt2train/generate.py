@@ -12,7 +12,7 @@ of the last block_size tokens, recomputed without the cache, as nanoGPT does.
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

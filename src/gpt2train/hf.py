@@ -191,7 +191,8 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     out.mkdir(parents=True, exist_ok=True)
     eot_id = _eot_id(cfg, tokenizer_spec)
     save_file(hf_state_from_gpt(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id), indent=2) + "\n")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
     if tokenizer_spec and tokenizer_spec.get("kind") == "gpt2":
         write_gpt2_tokenizer(out, cfg.block_size)
@@ -214,7 +215,7 @@ def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None) -> dict:
+def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None, dtype: str = "float32") -> dict:
     """A GPT2Config dict (what GPT2LMHeadModel.save_pretrained writes) for our config."""
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -239,7 +240,7 @@ def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None) -> dict:
         "use_cache": True,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,  # of the stored tensors
     }
 
 
