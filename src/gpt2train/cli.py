@@ -34,26 +34,48 @@ def cmd_train(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    import torch
-
     from gpt2train.checkpoint import load_model
-    from gpt2train.generate import generate_stream
+    from gpt2train.generate import TextStream, generate_stream
     from gpt2train.tokenizer import tokenizer_from_spec
 
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
     model, _, meta = load_model(args.ckpt, device=args.device)
     tok = tokenizer_from_spec(meta["tokenizer"])
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)
-    print(prompt, end="", flush=True)
     start, n = time.perf_counter(), 0
-    torch.manual_seed(args.seed)
-    for token in generate_stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, eot_id=tok.eot_id, seed=args.seed):
-        n += 1
-        if token != tok.eot_id:
-            print(tok.decode([token]), end="", flush=True)
+    for i in range(args.num_samples):  # sample i uses seed + i: each one is reproducible on its own
+        if args.num_samples > 1:
+            print(("\n" if i else "") + f"--- sample {i + 1} of {args.num_samples}", flush=True)
+        print(prompt, end="", flush=True)
+        text = TextStream(tok)
+        for token in generate_stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                     top_p=args.top_p, eot_id=tok.eot_id, seed=args.seed + i):
+            n += 1
+            if token != tok.eot_id:
+                print(text.push(token), end="", flush=True)
+        print(text.flush(), end="", flush=True)
     elapsed = time.perf_counter() - start
     print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from gpt2train.hf import import_hf_to_run
+
+    ckpt = import_hf_to_run(args.source, args.out)
+    print(f"imported {args.source} into {ckpt}; try `gpt2train sample --ckpt {args.out}`")
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from gpt2train.checkpoint import load_model
+    from gpt2train.hf import export_hf
+
+    model, _, meta = load_model(args.ckpt)
+    out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"))
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
 
@@ -90,9 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337, help="sample i uses seed + i")
+    p.add_argument("--num-samples", type=int, default=1, help="how many continuations of the prompt")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
+    p.add_argument("source", metavar="HF_DIR_OR_NAME", help="folder with config.json + model.safetensors, or e.g. gpt2")
+    p.add_argument("--out", required=True, help="run directory to create (checkpoints/step_00000000)")
+    p.set_defaults(func=cmd_import_hf)
+
+    p = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 folder (transformers loads it)")
+    p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
+    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors and tokenizer files")
+    p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories; several overlay")

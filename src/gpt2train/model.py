@@ -2,8 +2,12 @@
 
 Token + position embeddings -> n_layer pre-LN blocks (attention, MLP) -> final LayerNorm -> lm_head,
 whose weight is the token embedding (tied). Parameter names follow Hugging Face's GPT-2 so that
-import/export is a transpose and a rename away. Nothing here knows about training loops, devices or
-distributed wrappers: those are applied from outside.
+import/export is a transpose and a rename away (see hf.py). Nothing here knows about training loops,
+devices or distributed wrappers: those are applied from outside.
+
+The embedding has padded_vocab_size rows (a multiple of 64, for fast matmuls) but the model is a
+distribution over vocab_size tokens: the padded columns of the logits are cut off before the softmax,
+so padded ids are never scored nor sampled, and an exported model (unpadded) gives the same numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
+        """Rows of the token embedding: vocab_size rounded up to pad_vocab_multiple (50257 -> 50304)."""
         m = max(1, self.pad_vocab_multiple)
         return (self.vocab_size + m - 1) // m * m
 
@@ -73,7 +78,6 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0, "n_embd must be divisible by n_head"
         self.layer = layer
         self.n_head = cfg.n_head
         self.attention = cfg.attention
@@ -143,6 +147,10 @@ class GPT(nn.Module):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
+        if cfg.n_embd % cfg.n_head != 0:
+            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
+        if cfg.attention not in ("sdpa", "naive"):
+            raise ValueError(f"model.attention = {cfg.attention!r}; use sdpa or naive")
         self.config = cfg
         V = cfg.padded_vocab_size
         self.transformer = nn.ModuleDict(
@@ -178,10 +186,10 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None):
-        """idx (B, T) token ids -> logits (B, T, V), or the mean cross-entropy when targets are given.
+        """idx (B, T) token ids -> logits (B, T, vocab_size); with targets (B, T), (logits, mean cross-entropy).
 
         With targets and config.loss_chunk > 0 the logits are never materialized, and None is returned
-        in their place. Targets of -1 are ignored.
+        in their place. Targets of -1 are ignored. With a kv_cache, idx continues the cached tokens.
         """
         B, T = idx.shape
         past = kv_cache.length if kv_cache is not None else 0
@@ -198,29 +206,36 @@ class GPT(nn.Module):
             kv_cache.length += T
         x = self.transformer.ln_f(x)
 
+        V = self.config.vocab_size
+        if targets is not None and self.config.loss_chunk > 0:
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk, V)
+        # The matmul runs on all padded_vocab_size columns (the fast shape); the padding is then cut off
+        # (a view, no copy) so that the softmax, the loss and sampling see only real tokens.
+        logits = self.lm_head(x)[..., :V]  # (B, T, V)
         if targets is None:
-            return self.lm_head(x)  # (B, T, V)
-        if self.config.loss_chunk > 0:
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk)
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1), ignore_index=-1)
+            return logits
+        loss = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
-    """Mean cross-entropy of (hidden @ weight.T) against targets, `chunk` rows at a time.
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          vocab_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of (hidden @ weight.T)[:, :vocab_size] against targets, `chunk` rows at a time.
 
     Each chunk's logits are recomputed in backward (activation checkpointing) instead of being kept, so
-    peak memory holds one (chunk, V) block instead of the full (B*T, V) fp32 logits.
+    peak memory holds one (chunk, V) block instead of the full (B*T, V) fp32 logits. Equal to the plain
+    loss in value and gradients, up to float rounding. Targets of -1 are ignored.
     """
-    hidden = hidden.reshape(-1, hidden.size(-1))
-    targets = targets.reshape(-1)
+    hidden = hidden.reshape(-1, hidden.size(-1))  # (B*T, C)
+    targets = targets.reshape(-1)  # (B*T,)
+    vocab_size = vocab_size or weight.size(0)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.size(0), chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        total = total + checkpoint(_summed_cross_entropy, h, weight, t, use_reentrant=False)
+        total = total + checkpoint(_summed_cross_entropy, h, weight, t, vocab_size, use_reentrant=False)
     return total / (targets != -1).sum().clamp(min=1)
 
 
-def _summed_cross_entropy(h, weight, t):
-    return F.cross_entropy((h @ weight.t()).float(), t, ignore_index=-1, reduction="sum")
+def _summed_cross_entropy(h, weight, t, vocab_size: int):
+    logits = (h @ weight.t())[:, :vocab_size].float()  # (chunk, V)
+    return F.cross_entropy(logits, t, ignore_index=-1, reduction="sum")

