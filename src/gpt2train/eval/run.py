@@ -56,13 +56,16 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     try:
         model, cfg, meta = load_model(ckpt_dir, device=info.device)
         autocast, resolved = autocast_for(info.device, dtype)
+        # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
+        jobs = {}
+        if "val" in tasks:
+            jobs["val"] = _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
+        if "hellaswag" in tasks:
+            jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
         results = {}
         for task in tasks:
             start = time.time()
-            if task == "val":
-                results[task] = _run_val(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
-            else:
-                results[task] = _run_hellaswag(model, meta, hellaswag, limit, batch_size, autocast, progress)
+            results[task] = jobs[task]()
             results[task]["wall_s"] = time.time() - start
         record = {"checkpoint": str(ckpt_dir), "step": meta.get("step"), "world_size": info.world_size,
                   "device": str(info.device), "dtype": str(resolved).removeprefix("torch."), "time": time.time(),
@@ -75,7 +78,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
             D.shutdown_distributed()
 
 
-def _run_val(model, cfg, meta, data_dir, limit, batch_size, autocast, progress) -> dict:
+def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
     from gpt2train.eval.val import validation_loss
 
     data_dir = data_dir or cfg.data.dir
@@ -87,12 +90,15 @@ def _run_val(model, cfg, meta, data_dir, limit, batch_size, autocast, progress) 
         raise ValueError(f"{data_dir} was tokenized with {data_tokenizer.get('kind')!r} but the checkpoint uses "
                          f"{meta['tokenizer'].get('kind')!r}; pass --data with data prepared by the same tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
-    out = validation_loss(model, data_dir, batch_size=batch_size, seq_len=seq_len, windows=limit, progress=progress,
-                          autocast=autocast)
-    return {**out, "data": str(data_dir)}
+
+    def run() -> dict:
+        out = validation_loss(model, data_dir, batch_size=batch_size, seq_len=seq_len, windows=limit,
+                              progress=progress, autocast=autocast)
+        return {**out, "data": str(data_dir)}
+    return run
 
 
-def _run_hellaswag(model, meta, source, limit, batch_size, autocast, progress) -> dict:
+def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     from gpt2train.eval.hellaswag import default_source, evaluate_hellaswag, load_examples
     from gpt2train.tokenizer import tokenizer_from_spec
 
@@ -102,9 +108,12 @@ def _run_hellaswag(model, meta, source, limit, batch_size, autocast, progress) -
                          "run with --tasks val")
     source = source or default_source()
     examples = load_examples(source, limit)
-    out = evaluate_hellaswag(model, tokenizer_from_spec(meta["tokenizer"]), examples, max(1, batch_size // 4),
-                             autocast, progress)
-    return {**out, "source": str(source)}
+    tokenizer = tokenizer_from_spec(meta["tokenizer"])
+
+    def run() -> dict:
+        out = evaluate_hellaswag(model, tokenizer, examples, max(1, batch_size // 4), autocast, progress)
+        return {**out, "source": str(source)}
+    return run
 
 
 def write_eval_json(path: Path, record: dict) -> None:
