@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import load_model
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.hellaswag import (HellaSwagError, collate, encode_example, evaluate_hellaswag, load_examples,
@@ -177,8 +178,8 @@ def test_malformed_rows_name_the_row(tmp_path):
 # --- validation loss --------------------------------------------------------------------------------
 def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=66)).eval()
-    T = 16
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=66)).eval()
+    T = 32
     tokens = torch.from_numpy(open_shard(char_data / "val_000000.bin").astype(np.int64))
     n_windows = (len(tokens) - 1) // T
     windows = torch.stack([tokens[k * T : k * T + T + 1] for k in range(n_windows)])
@@ -186,7 +187,7 @@ def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
         logits = model(windows[:, :-1])[..., :66]
         expected = F.cross_entropy(logits.reshape(-1, 66), windows[:, 1:].reshape(-1)).item()
 
-    out = validation_loss(model, char_data, batch_size=64, seq_len=T)
+    out = validation_loss(model, char_data, batch_size=500, seq_len=T)
     assert out["windows"] == n_windows and out["tokens"] == n_windows * T
     assert out["loss"] == pytest.approx(expected, rel=1e-6)
     assert out["ppl"] == pytest.approx(np.exp(expected), rel=1e-6)
@@ -198,7 +199,7 @@ def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
                                         rel=1e-6)
     with torch.no_grad():  # junk in the padded vocabulary rows (66..127) changes nothing
         model.transformer.wte.weight[66:] = 3.0
-    assert validation_loss(model, char_data, batch_size=64, seq_len=T)["loss"] == pytest.approx(expected, rel=1e-6)
+    assert validation_loss(model, char_data, batch_size=500, seq_len=T)["loss"] == pytest.approx(expected, rel=1e-6)
 
 
 # --- end to end -------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_hook_skips_hellaswag_without_gpt2_tokenizer_and_leaves_training_unchang
 
 
 @needs_arrow
-def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path):
+def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     r = run_cli("eval", "--ckpt", str(gpt2_run), "--tasks", "val,hellaswag", "--limit", "8", "--batch-size", "8",
                 "--device", "cpu")
     assert r.returncode == 0, r.stderr
@@ -267,13 +268,14 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [original_row("a", "b", ["1", "2", "3", "4"], 0), original_row("a", "b", ["1", "2"], 0)])
-    cases = [("--hellaswag", str(bad)), ("--tasks", "val,mmlu"), ("--tasks", "val", "--data", str(tmp_path))]
-    for extra in cases:
-        r = run_cli("eval", "--ckpt", str(gpt2_run), "--device", "cpu", "--limit", "2", *extra)
-        lines = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (extra, r.stderr)
-    r = run_cli("eval", "--ckpt", str(gpt2_run), "--device", "cpu", "--hellaswag", str(bad), "--tasks", "hellaswag")
-    assert r.returncode == 2 and f"{bad}: row 2: 'endings'" in r.stderr
+    cases = {("--hellaswag", str(bad)): f"{bad}: row 2: 'endings' must be a list of 4 strings",
+             ("--tasks", "val,mmlu"): "unknown task 'mmlu'",
+             ("--tasks", "val", "--data", str(tmp_path)): "has no meta.json; pass --data"}
+    for extra, expected in cases.items():  # in-process: the same cli.main, without a new interpreter each time
+        assert cli.main(["eval", "--ckpt", str(gpt2_run), "--device", "cpu", "--limit", "2", *extra]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (extra, lines)
+    assert not (ckpt / "eval.json.tmp").exists()
 
 
 @needs_arrow
