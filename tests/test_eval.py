@@ -16,10 +16,12 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_model
+from gpt2train.checkpoint import load_model, model_state, point_latest, write_checkpoint
+from gpt2train.config import Config, to_dict
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.hellaswag import (HellaSwagError, collate, encode_example, evaluate_hellaswag, load_examples,
                                       read_arrow, read_jsonl, score_examples)
+from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer, package_file
@@ -76,7 +78,7 @@ def reference_losses(hf_model, example, tokenizer, block_size: int) -> tuple[lis
 
 
 @needs_arrow
-def test_scorer_matches_transformers_on_real_examples():
+def test_scorer_matches_transformers_on_real_examples(tmp_path, gpt2_data):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)
@@ -97,12 +99,24 @@ def test_scorer_matches_transformers_on_real_examples():
     assert sums.argmin(1).tolist() == ref_sums.argmin(1).tolist()
     assert means.argmin(1).tolist() == ref_means.argmin(1).tolist()
 
-    out = evaluate_hellaswag(model, tokenizer, examples, batch_size=3)
+    # The same weights as an imported run directory (meta: a config and the gpt2 tokenizer, no step):
+    # `gpt2train eval`'s library call agrees with the reference.
+    run = tmp_path / "imported"
+    cfg = Config()
+    cfg.model = model.config
+    write_checkpoint(run / "checkpoints", "imported", model_state(model), {}, {"config": to_dict(cfg),
+                                                                            "tokenizer": {"kind": "gpt2"}})
+    point_latest(run / "checkpoints", "imported")
+    record = evaluate_checkpoint(run, "hellaswag,val", limit=6, batch_size=12, data_dir=str(gpt2_data),
+                                 hellaswag=str(ARROW), device="cpu", progress=False)
+    out = record["tasks"]["hellaswag"]
     labels = torch.tensor([ex.label for ex in examples])
     assert out["n"] == 6
     assert out["correct"] == int((ref_sums.argmin(1) == labels).sum())
     assert out["correct_norm"] == int((ref_means.argmin(1) == labels).sum())
     assert out["acc_norm"] == out["correct_norm"] / 6
+    assert record["tasks"]["val"]["windows"] == 6 and record["tasks"]["val"]["seq_len"] == 32
+    assert "(step" not in format_table(record) and "acc_norm" in format_table(record)
 
 
 # --- data sources, rows, errors ----------------------------------------------------------------------

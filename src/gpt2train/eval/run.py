@@ -131,8 +131,8 @@ def write_eval_json(path: Path, record: dict) -> None:
 
 
 def format_table(record: dict) -> str:
-    lines = [f"checkpoint {record['checkpoint']} (step {record['step']}), {record['world_size']} rank(s), "
-             f"{record['device']}, {record['dtype']}",
+    step = f" (step {record['step']})" if record.get("step") is not None else ""
+    lines = [f"checkpoint {record['checkpoint']}{step}, {record['world_size']} rank(s), {record['device']}, {record['dtype']}",
              f"{'task':<10} {'metric':<9} {'value':>10}  over"]
     for task, r in record["tasks"].items():
         if task == "val":
