@@ -303,6 +303,9 @@ class Trainer:
                 self.best_val = min(self.best_val, val_loss)
                 self.logger.log("val", step=step, tokens=self.tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
                 self._print(f"step {step}: val loss {val_loss:.4f}" + (" (best)" if is_best else ""), progress)
+            if cfg.eval.hellaswag_interval or cfg.eval.sample_interval:  # HellaSwag and text samples when due
+                from gpt2train.eval.periodic import run_periodic_evals
+                run_periodic_evals(self, step, progress)
             due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (
                 cfg.checkpoint.every_minutes and time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)
             if due or (last and cfg.checkpoint.save_final) or (is_best and cfg.checkpoint.save_best):

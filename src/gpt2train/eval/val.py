@@ -1,0 +1,108 @@
+"""Validation loss and perplexity: the mean next-token cross-entropy over a data folder's val shards.
+
+From a data folder the windows are fixed: every non-overlapping window of seq_len + 1 tokens, in file
+order, or a number of them spread evenly over the split. The same checkpoint therefore gets the same
+number on every run, whatever the batch size or the number of ranks (up to float rounding).
+
+Logits are cut to the tokenizer's vocabulary before the softmax. A trained model learns to give its
+padding ids (50257..50303 for GPT-2) no probability, but weights imported from elsewhere may hold zeros
+there, which would take real probability mass and inflate the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from gpt2train.data.loader import DataError, TokenLoader
+from gpt2train.data.prepare import load_meta
+from gpt2train.data.shards import open_shard
+from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
+
+
+class ValWindows:
+    """Every non-overlapping window of seq_len + 1 tokens in a split's shards (inputs and targets)."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, split: str = "val"):
+        names = load_meta(data_dir)["shards"].get(split) or []
+        if not names:
+            raise DataError(f"{data_dir}: no {split} shards in meta.json")
+        self.seq_len = seq_len
+        self.shards = [open_shard(Path(data_dir) / name) for name in names]
+        # A window starting at k * seq_len needs seq_len + 1 tokens: (len - 1) // seq_len of them fit.
+        counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
+        self.shard_of = np.repeat(np.arange(len(counts)), counts)
+        self.start = np.concatenate([np.arange(c, dtype=np.int64) * seq_len for c in counts])
+        if len(self.start) == 0:
+            total = sum(len(s) for s in self.shards)
+            raise DataError(f"{data_dir}: the {split} split has {total} tokens, fewer than one window of "
+                            f"{seq_len + 1}; evaluate with a shorter sequence length or prepare more data")
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def spread(self, n: int) -> np.ndarray:
+        """Ids of n windows spread evenly over the split (all of them when n is 0 or too large)."""
+        if n <= 0 or n >= len(self):
+            return np.arange(len(self))
+        return np.linspace(0, len(self) - 1, n).round().astype(np.int64)  # steps >= 1: no duplicates
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        """(len(ids), seq_len + 1) int64 tokens."""
+        span = np.arange(self.seq_len + 1)
+        return np.stack([self.shards[self.shard_of[i]][self.start[i] + span].astype(np.int64) for i in ids])
+
+
+def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, vocab_size: int, autocast=None) -> torch.Tensor:
+    """Sum over all positions of -log p(y | x), from logits cut to the real vocabulary."""
+    with autocast or nullcontext():
+        logits = model(x)  # (B, T, padded V)
+    logits = logits[..., :vocab_size].float()
+    return F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1), reduction="sum")
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, batches: int = 0, autocast=None, *,
+                    batch_size: int = 8, seq_len: int = 0, windows: int = 0, progress: bool = False) -> dict:
+    """Mean loss and perplexity of `model` (plain, unwrapped; put it in eval mode) on the val split.
+
+    source: a data folder, whose windows are fixed (see ValWindows): `windows` of them spread evenly over
+        the split, else `batches` * batch_size, else all; each rank takes every world_size-th.
+        Or a TokenLoader (reset first), from which `batches` batches are drawn (0: about one pass).
+    Returns {"loss", "ppl", "tokens", "windows", "seq_len"}, summed over all ranks.
+    """
+    device = next(model.parameters()).device
+    vocab_size = model.config.vocab_size
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    n_windows = 0
+    if isinstance(source, TokenLoader):
+        source.reset()
+        seq_len = source.T
+        n = batches or max(1, int(source.cum_starts[-1]) // (source.B * source.world_size))
+        for _ in tqdm(range(n), desc="val", unit="batch", disable=not progress or rank_and_world()[0] != 0):
+            x, y = source.next_batch()
+            total += summed_loss(model, x, y, vocab_size, autocast)
+            n_windows += x.size(0)
+    else:
+        seq_len = seq_len or model.config.block_size
+        data = ValWindows(source, seq_len)
+        ids = data.spread(windows or batches * batch_size)
+        for rows in tqdm(rank_batches(len(ids), batch_size), desc="val", unit="batch",
+                         disable=not progress or rank_and_world()[0] != 0):
+            if len(rows) == 0:
+                idle_forward(model, device)
+                continue
+            buf = torch.from_numpy(data.gather(ids[rows])).to(device)
+            total += summed_loss(model, buf[:, :-1], buf[:, 1:], vocab_size, autocast)
+            n_windows += len(rows)
+    loss_sum, n_windows = sum_across_ranks([float(total), n_windows], device)
+    tokens = int(n_windows) * seq_len
+    loss = loss_sum / tokens
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "tokens": tokens,
+            "windows": int(n_windows), "seq_len": seq_len}
