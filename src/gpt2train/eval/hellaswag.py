@@ -186,7 +186,7 @@ def ending_losses(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tens
     (it only matters when cropping left an ending at the very start of its row).
     """
     with autocast or nullcontext():
-        logits = model(tokens)  # (R, T, padded V)
+        logits = model(tokens)  # (R, T, V)
     logits = logits[:, :-1, : model.config.vocab_size].float()  # padding ids are never answers
     losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")  # (R, T - 1)
     scored = mask[:, 1:].float()

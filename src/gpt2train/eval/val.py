@@ -62,7 +62,7 @@ class ValWindows:
 def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, vocab_size: int, autocast=None) -> torch.Tensor:
     """Sum over all positions of -log p(y | x), from logits cut to the real vocabulary."""
     with autocast or nullcontext():
-        logits = model(x)  # (B, T, padded V)
+        logits = model(x)  # (B, T, V); the model already drops padded vocabulary columns
     logits = logits[..., :vocab_size].float()
     return F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1), reduction="sum")
 
