@@ -455,8 +455,8 @@ def format_plan(plan: Plan) -> str:
     budget_s, chinchilla_s = plan.wall_s(plan.budget_tokens), plan.wall_s(plan.chinchilla_tokens)
     if budget_s is not None:
         lines.append(f"MFU         {plan.mfu:.2f}, {plan.mfu_source}")
-        lines.append(f"time        budget: {_duration(budget_s)}, {budget_s * plan.gpus / 3600:,.1f} GPU-hours; "
-                     f"chinchilla: {_duration(chinchilla_s)}, {chinchilla_s * plan.gpus / 3600:,.1f} GPU-hours")
+        lines.append(f"time        budget: {_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
+                     f"chinchilla: {_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
     lines += _memory_lines(plan)
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -489,6 +489,11 @@ def _si(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:g}"
+
+
+def _gpu_hours(seconds: float, gpus: int) -> str:
+    hours = seconds * gpus / 3600
+    return f"{hours:,.1f} GPU-hours" if hours >= 1 else f"{hours:.2g} GPU-hours"
 
 
 def _duration(seconds: float) -> str:
