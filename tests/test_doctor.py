@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_cli
 from gpt2train.config import Config, save_config
-from gpt2train.doctor import (Diagnosis, check_records, diagnose, format_diagnosis)
+from gpt2train.doctor import Diagnosis, check_records, diagnose, format_diagnosis
 from gpt2train.report import ReportError
 
 STEPS, INTERVAL, WARMUP, LR, TOKENS_PER_STEP = 1000, 10, 50, 6e-4, 4096

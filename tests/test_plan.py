@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, run_cli
 from gpt2train import plan as P
 from gpt2train.config import Config, load_config
-from gpt2train.model import GPTConfig, preset_config
+from gpt2train.model import preset_config
 from gpt2train.train.metrics import flops_per_token
 
 GPT2_TOML = REPO / "configs" / "gpt2.toml"
@@ -210,7 +210,8 @@ def test_checkpointing_after_micro_batch(monkeypatch):
     asked = stub_estimate(monkeypatch, gib)
     s = P.memory_fit(resolved(), P.find_device("H100"), 1).suggestion
     assert s.label == "micro-batch 32 + activation checkpointing"
-    assert s.overrides == {"model.grad_checkpointing": True, "train.micro_batch": 32, "train.total_batch_tokens": 524288}
+    assert s.overrides == {"model.grad_checkpointing": True, "train.micro_batch": 32,
+                           "train.total_batch_tokens": 524288}
     tried = [(mb, ckpt) for mb, ckpt, *_ in asked]
     assert tried == [(64, False), (64, False), (32, False), (16, False), (8, False), (4, False), (2, False),
                      (1, False), (64, True), (32, True)]

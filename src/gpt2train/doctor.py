@@ -148,7 +148,8 @@ def check_nonfinite(records: list[dict]) -> Finding | None:
         evidence.append(f"the guard skipped {len(skipped)} step(s): " + _list(f"step {r.get('step')}" for r in skipped))
     steps = sorted({r["step"] for r in bad + bad_val} | {r["step"] for r in skipped if _is_int(r.get("step"))})
     return Finding("nonfinite", "serious", "non-finite loss or gradient norm", evidence,
-                   "lower train.lr or lengthen train.warmup_steps; prefer bfloat16 to float16; keep guard.enabled = true "
+                   "lower train.lr or lengthen train.warmup_steps; prefer bfloat16 to float16; "
+                   "keep guard.enabled = true "
                    "so such steps are skipped and rolled back; check the data around these steps", steps)
 
 
@@ -162,7 +163,8 @@ def check_divergence(records: list[dict]) -> Finding | None:
     if medians[-1] <= DIVERGE_RATIO * medians[best]:
         return None
     best_step = steps[best + DIVERGE_WINDOW - 1]
-    evidence = [f"median loss {medians[best]:.3f} over the {DIVERGE_WINDOW} logged steps to step {best_step} (its best), "
+    evidence = [f"median loss {medians[best]:.3f} over the {DIVERGE_WINDOW} logged steps to step {best_step} "
+                f"(its best), "
                 f"{medians[-1]:.3f} over the last {DIVERGE_WINDOW} to step {steps[-1]} "
                 f"({medians[-1] / medians[best]:.2f}x)"]
     return Finding("divergence", "serious", f"loss diverged after step {best_step}", evidence,
@@ -175,7 +177,7 @@ def check_divergence(records: list[dict]) -> Finding | None:
 
 
 def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) -> Finding | None:
-    train = [r for r in _of(records, "train")]
+    train = _of(records, "train")
     losses = [r.get("loss") for r in train]
     spikes = [i for i in find_spikes(losses, SPIKE_WINDOW, SPIKE_MADS) if train[i]["step"] not in explained]
     if not spikes:
@@ -192,7 +194,8 @@ def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) ->
             g = train[i - lead]
             grad = (f"grad_norm spiked to {g['grad_norm']:.3g} at step {g['step']}"
                     + (f" ({lead} logged step{'s' if lead > 1 else ''} before)" if lead else " (same step)"))
-        evidence.append(f"step {train[i]['step']}: loss {losses[i]:.3f} vs median {statistics.median(before):.3f}; {grad}")
+        median = statistics.median(before)
+        evidence.append(f"step {train[i]['step']}: loss {losses[i]:.3f} vs median {median:.3f}; {grad}")
     if len(evidence) > MAX_LISTED:
         evidence = evidence[:MAX_LISTED] + [f"... and {len(evidence) - MAX_LISTED} more"]
     if led_by_grad:
@@ -208,7 +211,8 @@ def check_clipping(records: list[dict], cfg: Config) -> Finding | None:
     clip = cfg.train.grad_clip
     if clip <= 0:
         return None
-    after_warmup = [r for r in _of(records, "train") if r["step"] > cfg.train.warmup_steps and _finite(r.get("grad_norm"))]
+    after_warmup = [r for r in _of(records, "train")
+                    if r["step"] > cfg.train.warmup_steps and _finite(r.get("grad_norm"))]
     if len(after_warmup) < CLIP_MIN_RECORDS:
         return None
     clipped = [r for r in after_warmup if r["grad_norm"] > clip]

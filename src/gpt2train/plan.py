@@ -181,7 +181,8 @@ def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
 def _values_of(data, key: str) -> list:
     """Every value stored under `key` anywhere in a JSON tree, in document order."""
     if isinstance(data, dict):
-        return ([data[key]] if key in data else []) + [v for k, x in data.items() if k != key for v in _values_of(x, key)]
+        here = [data[key]] if key in data else []
+        return here + [v for k, x in data.items() if k != key for v in _values_of(x, key)]
     if isinstance(data, list):
         return [v for x in data for v in _values_of(x, key)]
     return []
@@ -471,7 +472,8 @@ def _memory_lines(plan: Plan) -> list[str]:
     if not mem.fits:
         s = mem.suggestion
         if s is None:
-            lines.append("suggest     nothing tried fits: use a smaller model or seq_len, a larger device, or more GPUs")
+            lines.append("suggest     nothing tried fits: use a smaller model or seq_len, a larger device, "
+                         "or more GPUs")
         else:
             lines.append(f"suggest     {s.label}: {s.total_bytes / GiB:,.1f} GiB, micro_batch {s.micro_batch} "
                          f"x {s.grad_accum} accumulation: {set_flags(s.overrides)}")
