@@ -97,6 +97,27 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from gpt2train.config import load_config
+    from gpt2train.plan import find_device, format_plan, make_plan
+
+    cfg = load_config(args.config, args.set or [])
+    plan = make_plan(cfg, find_device(args.device), gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
+                     bench_json=args.bench_json)
+    print(format_plan(plan))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import json
+
+    from gpt2train.doctor import diagnose, format_diagnosis
+
+    diagnosis = diagnose(args.run_dir)
+    print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else format_diagnosis(diagnosis))
+    return diagnosis.exit_status
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -155,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype (auto: bf16/fp16 on GPUs, fp32 on CPU)")
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("plan", help="parameters, FLOPs, tokens, time and memory of a config before training it")
+    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--data", metavar="DIR", help="prepared data folder (default: data.dir of the config)")
+    p.add_argument("--device", default="auto", help="H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, CPU, "
+                   "or auto: this machine (default)")
+    p.add_argument("--gpus", type=int, default=1, help="devices the run uses (default 1)")
+    p.add_argument("--mfu", type=float, help="assumed model FLOPs utilization, 0..1 (default: a gpt2train bench "
+                   "figure from runs/bench-*/journey.json, else 0.40)")
+    p.add_argument("--bench-json", metavar="PATH", help="take the MFU from this gpt2train bench journey.json")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("doctor", help="diagnose a run from its metrics: symptoms, evidence and fixes",
+                       description="Exit status: 0 healthy, 1 warnings only, 2 serious findings (or bad input).")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory holding metrics.jsonl")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

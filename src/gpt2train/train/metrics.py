@@ -38,7 +38,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     The second term is attention's QK^T and AV, which no parameter count sees.
     """
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
-    per_layer = 12 * C * C + (13 * C if cfg.bias else 4 * C)  # qkv + proj + mlp weights, biases, LayerNorms
+    per_layer = 12 * C * C + (13 * C if cfg.bias else 2 * C)  # qkv + proj + mlp weights, biases, LayerNorms
     n = V * C + L * per_layer + (2 * C if cfg.bias else C)  # + final LayerNorm
     return 6 * n + 12 * L * C * seq_len
 

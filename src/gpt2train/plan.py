@@ -1,0 +1,508 @@
+"""Plan a run before paying for it: size, compute, time and memory of a config on a named device.
+
+The flow is resolve the config (seq_len, vocab, batch) -> count (parameters, FLOPs per token, tokens)
+-> time (peak FLOP/s x MFU, measured or assumed) -> memory (does it fit; if not, what would). Nothing
+here touches a GPU: the model is built on the `meta` device, so even gpt2-xl costs no memory.
+The formulas and the device table are in docs/plan-and-doctor.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2train.config import Config
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.train.metrics import flops_per_token, peak_for_run
+
+GiB = 2**30
+CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal training sees ~20 tokens per parameter
+DEFAULT_GPU_MFU = 0.40  # what a well-tuned GPT-2 run reaches on one modern GPU (llm.c, nanoGPT report 0.35-0.50)
+MEMORY_HEADROOM = 0.90  # share of a device's memory a run may plan on: CUDA context, allocator fragmentation
+DEFAULT_VOCAB = 50257  # GPT-2's BPE, when neither the config nor prepared data says otherwise
+SUGGESTED_LOSS_CHUNK = 1024  # rows per cross-entropy chunk: (1024, 50304) fp32 logits are ~200 MB
+BENCH_GLOB = "bench-*/journey.json"  # what `gpt2train bench` writes under runs/
+
+
+class PlanError(ValueError):
+    """Input a plan cannot be made from; the message is one line saying what to fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # as printed, e.g. "H100 80GB"
+    memory_bytes: int  # per device
+    peak_key: str | None  # name matched against metrics.PEAK_FLOPS; None: no peak known (CPU)
+    aliases: tuple[str, ...] = ()  # other names --device accepts (compared without case, spaces or dashes)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name != "CPU"
+
+
+def system_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# Memory is the marketed capacity; the first A100/H100/H200 alias is the family's default model.
+DEVICES: tuple[Device, ...] = (
+    Device("A100 40GB", 40 * GiB, "A100", ("a100-40gb", "a100-sxm4-40gb", "a100-pcie-40gb")),
+    Device("A100 80GB", 80 * GiB, "A100", ("a100", "a100-sxm4-80gb", "a100-pcie-80gb")),
+    Device("H100 80GB", 80 * GiB, "H100", ("h100", "h100-sxm", "h100-80gb-hbm3")),
+    Device("H200 141GB", 141 * GiB, "H200", ("h200",)),
+    Device("L4 24GB", 24 * GiB, "L4", ("l4",)),
+    Device("RTX 4090 24GB", 24 * GiB, "RTX 4090", ("rtx4090", "4090", "geforce-rtx-4090")),
+)
+
+
+def cpu_device() -> Device:
+    return Device("CPU", system_ram_bytes(), None, ("cpu",))
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def find_device(name: str) -> Device:
+    """A device of the table by name or alias ("H100", "a100-40gb", "RTX 4090", "cpu"), or the GPU
+    of this machine for "auto" / "cuda" / "cuda:N" (auto falls back to the CPU without CUDA)."""
+    key = _normalized(name)
+    if key in ("auto", "cuda") or key.startswith("cuda"):
+        return detect_device(name)
+    for device in (*DEVICES, cpu_device()):
+        if key in {_normalized(n) for n in (device.name, *device.aliases)}:
+            return device
+    known = ", ".join(d.name for d in DEVICES)
+    raise PlanError(f"unknown device {name!r}; use one of: {known}, CPU, or auto (this machine)")
+
+
+def detect_device(name: str = "auto") -> Device:
+    """This machine's accelerator (via train.distributed.resolve_device), with its real memory size."""
+    from gpt2train.train.distributed import resolve_device
+
+    device = resolve_device(name.strip().lower())  # auto, cuda or cuda:N; raises when CUDA is missing
+    if device.type != "cuda":
+        return cpu_device()
+    gpu_name = torch.cuda.get_device_name(device)
+    known = peak_for_run(gpu_name, torch.bfloat16, True) is not None
+    return Device(gpu_name, torch.cuda.get_device_properties(device).total_memory, gpu_name if known else None)
+
+
+def peak_flops_for(device: Device, cfg: Config) -> float | None:
+    """Dense peak FLOP/s of the device in the run's precision (bf16 autocast on GPUs unless told otherwise)."""
+    if device.peak_key is None:
+        return None
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.train.dtype, torch.bfloat16)
+    return peak_for_run(device.peak_key, dtype, cfg.train.tf32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting
+
+
+def count_params(model_cfg: GPTConfig) -> tuple[int, int]:
+    """(parameters, parameters without the token and position embeddings), from a model on `meta`."""
+    return _count_params(tuple(sorted(dataclasses.asdict(model_cfg).items())))
+
+
+@functools.lru_cache(maxsize=32)  # the memory search asks again for every option it tries
+def _count_params(model_fields: tuple) -> tuple[int, int]:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**dict(model_fields)))
+    return model.num_params(), model.num_params(non_embedding=True)
+
+
+def resolve_config(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
+    """A copy with every "take it from elsewhere" value made concrete, as the trainer would."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.model.vocab_size <= 0:
+        cfg.model.vocab_size = int(meta["vocab_size"]) if meta else DEFAULT_VOCAB
+    if cfg.train.seq_len == 0:
+        cfg.train.seq_len = cfg.model.block_size
+    if cfg.train.seq_len > cfg.model.block_size:
+        raise PlanError(f"train.seq_len = {cfg.train.seq_len} exceeds model.block_size = {cfg.model.block_size}")
+    if cfg.train.total_batch_tokens <= 0:  # the trainer's meaning of 0: one micro-batch on every rank
+        cfg.train.total_batch_tokens = cfg.train.micro_batch * cfg.train.seq_len * gpus
+    if cfg.train.dtype == "auto":  # what the trainer picks: bf16 on (recent) GPUs, fp32 on a CPU
+        cfg.train.dtype = "bfloat16" if device.is_gpu else "float32"
+    return cfg
+
+
+def accumulation(cfg: Config, gpus: int) -> int:
+    from gpt2train.train.loop import accumulation_steps  # raises the trainer's own one-line error
+
+    return accumulation_steps(cfg, gpus)
+
+
+def wall_seconds(tokens: float, flops_per_tok: float, peak: float, mfu: float, gpus: int) -> float:
+    """time = tokens x FLOPs/token / (peak x MFU x GPUs)."""
+    return tokens * flops_per_tok / (peak * mfu * gpus)
+
+
+# ----------------------------------------------------------------------------------------------
+# A measured MFU from `gpt2train bench`
+
+
+def newest_bench_json(runs_dir: str | Path = "runs") -> Path | None:
+    found = [p for p in Path(runs_dir).glob(BENCH_GLOB) if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
+    """(MFU, why) from a bench journey.json: the last finite `mfu` in it (the journey's final, tuned
+    configuration). None with the reason when the file holds none or was measured on another device."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return None, f"{path} unreadable ({type(e).__name__})"
+    mfus = [m for m in _values_of(data, "mfu") if isinstance(m, (int, float)) and math.isfinite(m) and 0 < m <= 1]
+    if not mfus:
+        return None, f"{path} holds no MFU figure"
+    bench_device = _bench_device_name(data)
+    if bench_device and device.peak_key and _normalized(device.peak_key) not in _normalized(bench_device):
+        return None, f"{path} was measured on {bench_device}, not {device.name}"
+    return mfus[-1], f"measured by gpt2train bench ({path})"
+
+
+def _values_of(data, key: str) -> list:
+    """Every value stored under `key` anywhere in a JSON tree, in document order."""
+    if isinstance(data, dict):
+        here = [data[key]] if key in data else []
+        return here + [v for k, x in data.items() if k != key for v in _values_of(x, key)]
+    if isinstance(data, list):
+        return [v for x in data for v in _values_of(x, key)]
+    return []
+
+
+def _bench_device_name(data) -> str | None:
+    names = [n for n in _values_of(data, "device_name") if isinstance(n, str)]
+    return names[0] if names else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass
+class MemoryEstimate:
+    """The shape of gpt2train.bench.memory.MemoryEstimate, for the fallback below."""
+
+    breakdown: dict[str, int]
+    total_bytes: int
+
+
+def estimate_memory_bytes(cfg: Config, world_size: int) -> tuple[int, dict[str, int], str]:
+    """(bytes per device, breakdown, which estimator). Prefers gpt2train.bench.memory."""
+    try:
+        from gpt2train.bench.memory import estimate_memory
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("gpt2train.bench"):
+            raise
+        est, source = _rough_memory_estimate(cfg, world_size), "rough fallback estimate"
+    else:
+        est, source = estimate_memory(cfg, world_size), "gpt2train.bench.memory"
+    return int(est.total_bytes), dict(est.breakdown), source
+
+
+# --- FALLBACK: used only while gpt2train.bench.memory is not installed. Rough on purpose. ---
+def _rough_memory_estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
+    """Bytes per device: fp32 weights, grads and two Adam moments (sharded under FSDP), activations of
+    ~34*B*T*C bytes per layer in 16-bit autocast (per block input only when checkpointed, plus one block
+    being recomputed), and the fp32 logits with their gradient (one chunk of rows when chunked)."""
+    m, t = cfg.model, cfg.train
+    params, _ = count_params(m)
+    shards = world_size if t.distributed == "fsdp" else 1
+    B, T, C, L, V = t.micro_batch, t.seq_len or m.block_size, m.n_embd, m.n_layer, m.padded_vocab_size
+    act_scale = 2 if t.dtype == "float32" else 1  # 34*B*T*C counts 16-bit activations
+    per_layer = 34 * B * T * C * act_scale
+    activations = (2 * B * T * C * act_scale * L + per_layer) if m.grad_checkpointing else per_layer * L
+    rows = min(m.loss_chunk, B * T) if m.loss_chunk > 0 else B * T
+    breakdown = {
+        "weights": 4 * params // shards,
+        "gradients": 4 * params // shards,
+        "optimizer": 8 * params // shards,
+        "activations": activations,
+        "logits": rows * V * 4 * 2,
+    }
+    return MemoryEstimate(breakdown, sum(breakdown.values()))
+# --- end of fallback ---
+
+
+@dataclass
+class MemoryOption:
+    """One configuration tried for memory: what it changes and what it costs per device."""
+
+    label: str
+    overrides: dict[str, object]  # config keys to --set
+    total_bytes: int
+    micro_batch: int
+    grad_accum: int
+
+
+@dataclass
+class MemoryFit:
+    total_bytes: int
+    breakdown: dict[str, int]
+    usable_bytes: int  # the device's memory x MEMORY_HEADROOM
+    fits: bool
+    estimator: str
+    suggestion: MemoryOption | None = None  # the first option that fits, when the config does not
+
+
+def memory_fit(cfg: Config, device: Device, gpus: int) -> MemoryFit:
+    """Does the resolved config fit one device? If not, the first of: smaller micro-batches, then
+    activation checkpointing, then chunked loss, then FSDP over the GPUs, each kept once added."""
+    usable = int(device.memory_bytes * MEMORY_HEADROOM)
+    total, breakdown, source = estimate_memory_bytes(cfg, gpus)
+    fit = MemoryFit(total, breakdown, usable, total <= usable, source)
+    if not fit.fits:
+        fit.suggestion = first_fitting_option(cfg, gpus, usable)
+    return fit
+
+
+def first_fitting_option(cfg: Config, gpus: int, usable_bytes: int) -> MemoryOption | None:
+    steps: list[tuple[str, dict]] = [("smaller micro-batch", {})]
+    if not cfg.model.grad_checkpointing:
+        steps.append(("activation checkpointing", {"model.grad_checkpointing": True}))
+    if cfg.model.loss_chunk <= 0:
+        steps.append(("chunked loss", {"model.loss_chunk": SUGGESTED_LOSS_CHUNK}))
+    if gpus > 1 and cfg.train.distributed != "fsdp":
+        steps.append((f"FSDP over {gpus} GPUs", {"train.distributed": "fsdp"}))
+
+    overrides: dict[str, object] = {}
+    labels: list[str] = []
+    for label, added in steps:
+        overrides = {**overrides, **added}
+        labels = labels + [label] if added else labels
+        for micro_batch in _halvings(cfg, gpus):
+            trial = _with_overrides(cfg, {**overrides, "train.micro_batch": micro_batch})
+            total = estimate_memory_bytes(trial, gpus)[0]
+            if total <= usable_bytes:
+                changes = dict(overrides)
+                what = list(labels)
+                if micro_batch != cfg.train.micro_batch:
+                    changes["train.micro_batch"] = micro_batch
+                    changes["train.total_batch_tokens"] = cfg.train.total_batch_tokens
+                    what.insert(0, f"micro-batch {micro_batch}")
+                return MemoryOption(" + ".join(what), changes, total, micro_batch, accumulation(trial, gpus))
+    return None
+
+
+def _halvings(cfg: Config, gpus: int) -> list[int]:
+    """The micro-batch and its halvings that still divide the step's tokens evenly (accumulation
+    rises to keep total_batch_tokens)."""
+    sizes, mb = [], cfg.train.micro_batch
+    while mb >= 1 and cfg.train.total_batch_tokens % (mb * cfg.train.seq_len * gpus) == 0:
+        sizes.append(mb)
+        if mb % 2:
+            break
+        mb //= 2
+    return sizes
+
+
+def _with_overrides(cfg: Config, overrides: dict[str, object]) -> Config:
+    cfg = copy.deepcopy(cfg)
+    for name, value in overrides.items():
+        section, key = name.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return cfg
+
+
+def set_flags(overrides: dict[str, object]) -> str:
+    def toml(v):
+        return str(v).lower() if isinstance(v, bool) else (f'"{v}"' if isinstance(v, str) else str(v))
+
+    return " ".join(f"--set {k}={toml(v)}" for k, v in overrides.items())
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Plan:
+    cfg: Config  # resolved: concrete vocab, seq_len, total_batch_tokens, dtype
+    device: Device
+    gpus: int
+    params: int
+    params_non_embedding: int
+    flops_per_token: int
+    tokens_per_step: int
+    grad_accum: int
+    budget_tokens: int  # max_steps x tokens per step
+    chinchilla_tokens: int  # 20 x params
+    data_dir: str
+    train_tokens: int | None  # from the prepared data's meta.json
+    peak_flops: float | None
+    mfu: float
+    mfu_source: str
+    memory: MemoryFit
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def steps_per_epoch(self) -> float | None:
+        return self.train_tokens / self.tokens_per_step if self.train_tokens else None
+
+    @property
+    def epochs(self) -> float | None:
+        return self.budget_tokens / self.train_tokens if self.train_tokens else None
+
+    def wall_s(self, tokens: int) -> float | None:
+        if self.peak_flops is None:
+            return None
+        return wall_seconds(tokens, self.flops_per_token, self.peak_flops, self.mfu, self.gpus)
+
+
+def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = None, data_dir: str | None = None,
+              bench_json: str | Path | None = None, runs_dir: str | Path = "runs") -> Plan:
+    """Everything `gpt2train plan` prints. mfu (0..1) wins over a bench figure, which wins over the default."""
+    if gpus < 1:
+        raise PlanError(f"--gpus {gpus}: need at least one device")
+    if mfu is not None and not 0 < mfu <= 1:
+        raise PlanError(f"--mfu {mfu}: give model FLOPs utilization as a fraction in (0, 1], e.g. 0.4")
+    notes: list[str] = []
+    data_dir = data_dir or cfg.data.dir
+    meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
+    if cfg.model.vocab_size <= 0:
+        notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
+    cfg = resolve_config(cfg, gpus, meta, device)
+
+    params, params_non_embedding = count_params(cfg.model)
+    per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+    accum = accumulation(cfg, gpus)
+    tokens_per_step = cfg.train.micro_batch * cfg.train.seq_len * gpus * accum
+    mfu, mfu_source = _choose_mfu(mfu, device, bench_json, runs_dir, notes)
+    peak = peak_flops_for(device, cfg)
+    if peak is None:
+        notes.append(f"no peak FLOP/s known for {device.name}: wall time not estimated; plan for a GPU with --device")
+    return Plan(cfg=cfg, device=device, gpus=gpus, params=params, params_non_embedding=params_non_embedding,
+                flops_per_token=per_token, tokens_per_step=tokens_per_step, grad_accum=accum,
+                budget_tokens=cfg.train.max_steps * tokens_per_step,
+                chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
+                train_tokens=int(meta["tokens"]["train"]) if meta else None, peak_flops=peak, mfu=mfu,
+                mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes)
+
+
+def _read_meta(data_dir: str, required: bool, notes: list[str]) -> dict | None:
+    from gpt2train.data.prepare import load_meta
+
+    try:
+        return load_meta(data_dir)
+    except FileNotFoundError:
+        if required:
+            raise
+        notes.append(f"no prepared data at {data_dir}: steps per epoch unknown (pass --data DIR)")
+        return None
+
+
+def _choose_mfu(mfu: float | None, device: Device, bench_json, runs_dir, notes: list[str]) -> tuple[float, str]:
+    if mfu is not None:
+        return mfu, "given with --mfu"
+    if bench_json is not None:
+        if not Path(bench_json).is_file():
+            raise PlanError(f"--bench-json {bench_json} does not exist: run `gpt2train bench` or drop the option")
+        measured, why = bench_mfu(bench_json, device)
+        if measured is None:
+            raise PlanError(f"--bench-json: {why}")
+        return measured, why
+    found = newest_bench_json(runs_dir)
+    if found is not None:
+        measured, why = bench_mfu(found, device)
+        if measured is not None:
+            return measured, why
+        notes.append(f"bench figure not used: {why}")
+    return DEFAULT_GPU_MFU, "assumed (typical for a tuned GPU run; --mfu or gpt2train bench to refine)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+def format_plan(plan: Plan) -> str:
+    cfg, m = plan.cfg, plan.cfg.model
+    lines = [
+        f"model       {m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, vocab {m.vocab_size:,} "
+        f"(padded {m.padded_vocab_size:,}), seq_len {cfg.train.seq_len}",
+        f"parameters  {plan.params:,} ({_si(plan.params)}); {plan.params_non_embedding:,} without embeddings",
+        f"FLOPs/token {plan.flops_per_token:,} (6N + 12*L*C*T, training)",
+        f"batch       {plan.tokens_per_step:,} tokens/step = {cfg.train.micro_batch} x {cfg.train.seq_len} "
+        f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation",
+        f"budget      {plan.budget_tokens:,} tokens ({_si(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
+        f"{plan.budget_tokens / plan.params:.1f} tokens/param",
+        f"chinchilla  {plan.chinchilla_tokens:,} tokens ({_si(plan.chinchilla_tokens)}) = 20 x params "
+        f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
+        f"{plan.budget_tokens / plan.chinchilla_tokens:.2f}x of it",
+    ]
+    if plan.train_tokens:
+        lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {plan.steps_per_epoch:,.1f} "
+                     f"steps/epoch; the budget is {plan.epochs:,.2f} epochs")
+    peak = f"{plan.peak_flops / 1e12:,.0f} TFLOP/s peak ({_precision(cfg)})" if plan.peak_flops else "peak unknown"
+    lines.append(f"device      {plan.gpus} x {plan.device.name}: {peak}, "
+                 f"{plan.device.memory_bytes / GiB:,.0f} GiB each")
+    budget_s, chinchilla_s = plan.wall_s(plan.budget_tokens), plan.wall_s(plan.chinchilla_tokens)
+    if budget_s is not None:
+        lines.append(f"MFU         {plan.mfu:.2f}, {plan.mfu_source}")
+        lines.append(f"time        budget: {_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
+                     f"chinchilla: {_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
+    lines += _memory_lines(plan)
+    lines += [f"note        {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    mem = plan.memory
+    verdict = "fits" if mem.fits else "does NOT fit"
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.breakdown.items())
+    lines = [f"memory      {mem.total_bytes / GiB:,.1f} GiB per device of {mem.usable_bytes / GiB:,.1f} usable: "
+             f"{verdict} ({mem.estimator}; GiB: {parts})"]
+    if not mem.fits:
+        s = mem.suggestion
+        if s is None:
+            lines.append("suggest     nothing tried fits: use a smaller model or seq_len, a larger device, "
+                         "or more GPUs")
+        else:
+            lines.append(f"suggest     {s.label}: {s.total_bytes / GiB:,.1f} GiB, micro_batch {s.micro_batch} "
+                         f"x {s.grad_accum} accumulation: {set_flags(s.overrides)}")
+    return lines
+
+
+def _precision(cfg: Config) -> str:
+    if cfg.train.dtype == "float32":
+        return "tf32" if cfg.train.tf32 else "fp32"
+    return "bf16"
+
+
+def _si(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def _gpu_hours(seconds: float, gpus: int) -> str:
+    hours = seconds * gpus / 3600
+    return f"{hours:,.1f} GPU-hours" if hours >= 1 else f"{hours:.2g} GPU-hours"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
