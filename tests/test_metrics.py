@@ -111,3 +111,18 @@ def test_wandb_offline_without_network(tmp_path, monkeypatch):
     logger.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_progress_bar_or_plain_lines(char_data, tmp_path, capsys):
+    cfg = tiny_config(char_data, max_steps=3)
+    cfg.checkpoint.every_steps = 0
+    cfg.log.progress = "bar"
+    Trainer(cfg, tmp_path / "bar").fit()
+    captured = capsys.readouterr()
+    assert "3/3" in captured.err and "loss" in captured.err and "tok/s" in captured.err and "mfu" in captured.err
+    assert "step      1/3 |" not in captured.out
+
+    cfg.log.progress = "auto"  # pytest's stderr is not a terminal: plain lines
+    Trainer(cfg, tmp_path / "auto").fit()
+    captured = capsys.readouterr()
+    assert "step      3/3 | loss" in captured.out and "3/3 [" not in captured.err
