@@ -32,7 +32,7 @@ def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + str(REPO / "tests"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def latest_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ seeding, the optimizer's groups, and a quickstart run that learns."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -85,7 +86,7 @@ def test_cosine_schedule_values():
     assert lr_at(100, cfg) == pytest.approx(6e-5, rel=1e-12)  # min_lr = 10% of max
     assert lr_at(150, cfg) == pytest.approx(6e-5, rel=1e-12)
     lrs = [lr_at(s, cfg) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_constant_schedule_values():
