@@ -28,6 +28,8 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
     out = train(cfg, args.out, resume=args.resume)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
+        return 0
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
           f"run directory {args.out}")
     return 0

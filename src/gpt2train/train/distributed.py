@@ -43,10 +43,18 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def launched_by_torchrun() -> bool:
+    """torchrun (and torch.distributed.run) exports RANK, LOCAL_RANK and WORLD_SIZE to every worker."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
 def init_distributed(device_name: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set), else run single-process."""
+    """Join the process group when launched by torchrun (RANK/WORLD_SIZE set), else run single-process.
+
+    NCCL between GPUs, gloo on CPU. Each rank takes the GPU of its LOCAL_RANK on its node.
+    """
     device = resolve_device(device_name)
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not launched_by_torchrun():
         return DistInfo(device=device)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -58,9 +66,12 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device)
 
 
-def shutdown_distributed():
+def shutdown_distributed(clean: bool = True):
+    """Leave the process group. After an error skip the barrier: the other ranks may never reach it,
+    and destroying the group is what lets every process exit instead of hanging."""
     if dist.is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -118,6 +129,17 @@ def all_gather_objects(obj) -> list:
 def barrier():
     if dist.is_initialized():
         dist.barrier()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state with every FSDP2 shard gathered into a full tensor (on CPU).
+
+    A collective under FSDP: call it on every rank. Under DDP or a single process it is a plain copy.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = unwrap(model).state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

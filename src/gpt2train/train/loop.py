@@ -36,7 +36,23 @@ from gpt2train.train.metrics import MetricsLogger, flops_per_token, peak_for_run
 from gpt2train.train.optim import lr_at, make_optimizer
 
 
+def use_expandable_segments():
+    """Ask PyTorch's CUDA allocator for expandable segments (fewer fragmentation OOMs), unless the user set
+    the allocator config. The allocator reads this once, when CUDA starts: it must run before any CUDA call."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the older name of the same setting
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+
+
+def set_tf32(enabled: bool):
+    """TF32 tensor cores for fp32 matmuls and convolutions (Ampere and newer): ~8x the fp32 rate for a
+    10-bit mantissa in the products, which training does not notice. Matters for fp32 runs and for the
+    fp32 parts of mixed-precision ones."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on GPUs that have it, fp16 (with a GradScaler) on older GPUs, fp32 elsewhere."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -45,6 +61,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def seed_everything(seed: int):
+    """Seed Python, NumPy and torch (the CPU generator and every CUDA device's)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # CPU and every CUDA device
@@ -89,6 +106,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else None
+        use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device)
         self.device = self.dist.device
         self.is_main = self.dist.is_main
@@ -108,23 +126,28 @@ class Trainer:
         self.grad_accum = accumulation_steps(cfg, self.dist.world_size)
         self.tokens_per_step = cfg.train.micro_batch * cfg.train.seq_len * self.dist.world_size * self.grad_accum
 
-        # Numerics: TF32 matmuls, autocast dtype, and a GradScaler only for fp16.
+        # Numerics: TF32 matmuls, autocast dtype, and a GradScaler only for fp16 (bf16 has fp32's range).
         if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
-            torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+            set_tf32(cfg.train.tf32)
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
                          else nullcontext())
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
 
-        # Model: built plain, seeded identically on every rank, then compiled and wrapped from outside.
+        # Model: built plain and seeded identically on every rank (DDP also broadcasts rank 0's weights),
+        # then wrapped (DDP / FSDP2) and compiled from outside. raw_model stays the plain, uncompiled GPT
+        # (sharded in place under FSDP): evaluation and sampling call it, so they never trigger a recompile.
         seed_everything(cfg.train.seed)
         self.raw_model = GPT(cfg.model).to(self.device)
-        use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and self.device.type == "cuda")
-        self.compiled = use_compile
+        self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and self.device.type == "cuda")
+        if self.dist.enabled and cfg.train.distributed == "fsdp" and _saves_checkpoints(cfg):
+            raise ConfigError("train.distributed = fsdp cannot save checkpoints yet (sharded state); set "
+                              "checkpoint.every_steps=0, checkpoint.save_final=false, checkpoint.save_best=false, or use ddp")
         model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed)
-        self.model = torch.compile(model) if use_compile else model
+        self.model = torch.compile(model) if self.compiled else model
         self.optimizer = make_optimizer(self.raw_model, cfg.train, self.device.type)
+        # From here on each rank draws its own random numbers (dropout masks differ across ranks).
+        seed_everything(cfg.train.seed + self.dist.rank)
 
         # Data streams: the same seed on every rank, each rank taking its own slice of every draw.
         loader_args = dict(rank=self.dist.rank, world_size=self.dist.world_size, mode=cfg.data.loader, device=self.device)
@@ -264,6 +287,12 @@ class Trainer:
                   f"({self.raw_model.num_params(non_embedding=True) / 1e6:.2f}M without embeddings)")
             print(f"batch: {self.tokens_per_step:,} tokens/step = {self.cfg.train.micro_batch} x {self.cfg.train.seq_len} "
                   f"x {self.dist.world_size} ranks x {self.grad_accum} micro-steps")
+            if self.peak_flops:
+                print(f"mfu: against {self.peak_flops / 1e12:.0f} TFLOP/s per device, "
+                      f"{self.flops_per_token / 1e6:.1f} MFLOP per token")
+            else:
+                print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.train.metrics.PEAK_FLOPS); "
+                      "reporting tokens/s only")
             if self.resumed_from:
                 print(f"resumed from {self.resumed_from} at step {self.step}")
 
@@ -362,16 +391,22 @@ class Trainer:
             print(text, flush=True)
 
 
+def _saves_checkpoints(cfg: Config) -> bool:
+    c = cfg.checkpoint
+    return bool(c.every_steps or c.every_minutes or c.save_final or c.save_best)
+
+
 def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
 def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
-    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # fewer fragmentation OOMs; must precede CUDA's start
-        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    trainer = Trainer(cfg, run_dir, resume)
+    use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
+    clean = False
     try:
-        return trainer.fit()
+        out = Trainer(cfg, run_dir, resume).fit()
+        clean = True
+        return out
     finally:
-        D.shutdown_distributed()
+        D.shutdown_distributed(clean)  # even after an error, so that every rank's process can exit

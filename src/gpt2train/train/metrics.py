@@ -20,6 +20,7 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("H100", {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),  # SXM
     ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
     ("L40S", {"bf16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("L40", {"bf16": 181e12, "tf32": 90.5e12, "fp32": 90.5e12}),  # before "L4", which it contains
     ("L4", {"bf16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
     ("A10G", {"bf16": 70e12, "tf32": 35e12, "fp32": 31.2e12}),
     ("A10", {"bf16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
@@ -38,8 +39,10 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     The second term is attention's QK^T and AV, which no parameter count sees.
     """
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
-    per_layer = 12 * C * C + (13 * C if cfg.bias else 2 * C)  # qkv + proj + mlp weights, biases, LayerNorms
-    n = V * C + L * per_layer + (2 * C if cfg.bias else C)  # + final LayerNorm
+    weights = 12 * C * C  # c_attn 3C^2 + attn c_proj C^2 + c_fc 4C^2 + mlp c_proj 4C^2
+    biases = 9 * C if cfg.bias else 0  # 3C + C + 4C + C
+    layer_norms = 2 * (2 * C if cfg.bias else C)  # ln_1 and ln_2: a gain (and a bias)
+    n = V * C + L * (weights + biases + layer_norms) + (2 * C if cfg.bias else C)  # + ln_f
     return 6 * n + 12 * L * C * seq_len
 
 

@@ -19,7 +19,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str) -
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
         kwargs["fused"] = True
     else:
