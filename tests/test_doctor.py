@@ -54,7 +54,7 @@ def val_record(step: int, train_loss: float) -> dict:
 def launch(first: int, last: int, seed: int, resumed: bool = False) -> tuple[dict, list[dict]]:
     """(run_start, the launch's train records), before val records are added."""
     rng = random.Random(seed)
-    start = dict(kind="run_start", time=1e9 + first, step=first - 1, config={}, params=1000,
+    start = dict(kind="run_start", time=1e9 + first, step=first, config={}, params=1000,
                  hardware={"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3", "world_size": 1},
                  resumed_from="ckpt" if resumed else None)
     return start, [train_record(s, rng, first_of_launch=s == first) for s in logged_steps(first, last)]
@@ -253,7 +253,7 @@ def test_evidence_names_steps_and_values(tmp_path):
 
     f = only(resume_gap())
     assert f.steps == [501]
-    assert "resumed at step 500" in f.evidence[0] and "at step 490 before" in f.evidence[0]
+    assert "resumed at step 501" in f.evidence[0] and "at step 500 before" in f.evidence[0]
 
     f = only(throughput_drop())
     assert "steps 10-250" in f.evidence[0] and "(-40%)" in f.evidence[0]

@@ -276,7 +276,7 @@ class Trainer:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         hardware = {"device": str(self.device), "device_name": name, "torch": torch.__version__,
                     "world_size": self.dist.world_size, "cuda": torch.version.cuda}
-        self.logger.log("run_start", step=self.step, config=to_dict(self.cfg), hardware=hardware,
+        self.logger.log("run_start", step=self.step + 1, config=to_dict(self.cfg), hardware=hardware,
                         git=git_revision(), version=gpt2train.__version__, params=self.raw_model.num_params(),
                         params_non_embedding=self.raw_model.num_params(non_embedding=True),
                         flops_per_token=self.flops_per_token, peak_flops=self.peak_flops, resumed_from=self.resumed_from)
