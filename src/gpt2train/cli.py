@@ -64,6 +64,13 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_ckpt_inspect(args) -> int:
+    from gpt2train.checkpoint import describe_checkpoint
+
+    print(describe_checkpoint(args.path))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -99,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, metavar="DIR", help="default: RUN_DIR/report, or ./report for several runs")
     p.add_argument("--log-y", action="store_true", help="loss on a log scale")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("ckpt", help="look into checkpoints")
+    ckpt = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = ckpt.add_parser("inspect", help="step, tokens, losses, model, tokenizer and config of a checkpoint; "
+                        "a damaged one is reported in one line (exit 2)")
+    c.add_argument("path", type=Path, metavar="PATH", help="run directory (its newest good checkpoint) or a checkpoint folder")
+    c.set_defaults(func=cmd_ckpt_inspect)
     return parser
 
 
