@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -427,7 +428,9 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
         both = {"model": model_sd, "optim": optim_sd}
-        dcp.load(both, checkpoint_id=str(ckpt / "dcp"))
+        with warnings.catch_warnings():  # loading a sharded checkpoint into one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(both, checkpoint_id=str(ckpt / "dcp"))
         set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
         return state, meta
     if sharded:
