@@ -390,7 +390,8 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staged / "dcp"))
         except Exception as e:  # DCP reports a failed write on every rank
-            error = f"could not save checkpoint {name} in {root}: {_reason(e)}; free space and rerun with --resume auto"
+            error = (f"could not save checkpoint {name} in {root}: {_reason(e)}; free space and rerun with --resume auto",
+                     getattr(e, "errno", None))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         weights = {k: v.contiguous() for k, v in full.items() if k not in TIED_KEYS}
         meta = {**meta, "sharded": True}
@@ -404,10 +405,10 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
             path = save_checkpoint(run_dir, step, weights, state, meta, keep_last=keep_last, ring=ring, best=best,
                                    staged=staged)
         except CheckpointSaveError as e:
-            error = str(e)
+            error = (str(e), e.errno)
     error = D.all_gather_objects(error)[0]  # rank 0's outcome decides for all
     if error is not None:
-        raise CheckpointSaveError(error)
+        raise CheckpointSaveError(*error)
     return path or root / name
 
 
