@@ -217,3 +217,12 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
     for key, value in C.model_state(single.raw_model).items():
         assert torch.equal(value, final_a[key]), key
     assert len(single.optimizer.state) == len(list(single.raw_model.parameters()))
+
+
+def test_saves_by_wall_clock_go_into_the_ring(char_data, tmp_path):
+    cfg = tiny_config(char_data, max_steps=4)
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, cfg.eval.interval = 0, 1e-9, 0  # due after every step
+    train(cfg, tmp_path)
+    saves = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in saves if r["kind"] == "checkpoint"] == [1, 2, 3, 4]
+    assert ring_names(tmp_path) == ["step_00000002", "step_00000003", "step_00000004"]
