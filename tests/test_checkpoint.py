@@ -181,6 +181,7 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
 
 
+@pytest.mark.slow
 def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
     """Two CPU processes over gloo with FSDP2: every rank writes its shards through DCP; a resumed run ends
     with the same weights as the uninterrupted one; a sharded checkpoint also loads into a single process."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-
-import random
 
 import numpy as np
 import torch
@@ -306,7 +305,8 @@ class Trainer:
         self._restore_signal_handlers()
         if self.logger.active and not self.logger.file.closed:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self.logger.log("run_end", step=self.step, tokens=self.tokens, reason="error", error=message,
+            reason = "signal" if isinstance(error, KeyboardInterrupt) else "error"  # a second Ctrl-C / SIGTERM
+            self.logger.log("run_end", step=self.step, tokens=self.tokens, reason=reason, error=message,
                             wall_s=time.time() - self.launch_start)
             self.logger.close()
 
