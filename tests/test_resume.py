@@ -130,7 +130,11 @@ def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys):
     trainer = Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
     assert trainer.step == 5
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
-    assert len(warnings) == 1 and "step_00000010" in warnings[0] and "state.pt" in warnings[0]
+    assert len(warnings) == 2 and "step_00000010" in warnings[0] and "state.pt" in warnings[0]
+    assert "moved damaged step_00000010 aside" in warnings[1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        ".damaged-step_00000010", "best", "latest", "step_00000005"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
 
     (run / "checkpoints" / "step_00000005" / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="every checkpoint .* is damaged"):

@@ -217,6 +217,19 @@ def recover(root: Path) -> None:
     (root / ".latest.tmp").unlink(missing_ok=True)
 
 
+def set_aside_newer(root: Path, step: int) -> list[str]:
+    """Move step checkpoints newer than `step` (ones found damaged when resuming) out of the ring, to hidden
+    `.damaged-step_*` folders kept for a look; returns their names."""
+    moved = []
+    for newer_step, path in ring_entries(root):
+        if newer_step > step:
+            aside = root / f".damaged-{path.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            moved.append(path.name)
+    return moved
+
+
 def prune_ring(root: Path, keep_last: int, current_step: int) -> None:
     """Keep the newest `keep_last` step checkpoints up to the current step. Newer ones come from a timeline
     abandoned by resuming from an older checkpoint, and go."""

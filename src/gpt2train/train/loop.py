@@ -28,7 +28,7 @@ import torch
 import gpt2train
 from gpt2train.checkpoint import (CheckpointError, check_same_shape, load_training_checkpoint, newest_checkpoint,
                                   point_latest, read_meta, recover, resolve_checkpoint, ring_entries, rng_state,
-                                  save_training_checkpoint, set_rng_state)
+                                  save_training_checkpoint, set_aside_newer, set_rng_state)
 from gpt2train.config import Config, ConfigError, save_config, to_dict
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
@@ -157,8 +157,13 @@ class Trainer:
                     raise CheckpointError(f"every checkpoint in {self.run_dir / 'checkpoints'} is damaged; move them "
                                           "away to start fresh, or resume from a copy with --resume PATH")
                 return
-            if self.is_main:  # a crash between publishing a checkpoint and moving `latest` left it behind
-                point_latest(self.run_dir / "checkpoints", ckpt.name)
+            if self.is_main:
+                # Damaged newer checkpoints leave the ring, and `latest` names the one resumed from (a crash
+                # between publishing a checkpoint and moving `latest` leaves it behind).
+                for name in set_aside_newer(ckpt.parent, int(read_meta(ckpt)["step"])):
+                    print(f"warning: moved damaged {name} aside to .damaged-{name}", file=sys.stderr)
+                point_latest(ckpt.parent, ckpt.name)
+            D.barrier()
         else:
             ckpt = resolve_checkpoint(resume)
         self._load_state(ckpt, restore_data=True)
