@@ -78,9 +78,11 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def inside_a_save(out: Path) -> bool:
+def inside_a_save(out: Path, since: float) -> bool:
+    """Whether this launch (started at `since`) left a save's hidden staging folder or file behind."""
     root = out / "checkpoints"
-    return root.is_dir() and any(p.name.startswith(".") for p in root.iterdir())
+    return root.is_dir() and any(p.name.startswith((".tmp-", ".old-", ".latest")) and p.stat().st_mtime >= since
+                                 for p in root.iterdir())
 
 
 KILL_KINDS = ("delay", "staging", "published")
@@ -131,9 +133,10 @@ def run_trial(config: Path, out: Path, reference: dict, max_steps: int, rng: ran
     notes = []
     for i in range(kills):
         what, condition = kill_moment(rng, reference_s, kinds[i] if i < len(kinds) else None)
+        launched = time.time()
         proc = launch(config, out, resume=i > 0, sleep_in_save=sleep_in_save)
         if kill_when(proc, out, condition):
-            notes.append(f"killed {what}" + (" (inside a save)" if inside_a_save(out) else ""))
+            notes.append(f"killed {what}" + (" (inside a save)" if inside_a_save(out, launched) else ""))
         else:
             if proc.returncode != 0:
                 raise RuntimeError(f"training in {out} failed: {log_file(out).read_text()[-2000:]}")
