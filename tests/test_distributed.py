@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, tiny_config
 from distributed_worker import worker_config
-from gpt2train.config import ConfigError, dump_toml, load_config
+from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.train import distributed as D
 from gpt2train.train.loop import Trainer, train
@@ -108,16 +108,6 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     np.testing.assert_allclose(fsdp["losses"], losses, rtol=0, atol=TOL)
     assert abs(fsdp["val_loss"] - ref.evaluate()) <= TOL
     assert_close(fsdp["weights"], D.full_state_dict(ref.raw_model))
-
-
-def test_fsdp_refuses_checkpoints_with_one_line_error(char_data, monkeypatch):
-    """Sharded checkpoints are not written yet: say so before training, not at the first save."""
-    monkeypatch.setattr(D, "init_distributed", lambda device: D.DistInfo(rank=0, world_size=2))
-    cfg = tiny_config(char_data)
-    cfg.train.distributed = "fsdp"
-    with pytest.raises(ConfigError, match="train.distributed = fsdp cannot save checkpoints") as e:
-        Trainer(cfg, None)
-    assert "\n" not in str(e.value)
 
 
 @pytest.fixture

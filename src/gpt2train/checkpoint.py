@@ -1,38 +1,67 @@
-"""Checkpoints that hold everything a resumed run needs, written atomically.
+"""Checkpoints that hold everything a resumed run needs, written so that a crash at any instant loses at most
+the steps since the previous save.
 
 Layout of a run directory:
-  RUN_DIR/checkpoints/step_00000500/   model.safetensors  (weights, no wrapper prefixes, lm_head tied)
-                                       state.pt           (optimizer, scaler, RNG and loader of every rank)
-                                       meta.json          (step, tokens, best val loss, config, tokenizer)
-  RUN_DIR/checkpoints/latest           name of the newest complete checkpoint (moved last)
-  RUN_DIR/checkpoints/best/            the best by validation loss
 
-A checkpoint is written into a hidden temporary folder, fsynced, then renamed into place, and only then
-does `latest` move: a crash at any instant leaves the previous checkpoint loadable.
+  RUN_DIR/checkpoints/
+    step_00000500/   model.safetensors  weights of the plain model (no wrapper prefixes; lm_head is tied, left out)
+                     state.pt           GradScaler, guard, the RNG and train-loader state of every rank, and the
+                                        optimizer (plain runs)
+                     dcp/               FSDP runs only: sharded model + optimizer (torch.distributed.checkpoint)
+                     meta.json          step, tokens, val losses, times, resolved config, tokenizer, file sizes
+    step_00001000/   ...                the ring: the last `checkpoint.keep_last` regular saves
+    latest           name of the newest checkpoint, moved last
+    best/            the best by validation loss, kept apart from the ring
+
+How a save stays atomic: everything is written into a hidden `.tmp-NAME/` folder; meta.json goes in last and
+records the size of every other file; all files and folders are fsynced; one rename publishes the folder;
+only then does `latest` move (itself a temporary file renamed over the old one). Readers look only at folders
+named `step_*` or `best`, which exist only complete, and check the recorded sizes, so a truncated file is
+caught before it is loaded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
+import re
 import shutil
+import sys
 import time
+import warnings
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
-from gpt2train.config import Config, config_from_resolved
+from gpt2train.config import Config, ConfigError, config_from_resolved
 from gpt2train.model import GPT
 
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
+FAULT_SLEEP_ENV = "GPT2TRAIN_FAULT_SLEEP_IN_SAVE"  # tests only: seconds to sleep between the steps of a save
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says what is wrong."""
 
 
+class CheckpointSaveError(OSError):
+    """A save that failed (a full disk, say); the checkpoints saved before it are untouched."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.errno = code  # ENOSPC for a full disk; str(self) stays the bare one-line message
+
+
+# --- what goes in -------------------------------------------------------------------------------------
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Weights of the plain model: no `_orig_mod.`/`module.` prefixes, tied lm_head left out."""
     from gpt2train.train.distributed import unwrap
@@ -48,6 +77,44 @@ def load_model_state(model: GPT, state: dict[str, torch.Tensor]) -> None:
         raise CheckpointError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
+def rng_state() -> dict:
+    """This process's random generators, as plain Python values and tensors (loadable with weights_only)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict):
+    random.setstate(state["python"])
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_same_shape(saved_model: dict, model: dict) -> None:
+    """Refuse to resume into a model of another shape (other training settings may change)."""
+    changed = [k for k in SHAPE_KEYS if saved_model.get(k) != model.get(k)]
+    if changed:
+        diff = ", ".join(f"{k}: {saved_model.get(k)} -> {model.get(k)}" for k in changed)
+        raise ConfigError(f"cannot resume: model shape changed ({diff}); resume with the checkpoint's model "
+                          "settings or start a new run directory")
+
+
+# --- writing ------------------------------------------------------------------------------------------
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_file(path: Path):
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
 def _fsync_dir(path: Path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -56,88 +123,243 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
-def write_checkpoint(ckpt_root: Path, name: str, weights: dict, state: dict, meta: dict) -> Path:
-    """Write one checkpoint folder atomically and return its path (does not move `latest`)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / name
-    tmp = ckpt_root / f".tmp-{name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(weights, str(tmp / "model.safetensors"))
-    torch.save(state, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        old = ckpt_root / f".old-{name}"
+def _fsync_tree(folder: Path):
+    for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that hold them
+        _fsync_dir(path) if path.is_dir() else _fsync_file(path)
+    _fsync_dir(folder)
+
+
+def _pause_for_fault_tests():
+    """Widen the windows between a save's steps so that fault tests can kill a process inside one."""
+    seconds = float(os.environ.get(FAULT_SLEEP_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def stage(root: Path, name: str) -> Path:
+    """A fresh, empty hidden folder that becomes checkpoint `name` when published."""
+    root.mkdir(parents=True, exist_ok=True)
+    staged = root / f".tmp-{name}"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir()
+    return staged
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def publish(root: Path, name: str, staged: Path, weights: dict | None, state: dict, meta: dict) -> Path:
+    """Write the files into `staged` (which may already hold DCP shards), make them durable, rename into place."""
+    if weights is not None:
+        save_file(weights, str(staged / "model.safetensors"))
+        _pause_for_fault_tests()
+    torch.save(state, staged / "state.pt")
+    _pause_for_fault_tests()
+    meta = {**meta, "files": _file_sizes(staged)}  # lets readers catch a truncated file without loading it
+    (staged / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _fsync_tree(staged)
+    _pause_for_fault_tests()
+    return _swap_into_place(root, name, staged)
+
+
+def _swap_into_place(root: Path, name: str, staged: Path) -> Path:
+    final = root / name
+    if final.exists():  # re-saving a step (after resuming from an older checkpoint) or a new best
+        old = root / f".old-{name}"
         shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
+        os.replace(final, old)  # a crash right here is undone by recover()
+        os.replace(staged, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
+        os.replace(staged, final)
+    _fsync_dir(root)
     return final
 
 
-def point_latest(ckpt_root: Path, name: str) -> None:
-    tmp = ckpt_root / ".latest.tmp"
+def _link_copy(src: Path, root: Path, name: str) -> Path:
+    """Publish a copy of checkpoint `src` as `name`; hard links cost no space (saved files never change)."""
+    staged = stage(root, name)
+    for path in sorted(src.rglob("*")):
+        target = staged / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        try:
+            os.link(path, target)
+        except OSError:  # a filesystem without hard links
+            shutil.copy2(path, target)
+    _fsync_tree(staged)
+    return _swap_into_place(root, name, staged)
+
+
+def point_latest(root: Path, name: str) -> None:
+    tmp = root / ".latest.tmp"
     tmp.write_text(name + "\n")
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, ckpt_root / "latest")
-    _fsync_dir(ckpt_root)
+    _fsync_file(tmp)
+    os.replace(tmp, root / "latest")
+    _fsync_dir(root)
 
 
-def save_checkpoint(run_dir: Path, step: int, weights: dict, state: dict, meta: dict, *,
-                    keep_last: int = 3, is_best: bool = False) -> Path:
-    """Save step `step`, move `latest` to it, copy it to best/ when it is the best, prune the ring."""
+def recover(root: Path) -> None:
+    """Finish or undo what a crash interrupted: put back a checkpoint caught between the two renames of a
+    swap, and delete half-written temporary folders."""
+    if not root.is_dir():
+        return
+    for old in root.glob(".old-*"):
+        final = root / old.name[len(".old-"):]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+    for tmp in root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    (root / ".latest.tmp").unlink(missing_ok=True)
+
+
+def set_aside_newer(root: Path, step: int) -> list[str]:
+    """Move step checkpoints newer than `step` (ones found damaged when resuming) out of the ring, to hidden
+    `.damaged-step_*` folders kept for a look; returns their names."""
+    moved = []
+    for newer_step, path in ring_entries(root):
+        if newer_step > step:
+            aside = root / f".damaged-{path.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            moved.append(path.name)
+    return moved
+
+
+def prune_ring(root: Path, keep_last: int, current_step: int) -> None:
+    """Keep the newest `keep_last` step checkpoints up to the current step. Newer ones come from a timeline
+    abandoned by resuming from an older checkpoint, and go."""
+    entries = ring_entries(root)  # newest first
+    for step, path in entries:
+        if step > current_step:
+            shutil.rmtree(path, ignore_errors=True)
+    kept = [path for step, path in entries if step <= current_step]
+    for path in kept[max(1, keep_last):]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_checkpoint(run_dir: Path, step: int, weights: dict | None, state: dict, meta: dict, *, keep_last: int = 3,
+                    ring: bool = True, best: bool = False, staged: Path | None = None) -> Path:
+    """Save step `step` into the ring (moving `latest`) and/or as best/, then prune the ring.
+
+    A new best that is not also a regular save is written to best/ only: it takes no ring slot. `staged` is a
+    folder from stage() that already holds sharded files (FSDP). Raises CheckpointSaveError, with the
+    checkpoints saved before left as they were, when the disk is full or unwritable.
+    """
     root = Path(run_dir) / "checkpoints"
+    name = checkpoint_name(step) if ring else "best"
     meta = {**meta, "step": step, "version": gpt2train.__version__, "saved_at": time.time()}
-    name = f"step_{step:08d}"
-    path = write_checkpoint(root, name, weights, state, meta)
-    point_latest(root, name)
-    if is_best:
-        write_checkpoint(root, "best", weights, state, meta)
-    ring = sorted(p for p in root.glob("step_*") if p.is_dir())
-    for old in ring[: max(0, len(ring) - max(1, keep_last))]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder from a run directory (its latest), a checkpoints/ folder or a checkpoint itself."""
-    path = Path(path)
-    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+    try:
+        if staged is None:
+            recover(root)
+            staged = stage(root, name)
+        path = publish(root, name, staged, weights, state, meta)
+        if ring:
+            _pause_for_fault_tests()
+            point_latest(root, name)
+            if best:
+                _link_copy(path, root, "best")
+            prune_ring(root, keep_last, step)
         return path
-    for root in (path / "checkpoints", path):
-        latest = root / "latest"
-        if latest.is_file():
-            candidate = root / latest.read_text().strip()
-            if candidate.is_dir():
-                return candidate
-    raise CheckpointError(f"no checkpoint found at {path}; pass a run directory or a checkpoints/step_* folder")
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        shutil.rmtree(root / f".tmp-{name}", ignore_errors=True)
+        shutil.rmtree(root / ".tmp-best", ignore_errors=True)
+        previous = newest_checkpoint(run_dir, warn=False)
+        kept = f"{previous.name} is intact" if previous is not None else "no earlier checkpoint exists"
+        code = getattr(e, "errno", None)
+        why = os.strerror(code) if code else _reason(e)
+        raise CheckpointSaveError(f"could not save checkpoint {name} in {root}: {why}; "
+                                  f"{kept}; free space and rerun with --resume auto", code) from None
+
+
+# --- reading ------------------------------------------------------------------------------------------
+def ring_entries(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every step checkpoint under `root`, newest first."""
+    entries = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                entries.append((int(match.group(1)), path))
+    return sorted(entries, reverse=True)
 
 
 def read_meta(ckpt: Path) -> dict:
     try:
-        return json.loads((ckpt / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({e}); the checkpoint is corrupt") from None
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({_reason(e)}); the checkpoint is corrupt") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("config"), dict):
+        raise CheckpointError(f"{ckpt}/meta.json lacks step or config; the checkpoint is corrupt")
+    return meta
+
+
+def verify(ckpt: Path) -> dict:
+    """The meta of a checkpoint whose files are all there at their recorded sizes and parse; else CheckpointError.
+    Cheap: tensors are not read. (A flipped bit inside a tensor is not caught: sizes and headers only.)"""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    for rel, size in (meta.get("files") or {}).items():
+        path = ckpt / rel
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            what = "missing" if actual is None else f"{actual} bytes, expected {size}"
+            raise CheckpointError(f"{ckpt} is damaged: {rel} is {what} (truncated or partly copied)")
+    try:
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+            f.keys()
+        with zipfile.ZipFile(ckpt / "state.pt") as z:  # torch.save writes a zip archive
+            z.namelist()
+    except Exception as e:  # truncated or overwritten files
+        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)})") from None
+    if meta.get("sharded") and not (ckpt / "dcp" / ".metadata").is_file():
+        raise CheckpointError(f"{ckpt} is damaged: dcp/.metadata is missing")
+    return meta
+
+
+def newest_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
+    """The newest undamaged step checkpoint of a run directory (or of its checkpoints/ folder), or None.
+
+    Damaged newer ones are skipped with a one-line warning each, so a corrupt `latest` falls back to the
+    previous ring entry."""
+    run_dir = Path(run_dir)
+    root = run_dir if run_dir.name == "checkpoints" or (run_dir / "latest").exists() else run_dir / "checkpoints"
+    for _, path in ring_entries(root):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            if warn:
+                print(f"warning: skipping {path.name}: {e}", file=sys.stderr)
+    return None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a run directory or checkpoints/ folder (its newest good one), or the folder itself."""
+    path = Path(path)
+    if (path / "meta.json").exists() or (path / "model.safetensors").exists() or (path / "state.pt").exists():
+        return path
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a run directory or a checkpoints/step_* folder")
+    found = newest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"no usable checkpoint found at {path}; pass a run directory or a checkpoints/step_* folder")
+    return found
 
 
 def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, dict | None, dict]:
     """(weights, state or None, meta) of a checkpoint; raises CheckpointError if it is damaged."""
     ckpt = resolve_checkpoint(path)
-    meta = read_meta(ckpt)
+    meta = verify(ckpt)
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False) if with_state else None
-    except Exception as e:  # truncated or overwritten files
-        raise CheckpointError(f"{ckpt} is damaged ({type(e).__name__}: {e}); resume from an earlier checkpoint") from None
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True) if with_state else None
+    except Exception as e:  # damaged in a way the size check cannot see
+        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
     return weights, state, meta
 
 
@@ -148,3 +370,151 @@ def load_model(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
     model = GPT(cfg.model)
     load_model_state(model, weights)
     return model.to(device).eval(), cfg, meta
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"[:200]
+
+
+# --- the training state of a live run (model, optimizer, sharded or not) ---------------------------------
+def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict, meta: dict, *, is_main: bool, sharded: bool, keep_last: int,
+                             ring: bool, best: bool) -> Path:
+    """Save from every rank at once. Plain runs: rank 0 writes weights and optimizer. FSDP runs (`sharded`):
+    every rank writes its shards of model and optimizer with DCP into the staging folder, and rank 0 adds the
+    full weights (for sampling and export), the rest of the state and meta.json. Rank 0's outcome is shared,
+    so a failed save raises CheckpointSaveError on every rank."""
+    from gpt2train.train import distributed as D
+
+    root = Path(run_dir) / "checkpoints"
+    name = checkpoint_name(step) if ring else "best"
+    staged, weights, error = None, None, None
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        if is_main:
+            recover(root)
+            stage(root, name)
+        D.barrier()
+        staged = root / f".tmp-{name}"
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staged / "dcp"))
+        except Exception as e:  # DCP reports a failed write on every rank
+            error = (f"could not save checkpoint {name} in {root}: {_reason(e)}; free space and rerun with --resume auto",
+                     getattr(e, "errno", None))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = {k: v.contiguous() for k, v in full.items() if k not in TIED_KEYS}
+        meta = {**meta, "sharded": True}
+    else:
+        state = {**state, "optimizer": optimizer.state_dict()} if is_main else state
+        meta = {**meta, "sharded": False}
+    path = None
+    if is_main and error is None:
+        try:
+            weights = weights if sharded else model_state(model)
+            path = save_checkpoint(run_dir, step, weights, state, meta, keep_last=keep_last, ring=ring, best=best,
+                                   staged=staged)
+        except CheckpointSaveError as e:
+            error = (str(e), e.errno)
+    error = D.all_gather_objects(error)[0]  # rank 0's outcome decides for all
+    if error is not None:
+        raise CheckpointSaveError(*error)
+    return path or root / name
+
+
+def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                             sharded: bool) -> tuple[dict, dict]:
+    """Load weights and optimizer state into a live model (wrapped or not) and return (state, meta).
+
+    A sharded (FSDP) checkpoint loads into any world size, FSDP or not, through DCP's resharding; a plain one
+    cannot be loaded into an FSDP run."""
+    meta = verify(ckpt)
+    try:
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
+    if meta.get("sharded"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        both = {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():  # loading a sharded checkpoint into one process is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(both, checkpoint_id=str(ckpt / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+        return state, meta
+    if sharded:
+        raise CheckpointError(f"{ckpt} was saved without FSDP; resume it with train.distributed = \"ddp\" "
+                              "(or one process), or start a new run directory")
+    try:
+        weights = load_file(str(ckpt / "model.safetensors"))
+    except Exception as e:
+        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
+    from gpt2train.train.distributed import unwrap
+
+    load_model_state(unwrap(model), weights)
+    optimizer.load_state_dict(state["optimizer"])
+    return state, meta
+
+
+# --- inspection ---------------------------------------------------------------------------------------
+def describe_checkpoint(path: str | Path) -> str:
+    """A few lines a person reads: where, step, tokens, losses, when, model, tokenizer, config summary.
+    Raises CheckpointError (one line) for a damaged checkpoint."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path)
+    meta = verify(ckpt)
+    cfg = meta["config"]
+    model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
+    tok = meta.get("tokenizer") or {}
+    val, best = meta.get("val_loss"), meta.get("best_val_loss")
+    saved = meta.get("saved_at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(saved)) if isinstance(saved, (int, float)) else "?"
+    params = f", {meta['params'] / 1e6:.2f}M parameters" if isinstance(meta.get("params"), int) else ""
+    wall = meta.get("train_wall_s")
+    size = sum((meta.get("files") or {}).values())
+    lines = [
+        f"checkpoint  {ckpt}",
+        f"step        {meta['step']:,} of {train.get('max_steps', '?'):,}" if isinstance(train.get("max_steps"), int)
+        else f"step        {meta['step']:,}",
+        f"tokens      {meta.get('tokens', 0):,}",
+        f"val loss    {_loss(val)} (best {_loss(best)})",
+        f"saved       {when} by gpt2train {meta.get('version', '?')}"
+        + (f", after {_duration(wall)} of training" if isinstance(wall, (int, float)) else ""),
+        f"model       {model.get('n_layer')} layers, {model.get('n_head')} heads, {model.get('n_embd')} wide, "
+        f"block {model.get('block_size')}, vocab {model.get('vocab_size')}{params}",
+        f"tokenizer   {tok.get('kind', '?')}" + (f" (vocab {len(tok['chars'])} chars)" if "chars" in tok else ""),
+        f"config      data {data.get('dir')}; lr {train.get('lr')} {train.get('schedule')}, "
+        f"{train.get('micro_batch')} x {train.get('seq_len')} tokens per micro-batch, "
+        f"{train.get('total_batch_tokens') or 'one micro-batch'} per step, dtype {train.get('dtype')}, seed {train.get('seed')}",
+        f"format      {'sharded (DCP, ' if meta.get('sharded') else 'plain (safetensors + state.pt, '}"
+        f"world size {meta.get('world_size', '?')}), {size / 2**20:.1f} MiB",
+    ]
+    root = ckpt.parent
+    ring = [p.name for _, p in ring_entries(root)]
+    if ring:
+        latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+        names = [f"{n} (latest)" if n == latest else n for n in reversed(ring)]
+        best_meta = (root / "best" / "meta.json")
+        best_text = ""
+        if best_meta.is_file():
+            try:
+                b = json.loads(best_meta.read_text())
+                best_text = f"; best/ is step {b.get('step')} (val loss {_loss(b.get('val_loss'))})"
+            except (OSError, json.JSONDecodeError):
+                best_text = "; best/ is unreadable"
+        lines.append(f"ring        {', '.join(names)}{best_text}")
+    return "\n".join(lines)
+
+
+def _loss(x) -> str:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

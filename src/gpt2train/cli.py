@@ -120,6 +120,13 @@ def cmd_doctor(args) -> int:
     return diagnosis.exit_status
 
 
+def cmd_ckpt_inspect(args) -> int:
+    from gpt2train.checkpoint import describe_checkpoint
+
+    print(describe_checkpoint(args.path))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -195,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_doctor)
+    p = sub.add_parser("ckpt", help="look into checkpoints")
+    ckpt = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = ckpt.add_parser("inspect", help="step, tokens, losses, model, tokenizer and config of a checkpoint; "
+                        "a damaged one is reported in one line (exit 2)")
+    c.add_argument("path", type=Path, metavar="PATH", help="run directory (its newest good checkpoint) or a checkpoint folder")
+    c.set_defaults(func=cmd_ckpt_inspect)
     return parser
 
 

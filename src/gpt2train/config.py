@@ -93,6 +93,7 @@ class GuardConfig:
     spike_factor: float = 3.0  # a loss above this multiple of its recent average rolls back
     spike_window: int = 50  # steps in that recent average
     max_nonfinite: int = 3  # non-finite steps in a row before rolling back
+    max_rollbacks: int = 3  # rollbacks in a row (no new checkpoint between them) before the run stops
 
 
 @dataclass

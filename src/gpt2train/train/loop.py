@@ -26,12 +26,15 @@ import numpy as np
 import torch
 
 import gpt2train
-from gpt2train.checkpoint import CheckpointError, load_checkpoint, load_model_state, model_state, save_checkpoint
+from gpt2train.checkpoint import (CheckpointError, check_same_shape, load_training_checkpoint, newest_checkpoint,
+                                  point_latest, read_meta, recover, resolve_checkpoint, ring_entries, rng_state,
+                                  save_training_checkpoint, set_aside_newer, set_rng_state)
 from gpt2train.config import Config, ConfigError, save_config, to_dict
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.model import GPT
 from gpt2train.train import distributed as D
+from gpt2train.train.guard import GuardError, TrainingGuard, Verdict
 from gpt2train.train.metrics import MetricsLogger, flops_per_token, peak_for_run
 from gpt2train.train.optim import lr_at, make_optimizer
 
@@ -65,21 +68,6 @@ def seed_everything(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # CPU and every CUDA device
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def git_revision() -> str | None:
@@ -140,9 +128,6 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.raw_model = GPT(cfg.model).to(self.device)
         self.compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and self.device.type == "cuda")
-        if self.dist.enabled and cfg.train.distributed == "fsdp" and _saves_checkpoints(cfg):
-            raise ConfigError("train.distributed = fsdp cannot save checkpoints yet (sharded state); set "
-                              "checkpoint.every_steps=0, checkpoint.save_final=false, checkpoint.save_best=false, or use ddp")
         model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed)
         self.model = torch.compile(model) if self.compiled else model
         self.optimizer = make_optimizer(self.raw_model, cfg.train, self.device.type)
@@ -159,7 +144,12 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.tokens = 0
         self.best_val = math.inf
+        self.val_loss = None  # the latest validation loss
+        self.wall_before = 0.0  # training wall seconds of earlier launches (from the checkpoint)
+        self.launch_start = time.time()
         self.resumed_from = None
+        self.sharded = cfg.train.distributed == "fsdp" and self.dist.enabled  # DCP checkpoints
+        self.guard = TrainingGuard(cfg.guard)
         if resume:
             self._resume(resume)
 
@@ -173,31 +163,52 @@ class Trainer:
 
     # --- resume ------------------------------------------------------------------------------------
     def _resume(self, resume: str):
+        """`auto`: the newest good checkpoint of the run directory, or a fresh start when there is none;
+        otherwise a run directory (its newest good checkpoint) or a checkpoint folder."""
         if resume == "auto":
-            if self.run_dir is None or not (self.run_dir / "checkpoints" / "latest").exists():
-                return  # nothing saved yet: start fresh
-            resume = str(self.run_dir)
-        weights, state, meta = load_checkpoint(resume)
-        saved = meta["config"]["model"]
-        mine = to_dict(self.cfg)["model"]
-        shape_keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
-        changed = [k for k in shape_keys if saved.get(k) != mine[k]]
-        if changed:
-            raise ConfigError(f"cannot resume: model shape changed ({', '.join(f'{k}: {saved.get(k)} -> {mine[k]}' for k in changed)}); "
-                              "resume with the checkpoint's model settings or start a new run directory")
-        load_model_state(self.raw_model, weights)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        rank = self.dist.rank
-        if len(state["rng"]) == self.dist.world_size:
-            set_rng_state(state["rng"][rank])
-            self.train_loader.load_state_dict(state["loader"][rank])
+            if self.run_dir is None:
+                return
+            if self.is_main:
+                recover(self.run_dir / "checkpoints")  # undo what a crash mid-save left behind
+            D.barrier()
+            ckpt = newest_checkpoint(self.run_dir, warn=self.is_main)
+            if ckpt is None:
+                if ring_entries(self.run_dir / "checkpoints"):  # never silently start over a damaged run
+                    raise CheckpointError(f"every checkpoint in {self.run_dir / 'checkpoints'} is damaged; move them "
+                                          "away to start fresh, or resume from a copy with --resume PATH")
+                return
+            if self.is_main:
+                # Damaged newer checkpoints leave the ring, and `latest` names the one resumed from (a crash
+                # between publishing a checkpoint and moving `latest` leaves it behind).
+                for name in set_aside_newer(ckpt.parent, int(read_meta(ckpt)["step"])):
+                    print(f"warning: moved damaged {name} aside to .damaged-{name}", file=sys.stderr)
+                point_latest(ckpt.parent, ckpt.name)
+            D.barrier()
         else:
-            print(f"warning: checkpoint saved with {len(state['rng'])} ranks, resuming with {self.dist.world_size}; "
-                  "data order and RNG restart from the seed", file=sys.stderr)
+            ckpt = resolve_checkpoint(resume)
+        self._load_state(ckpt, restore_data=True)
+        self.resumed_from = str(ckpt)
+
+    def _load_state(self, ckpt: Path, restore_data: bool) -> dict:
+        """Load a checkpoint into the live run. `restore_data` (resume): also every rank's RNG and loader state
+        and the guard; a rollback leaves those moving forward so that the bad batches are not replayed."""
+        check_same_shape(read_meta(ckpt)["config"]["model"], to_dict(self.cfg)["model"])
+        state, meta = load_training_checkpoint(ckpt, self.raw_model, self.optimizer, sharded=self.sharded)
+        self.scaler.load_state_dict(state["scaler"])
+        if restore_data:
+            ranks = state["ranks"]
+            if len(ranks) == self.dist.world_size:
+                set_rng_state(ranks[self.dist.rank]["rng"])
+                self.train_loader.load_state_dict(ranks[self.dist.rank]["loader"])
+            elif self.is_main:
+                print(f"warning: checkpoint saved with {len(ranks)} ranks, resuming with {self.dist.world_size}; "
+                      "data order and RNG restart from the seed", file=sys.stderr)
+            self.guard.load_state_dict(state.get("guard", {}))
+            self.best_val = float(meta.get("best_val_loss") or math.inf)
+            self.val_loss = meta.get("val_loss")
+            self.wall_before = float(meta.get("train_wall_s") or 0.0)
         self.step, self.tokens = int(meta["step"]), int(meta["tokens"])
-        self.best_val = float(meta.get("best_val_loss") or math.inf)
-        self.resumed_from = str(resume)
+        return meta
 
     # --- one optimizer step ------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -246,31 +257,83 @@ class Trainer:
         return float(D.all_reduce_mean(total / n))
 
     # --- checkpoints -------------------------------------------------------------------------------
-    def save(self, is_best: bool = False):
-        """Collect every rank's RNG and loader state, then rank 0 writes the checkpoint atomically."""
-        rngs = D.all_gather_objects(rng_state())
-        loaders = D.all_gather_objects(self.train_loader.state_dict())
-        if self.is_main and self.run_dir is not None:
-            state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(),
-                     "rng": rngs, "loader": loaders}
-            meta = {"tokens": self.tokens, "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
-                    "config": to_dict(self.cfg), "tokenizer": self.data_meta["tokenizer"],
-                    "world_size": self.dist.world_size}
-            path = save_checkpoint(self.run_dir, self.step, model_state(self.raw_model), state, meta,
-                                   keep_last=self.cfg.checkpoint.keep_last, is_best=is_best)
-            self.logger.log("checkpoint", step=self.step, path=str(path), best=is_best)
-        D.barrier()
+    def save(self, ring: bool = True, best: bool = False):
+        """Save a checkpoint: into the ring (`ring`), and/or as best/ (`best`). Every rank contributes its RNG and
+        loader state; rank 0 writes (every rank writes its own shards under FSDP)."""
+        if self.run_dir is None:
+            return None
+        if ring:
+            self.guard.after_checkpoint()
+        ranks = D.all_gather_objects({"rng": rng_state(), "loader": self.train_loader.state_dict()})
+        state = {"scaler": self.scaler.state_dict(), "ranks": ranks, "guard": self.guard.state_dict()}
+        meta = {"tokens": self.tokens, "val_loss": self.val_loss,
+                "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
+                "train_wall_s": self.wall_before + (time.time() - self.launch_start),
+                "config": to_dict(self.cfg), "tokenizer": self.data_meta["tokenizer"],
+                "world_size": self.dist.world_size, "params": self.raw_model.num_params(), "torch": torch.__version__}
+        path = save_training_checkpoint(self.run_dir, self.step, self.raw_model, self.optimizer, state, meta,
+                                        is_main=self.is_main, sharded=self.sharded,
+                                        keep_last=self.cfg.checkpoint.keep_last, ring=ring, best=best)
+        self.logger.log("checkpoint", step=self.step, path=str(path), best=best)
+        return path
+
+    def _rollback(self, verdict: Verdict, out: dict, loss: float, progress) -> None:
+        """Reload the newest good checkpoint (weights, optimizer, scaler; not the data) after a guard verdict."""
+        step = self.step
+        ckpt = newest_checkpoint(self.run_dir, warn=self.is_main) if self.run_dir is not None else None
+        if ckpt is None:
+            raise GuardError(f"guard: {verdict.reason} at step {step} and no checkpoint to roll back to; "
+                             "lower train.lr, check the data, or save earlier (checkpoint.every_steps)")
+        to_step = int(ckpt.name.split("_")[-1])
+        self.guard.before_rollback(to_step, step)
+        self._load_state(ckpt, restore_data=False)
+        self.logger.log("guard", step=step, action="rollback", reason=verdict.reason, loss=_finite_or_none(loss),
+                        grad_norm=_finite_or_none(out["grad_norm"]), to_step=self.step)
+        self._print(f"guard: {verdict.reason} at step {step}; rolled back to step {self.step}", progress)
+        if progress is not None:
+            progress.n = self.step
+            progress.refresh()
+
+    def _agree(self, loss: float, stop: bool, save_due_by_time: bool) -> tuple[float, bool, bool]:
+        """What every rank must decide alike: the rank-averaged loss (for the guard), whether any rank got a
+        stop signal, and whether the wall-clock save is due (clocks differ between hosts). One all-reduce."""
+        if not self.dist.enabled:
+            return loss, stop, save_due_by_time
+        t = torch.tensor([loss, float(stop), float(save_due_by_time)], device=self.device, dtype=torch.float64)
+        mean = D.all_reduce_mean(t).tolist()
+        return mean[0], mean[1] > 0, mean[2] > 0
 
     # --- the run -----------------------------------------------------------------------------------
-    def _install_signal_handlers(self):
+    def _install_signal_handlers(self) -> dict:
+        """SIGTERM/SIGINT finish the current step, save and exit; a second one stops at once (the previous
+        checkpoint stays valid). Returns the handlers to put back when the run ends."""
         def handler(signum, frame):
-            self.stop_signal = signum  # finish the current step, save, then exit
+            if self.stop_signal is not None:
+                raise KeyboardInterrupt
+            self.stop_signal = signum
 
+        previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                signal.signal(sig, handler)
+                previous[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
+        return previous
+
+    def _restore_signal_handlers(self):
+        for sig, handler in getattr(self, "_previous_handlers", {}).items():
+            signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+    def log_failure(self, error: BaseException):
+        """A `run_end` record for a launch that ended in an exception (the checkpoints before it stand)."""
+        self._restore_signal_handlers()
+        if self.logger.active and not self.logger.file.closed:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            reason = "signal" if isinstance(error, KeyboardInterrupt) else "error"  # a second Ctrl-C / SIGTERM
+            self.logger.log("run_end", step=self.step, tokens=self.tokens, reason=reason, error=message,
+                            wall_s=time.time() - self.launch_start)
+            self.logger.close()
 
     def _log_start(self):
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
@@ -300,9 +363,9 @@ class Trainer:
         cfg = self.cfg
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
-        self._install_signal_handlers()
+        self._previous_handlers = self._install_signal_handlers()
         self._log_start()
-        start_wall = time.time()
+        start_wall = self.launch_start = time.time()
         first_step = self.step + 1
         last_save = time.time()
         progress = self._progress_bar()
@@ -315,6 +378,15 @@ class Trainer:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             step = self.step
+            loss, stop, minutes_due = self._agree(out["loss"], self.stop_signal is not None, bool(
+                cfg.checkpoint.every_minutes and time.time() - last_save >= 60 * cfg.checkpoint.every_minutes))
+            verdict = self.guard.observe(loss, out["grad_norm"], norm_may_overflow=self.scaler.is_enabled())
+            if verdict is not None and verdict.action == "rollback":
+                self._rollback(verdict, out, loss, progress)
+                if stop:  # the state is a saved checkpoint's already
+                    reason = "signal"
+                    break
+                continue
             if out["skipped"]:
                 self.logger.log("guard", step=step, action="skip", reason="non-finite loss or grad norm",
                                 loss=_finite_or_none(out["loss"]), grad_norm=_finite_or_none(out["grad_norm"]))
@@ -327,7 +399,7 @@ class Trainer:
             last = step == cfg.train.max_steps
             is_best = False
             if (cfg.eval.interval and step % cfg.eval.interval == 0) or last:
-                val_loss = self.evaluate()
+                val_loss = self.val_loss = self.evaluate()
                 is_best = val_loss < self.best_val
                 self.best_val = min(self.best_val, val_loss)
                 self.logger.log("val", step=step, tokens=self.tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
@@ -335,19 +407,21 @@ class Trainer:
             if cfg.eval.hellaswag_interval or cfg.eval.sample_interval:  # HellaSwag and text samples when due
                 from gpt2train.eval.periodic import run_periodic_evals
                 run_periodic_evals(self, step, progress)
-            due = (cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or (
-                cfg.checkpoint.every_minutes and time.time() - last_save >= 60 * cfg.checkpoint.every_minutes)
-            if due or (last and cfg.checkpoint.save_final) or (is_best and cfg.checkpoint.save_best):
-                self.save(is_best=is_best and cfg.checkpoint.save_best)
-                last_save = time.time()
-            if self.stop_signal is not None:
-                if not (due or last):
-                    self.save()
+            # A regular save goes into the ring; a new best alone is written to best/ only.
+            due = bool(cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0) or minutes_due
+            regular = due or (last and cfg.checkpoint.save_final) or stop
+            best = is_best and cfg.checkpoint.save_best
+            if regular or best:
+                self.save(ring=regular, best=best)
+                if regular:
+                    last_save = time.time()
+            if stop:
                 reason = "signal"
-                self._print(f"received signal {self.stop_signal}: saved step {step}, exiting", progress)
+                self._print(f"stop signal received: saved step {step}, exiting", progress)
                 break
         if progress is not None:
             progress.close()
+        self._restore_signal_handlers()
         self.logger.log("run_end", step=self.step, tokens=self.tokens, wall_s=time.time() - start_wall, reason=reason)
         self.logger.close()
         return {"step": self.step, "tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
@@ -391,11 +465,6 @@ class Trainer:
             print(text, flush=True)
 
 
-def _saves_checkpoints(cfg: Config) -> bool:
-    c = cfg.checkpoint
-    return bool(c.every_steps or c.every_minutes or c.save_final or c.save_best)
-
-
 def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
@@ -403,10 +472,15 @@ def _finite_or_none(x: float):
 def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
-    clean = False
+    clean, trainer = False, None
     try:
-        out = Trainer(cfg, run_dir, resume).fit()
+        trainer = Trainer(cfg, run_dir, resume)
+        out = trainer.fit()
         clean = True
         return out
+    except BaseException as e:
+        if trainer is not None:
+            trainer.log_failure(e)  # a run_end record with reason "error"
+        raise
     finally:
         D.shutdown_distributed(clean)  # even after an error, so that every rank's process can exit

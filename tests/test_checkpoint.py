@@ -1,0 +1,229 @@
+"""What a checkpoint holds, how it is laid out, that a crash at any instant of a save leaves the previous one
+usable, `ckpt inspect`, and sharded (DCP) checkpoints of FSDP runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_cli, tiny_config
+from safetensors.torch import load_file
+
+import gpt2train.checkpoint as C
+from gpt2train.config import config_from_resolved, dump_toml, to_dict
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.train.loop import Trainer, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: faster on a shared CPU, and the same in every run compared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def trained_run(char_data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    torch.set_num_threads(1)
+    train(tiny_config(char_data, max_steps=10), run)
+    return run
+
+
+def test_checkpoint_holds_the_whole_training_state(trained_run, char_data):
+    ckpt = trained_run / "checkpoints" / "step_00000010"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.json", "model.safetensors", "state.pt"]
+
+    weights = load_file(ckpt / "model.safetensors")
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in weights) and "lm_head.weight" not in weights
+    model = GPT(config_from_resolved(json.loads((ckpt / "meta.json").read_text())["config"]).model)
+    C.load_model_state(model, weights)
+
+    state = torch.load(ckpt / "state.pt", weights_only=True)  # plain data only: no pickled code runs on load
+    assert {"optimizer", "scaler", "ranks", "guard"} <= state.keys()
+    assert len(state["optimizer"]["state"]) == len(list(model.parameters()))
+    assert state["optimizer"]["state"][0]["step"].item() == 10
+    (rank0,) = state["ranks"]
+    assert {"python", "numpy", "torch"} <= rank0["rng"].keys()
+    assert {"rng", "epoch", "position", "seed", "batch"} <= rank0["loader"].keys()
+    assert len(state["guard"]["recent"]) == 10
+
+    meta = json.loads((ckpt / "meta.json").read_text())
+    expected = tiny_config(char_data, max_steps=10)
+    expected.model.vocab_size = 66
+    assert meta["config"] == to_dict(expected)
+    assert meta["step"] == 10 and meta["tokens"] == 10 * 4 * 32
+    assert meta["val_loss"] == meta["best_val_loss"] and meta["val_loss"] > 0
+    assert meta["version"] and meta["saved_at"] > 0 and meta["train_wall_s"] > 0
+    assert meta["tokenizer"]["kind"] == "char" and meta["world_size"] == 1 and meta["sharded"] is False
+    assert meta["files"] == {"model.safetensors": (ckpt / "model.safetensors").stat().st_size,
+                             "state.pt": (ckpt / "state.pt").stat().st_size}
+    assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+
+
+def test_weights_are_saved_without_wrapper_prefixes():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32))
+    compiled = torch.compile(model)  # wraps as _orig_mod; compiles nothing until called
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    keys = C.model_state(compiled).keys()
+    assert keys == {k for k in model.state_dict() if k != "lm_head.weight"}
+
+
+def fake_save(run_dir, step, *, ring=True, best=False, keep_last=2):
+    weights = {"w": torch.full((4,), float(step))}
+    meta = {"tokens": step, "config": {"model": {}}}
+    return C.save_checkpoint(run_dir, step, weights, {"scaler": {}}, meta, keep_last=keep_last, ring=ring, best=best)
+
+
+def ring_names(run_dir):
+    return sorted(p.name for _, p in C.ring_entries(run_dir / "checkpoints"))
+
+
+def test_ring_keeps_last_k_and_best_takes_no_slot(tmp_path):
+    for step in (1, 2, 3, 4):
+        fake_save(tmp_path, step)
+    assert ring_names(tmp_path) == ["step_00000003", "step_00000004"]
+    fake_save(tmp_path, 5, ring=False, best=True)  # a new best between regular saves
+    assert ring_names(tmp_path) == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert C.read_meta(tmp_path / "checkpoints" / "best")["step"] == 5
+
+    fake_save(tmp_path, 6, best=True)  # a regular save that is also the best: one write, linked
+    assert ring_names(tmp_path) == ["step_00000004", "step_00000006"]
+    best, six = tmp_path / "checkpoints" / "best", tmp_path / "checkpoints" / "step_00000006"
+    assert C.read_meta(best)["step"] == 6
+    assert (best / "state.pt").stat().st_ino == (six / "state.pt").stat().st_ino
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+    # Resuming from step 4 and saving step 5 abandons step 6: the ring follows the new timeline.
+    fake_save(tmp_path, 5)
+    assert ring_names(tmp_path) == ["step_00000004", "step_00000005"]
+
+
+class Crash(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no cleanup."""
+
+
+def test_a_crash_at_any_instant_of_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch):
+    instants = 0
+    for crash_at in range(1, 10):
+        run = tmp_path / f"run{crash_at}"
+        fake_save(run, 1, best=True)
+        calls = 0
+
+        def pause():
+            nonlocal calls
+            calls += 1
+            if calls == crash_at:
+                raise Crash
+
+        monkeypatch.setattr(C, "_pause_for_fault_tests", pause)
+        try:
+            fake_save(run, 2, best=True)
+        except Crash:
+            instants += 1
+        monkeypatch.undo()
+        found = C.newest_checkpoint(run)
+        assert found is not None and found.name in ("step_00000001", "step_00000002")
+        latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+        weights, _, meta = C.load_checkpoint(latest)  # `latest` always names a complete checkpoint
+        assert weights["w"][0].item() == meta["step"]
+        C.recover(run / "checkpoints")
+        assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert instants == 4  # after the weights, after state.pt, after meta + fsync, before `latest` moves
+
+
+def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeypatch):
+    fake_save(tmp_path, 1, ring=False, best=True)
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) == 2:  # the old best is moved aside, the new one not yet in
+            raise Crash
+        real_replace(src, dst)
+
+    monkeypatch.setattr(C.os, "replace", replace)
+    with pytest.raises(Crash):
+        fake_save(tmp_path, 2, ring=False, best=True)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoints" / "best").exists()
+    C.recover(tmp_path / "checkpoints")
+    assert C.load_checkpoint(tmp_path / "checkpoints" / "best")[2]["step"] == 1
+
+
+def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tmp_path):
+    env = {"OMP_NUM_THREADS": "1"}
+    r = run_cli("ckpt", "inspect", str(trained_run), env=env)
+    assert r.returncode == 0, r.stderr
+    for text in ("step_00000010", "step        10 of 10", "tokens      1,280", "val loss", "saved", "model       2 layers",
+                 "tokenizer   char", "config      data", "ring        step_00000005, step_00000010 (latest)"):
+        assert text in r.stdout, text
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained_run / "checkpoints" / "step_00000010", damaged)
+    data = (damaged / "model.safetensors").read_bytes()
+    (damaged / "model.safetensors").write_bytes(data[: len(data) - 100])
+    r = run_cli("ckpt", "inspect", str(damaged), env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "model.safetensors is" in r.stderr and "truncated" in r.stderr
+
+    (damaged / "model.safetensors").write_bytes(data)
+    (damaged / "meta.json").write_text('{"step": 10, "conf')
+    r = run_cli("ckpt", "inspect", str(damaged), env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
+    """Two CPU processes over gloo with FSDP2: every rank writes its shards through DCP; a resumed run ends
+    with the same weights as the uninterrupted one; a sharded checkpoint also loads into a single process."""
+    cfg = tiny_config(char_data, max_steps=4)
+    cfg.train.distributed = "fsdp"
+    cfg.checkpoint.every_steps, cfg.eval.interval = 2, 2
+    config = tmp_path / "fsdp.toml"
+    config.write_text(dump_toml(cfg))
+
+    def torchrun(*args):
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "gpt2train", "train", "--config", str(config), *args]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    torchrun("--out", str(tmp_path / "a"))
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    meta = C.verify(step2)
+    assert meta["sharded"] is True and meta["world_size"] == 2
+    assert (step2 / "dcp" / ".metadata").is_file() and len(list((step2 / "dcp").glob("*.distcp"))) == 2
+    assert "optimizer" not in torch.load(step2 / "state.pt", weights_only=True)
+    assert len(torch.load(step2 / "state.pt", weights_only=True)["ranks"]) == 2
+
+    torchrun("--out", str(tmp_path / "b"), "--resume", str(step2))
+    final_a = load_file(tmp_path / "a" / "checkpoints" / "step_00000004" / "model.safetensors")
+    final_b = load_file(tmp_path / "b" / "checkpoints" / "step_00000004" / "model.safetensors")
+    assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+    model, _, _ = C.load_model(tmp_path / "a")  # full weights sit beside the shards, for sampling
+    # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
+    single = Trainer(tiny_config(char_data, max_steps=6), tmp_path / "single", resume=str(tmp_path / "a"))
+    assert single.step == 4
+    for key, value in C.model_state(single.raw_model).items():
+        assert torch.equal(value, final_a[key]), key
+    assert len(single.optimizer.state) == len(list(single.raw_model.parameters()))
+
+
+def test_saves_by_wall_clock_go_into_the_ring(char_data, tmp_path):
+    cfg = tiny_config(char_data, max_steps=4)
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, cfg.eval.interval = 0, 1e-9, 0  # due after every step
+    train(cfg, tmp_path)
+    saves = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in saves if r["kind"] == "checkpoint"] == [1, 2, 3, 4]
+    assert ring_names(tmp_path) == ["step_00000002", "step_00000003", "step_00000004"]

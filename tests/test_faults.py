@@ -1,0 +1,184 @@
+"""Faults a long run meets: NaN losses and loss spikes (the guard), SIGKILL at any moment (inside checkpoint
+writes too), and a full disk during a save."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import random
+import sys
+
+import pytest
+import torch
+from conftest import REPO, tiny_config
+from safetensors.torch import load_file
+
+import gpt2train.checkpoint as C
+from gpt2train import cli
+from gpt2train.config import GuardConfig, dump_toml
+from gpt2train.model import GPT
+from gpt2train.train.guard import GuardError, TrainingGuard
+from gpt2train.train.loop import train
+
+sys.path.insert(0, str(REPO / "scripts"))
+import fault_trials  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def inject_loss_faults(monkeypatch, faults: dict[int, float]):
+    """Multiply the training loss of the n-th training forward pass (counted over the whole test, so the
+    n-th batch drawn) by faults[n]: nan for a NaN loss, a large factor for a spike. Evaluation is untouched."""
+    original, calls = GPT.forward, [0]
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        logits, loss = original(self, idx, targets, kv_cache)
+        if self.training and targets is not None:
+            calls[0] += 1
+            if calls[0] in faults:
+                loss = loss * faults[calls[0]]
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def records(run_dir, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def guarded_config(char_data, **guard):
+    cfg = tiny_config(char_data, max_steps=12)
+    cfg.guard = GuardConfig(**{"spike_window": 3, **guard})
+    return cfg
+
+
+# --- the guard's decisions ----------------------------------------------------------------------------
+def test_guard_decisions():
+    guard = TrainingGuard(GuardConfig(spike_factor=2.0, spike_window=3, max_nonfinite=2, max_rollbacks=1))
+    assert guard.observe(100.0, 1.0) is None  # no spike judged before the window is full
+    assert [guard.observe(x, 1.0) for x in (4.0, 4.0)] == [None, None]
+    assert guard.observe(200.0, 1.0).action == "rollback"
+    assert guard.observe(math.nan, 1.0).action == "skip"
+    assert guard.observe(3.0, math.inf).action == "rollback"  # the second non-finite step in a row
+    assert guard.observe(3.0, math.inf, norm_may_overflow=True) is None  # fp16: the GradScaler handles it
+    guard.before_rollback(to_step=5, at_step=9)
+    with pytest.raises(GuardError, match="1 rollbacks in a row to step 5"):
+        guard.before_rollback(to_step=5, at_step=9)
+    guard.after_checkpoint()
+    guard.before_rollback(to_step=10, at_step=12)
+    restored = TrainingGuard(guard.cfg)
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict() == guard.state_dict()
+    assert TrainingGuard(GuardConfig(enabled=False)).observe(math.nan, math.nan) is None
+
+
+def test_a_nan_step_is_skipped(char_data, tmp_path, monkeypatch):
+    inject_loss_faults(monkeypatch, {3: math.nan})
+    out = train(guarded_config(char_data), tmp_path)
+    assert out["step"] == 12 and out["reason"] == "done"
+    (skip,) = records(tmp_path, "guard")
+    assert skip == {**skip, "step": 3, "action": "skip", "loss": None}
+    weights = load_file(tmp_path / "checkpoints" / "step_00000012" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_nan_steps_in_a_row_roll_back_and_skip_the_bad_data(char_data, tmp_path, monkeypatch):
+    inject_loss_faults(monkeypatch, {7: math.nan, 8: math.nan, 9: math.nan})  # batches 7-9 are poison
+    out = train(guarded_config(char_data, max_nonfinite=3), tmp_path)
+    assert out["step"] == 12 and out["reason"] == "done"
+    actions = [(r["step"], r["action"], r.get("to_step")) for r in records(tmp_path, "guard")]
+    assert actions == [(7, "skip", None), (8, "skip", None), (9, "rollback", 5)]
+    rollback = records(tmp_path, "guard")[-1]
+    assert rollback["reason"] == "3 non-finite steps in a row" and rollback["loss"] is None
+    # Steps 6-12 were done again on fresh batches (10 on), not on the poisoned ones.
+    steps = [r["step"] for r in records(tmp_path, "train")]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_a_loss_spike_rolls_back(char_data, tmp_path, monkeypatch):
+    inject_loss_faults(monkeypatch, {8: 20.0})
+    out = train(guarded_config(char_data, spike_factor=3.0), tmp_path)
+    assert out["step"] == 12
+    (rollback,) = records(tmp_path, "guard")
+    assert rollback == {**rollback, "step": 8, "action": "rollback", "to_step": 5}
+    assert rollback["reason"].startswith("loss spike") and rollback["loss"] > 3 * 4 and rollback["grad_norm"] > 0
+
+
+def test_rollbacks_that_loop_stop_the_run_with_a_clear_error(char_data, tmp_path, monkeypatch):
+    inject_loss_faults(monkeypatch, {n: 20.0 for n in range(8, 100)})  # every batch from the 8th on spikes
+    with pytest.raises(GuardError, match="2 rollbacks in a row to step 5") as e:
+        train(guarded_config(char_data, spike_factor=3.0, max_rollbacks=2), tmp_path)
+    assert "\n" not in str(e.value)
+    assert [r["action"] for r in records(tmp_path, "guard")] == ["rollback", "rollback"]
+    assert records(tmp_path, "run_end")[-1]["reason"] == "error"
+    assert C.newest_checkpoint(tmp_path).name == "step_00000005"
+
+
+# --- a full disk -------------------------------------------------------------------------------------------
+def fill_disk_on_save(monkeypatch, nth: int):
+    """The nth weights file written runs out of space halfway, as on a full disk."""
+    original, calls = C.save_file, [0]
+
+    def save_file(tensors, path):
+        calls[0] += 1
+        if calls[0] == nth:
+            original(tensors, path)
+            with open(path, "r+b") as f:
+                f.truncate(f.seek(0, 2) // 2)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(tensors, path)
+
+    monkeypatch.setattr(C, "save_file", save_file)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(char_data, tmp_path, monkeypatch, capsys):
+    fill_disk_on_save(monkeypatch, nth=2)  # the save at step 10
+    with pytest.raises(C.CheckpointSaveError) as e:
+        train(tiny_config(char_data, max_steps=12), tmp_path / "run")
+    message = str(e.value)
+    assert e.value.errno == errno.ENOSPC and "\n" not in message
+    assert "step_00000010" in message and "No space left on device" in message and "step_00000005 is intact" in message
+    root = tmp_path / "run" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000005"
+    assert C.load_checkpoint(root / "step_00000005")[2]["step"] == 5
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step_00000005"]  # no half-written folder
+    assert records(tmp_path / "run", "run_end")[-1]["reason"] == "error"
+
+    # From the command line: one line, exit 2.
+    monkeypatch.undo()
+    fill_disk_on_save(monkeypatch, nth=1)
+    config = tmp_path / "cfg.toml"
+    config.write_text(dump_toml(tiny_config(char_data, max_steps=6)))
+    capsys.readouterr()
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "cli")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: could not save checkpoint step_00000005")
+    assert "no earlier checkpoint exists" in err[0]
+
+
+# --- SIGKILL at any moment ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigkill_anywhere_then_resume_ends_with_the_same_weights(char_data, tmp_path):
+    """Three trials: killed inside a checkpoint write, after a checkpoint is published but before `latest`
+    moves, and at a random moment. Each resumes with --resume auto and must end bit-identical."""
+    steps = 8
+    config = tmp_path / "cfg.toml"
+    config.write_text(dump_toml(fault_trials.tiny_config(char_data, steps)))
+    reference_s = fault_trials.run_to_end(config, tmp_path / "reference", resume=False, sleep_in_save=0.1)
+    reference = fault_trials.final_weights(tmp_path / "reference", steps)
+    rng = random.Random(0)
+    for kind in ("staging", "published", "delay"):
+        equal, notes = fault_trials.run_trial(config, tmp_path / kind, reference, steps, rng, reference_s,
+                                              kills=1, sleep_in_save=0.1, kinds=(kind,))
+        assert equal, (kind, notes)
+        if kind == "staging":
+            assert notes == ["killed when a staging folder appears (inside a save)"]
+        if kind == "published":
+            assert notes[0].startswith("killed when a checkpoint folder appears")

@@ -1,0 +1,188 @@
+"""Resuming: bit-identical continuation on CPU, what may change on resume, SIGTERM, and falling back past a
+damaged checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, run_cli, tiny_config
+from safetensors.torch import load_file
+
+from gpt2train.checkpoint import CheckpointError, newest_checkpoint
+from gpt2train.config import ConfigError, dump_toml
+from gpt2train.report import load_metrics
+from gpt2train.train.loop import Trainer, train
+
+
+def stop_with_sigterm_at(trainer: Trainer, stop_step: int):
+    """Make the trainer receive a real SIGTERM right after step `stop_step`, as a cluster scheduler would send."""
+    original = trainer.train_step
+
+    def step_then_signal():
+        out = original()
+        if trainer.step == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.train_step = step_then_signal
+
+
+def train_losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in load_metrics(run_dir) if r["kind"] == "train"}
+
+
+def records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
+    cfg = tiny_config(char_data, max_steps=12)
+    straight = train(cfg, tmp_path / "straight")
+    assert straight["step"] == 12
+
+    cfg = tiny_config(char_data, max_steps=12)
+    trainer = Trainer(cfg, tmp_path / "resumed")
+    stop_with_sigterm_at(trainer, 6)
+    first = trainer.fit()
+    assert first == {**first, "step": 6, "reason": "signal"}
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000006").is_dir()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run put the default handler back
+
+    second = train(tiny_config(char_data, max_steps=12), tmp_path / "resumed", resume="auto")
+    assert second["step"] == 12 and second["reason"] == "done"
+
+    losses_a, losses_b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert sorted(losses_b) == list(range(1, 13))
+    assert losses_a == losses_b  # exact floats
+    final_a = tmp_path / "straight" / "checkpoints" / "step_00000012"
+    final_b = tmp_path / "resumed" / "checkpoints" / "step_00000012"
+    assert_same_tensors(load_file(final_a / "model.safetensors"), load_file(final_b / "model.safetensors"))
+    opt_a = torch.load(final_a / "state.pt", weights_only=True)["optimizer"]["state"]
+    opt_b = torch.load(final_b / "state.pt", weights_only=True)["optimizer"]["state"]
+    for i in opt_a:
+        assert_same_tensors(opt_a[i], opt_b[i])
+    assert second["best_val_loss"] == straight["best_val_loss"]
+
+    starts = records(tmp_path / "resumed", "run_start")
+    assert [s["step"] for s in starts] == [1, 7]  # the first step of each launch
+    assert starts[1]["resumed_from"].endswith("step_00000006")
+
+
+def test_resume_may_change_schedule_and_intervals_not_shape(char_data, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_config(char_data, max_steps=6), run)
+
+    cfg = tiny_config(char_data, max_steps=9)
+    cfg.eval.interval, cfg.log.interval, cfg.checkpoint.every_steps = 2, 3, 4
+    out = train(cfg, run, resume="auto")
+    assert out["step"] == 9 and out["reason"] == "done"
+    assert [r["step"] for r in records(run, "val")][-2:] == [8, 9]
+
+    cfg = tiny_config(char_data, max_steps=12)
+    cfg.model.n_layer = 3
+    with pytest.raises(ConfigError, match="model shape changed.*n_layer: 2 -> 3"):
+        Trainer(cfg, run, resume="auto")
+
+    # As a user sees it: one line, exit 2.
+    cfg.model.vocab_size = 66
+    (tmp_path / "bigger.toml").write_text(dump_toml(cfg))
+    r = run_cli("train", "--config", str(tmp_path / "bigger.toml"), "--out", str(run), "--resume", "auto")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "n_layer: 2 -> 3" in r.stderr
+
+
+def test_resume_from_path_and_auto_without_checkpoint(char_data, tmp_path):
+    train(tiny_config(char_data, max_steps=10), tmp_path / "a")
+    out = train(tiny_config(char_data, max_steps=12), tmp_path / "b",
+                resume=str(tmp_path / "a" / "checkpoints" / "step_00000005"))
+    assert out["step"] == 12
+    assert records(tmp_path / "b", "run_start")[0]["step"] == 6
+
+    fresh = Trainer(tiny_config(char_data), tmp_path / "empty", resume="auto")
+    assert fresh.step == 0 and fresh.resumed_from is None
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Trainer(tiny_config(char_data), tmp_path / "c", resume=str(tmp_path / "nowhere"))
+
+
+def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(tiny_config(char_data, max_steps=10), run)
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert latest.name == "step_00000010"
+    state = latest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a failing disk
+    capsys.readouterr()
+
+    trainer = Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
+    assert trainer.step == 5
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 2 and "step_00000010" in warnings[0] and "state.pt" in warnings[0]
+    assert "moved damaged step_00000010 aside" in warnings[1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        ".damaged-step_00000010", "best", "latest", "step_00000005"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+
+    (run / "checkpoints" / "step_00000005" / "meta.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="every checkpoint .* is damaged"):
+        Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
+
+
+def test_sigterm_saves_the_current_step_and_resume_finishes(char_data, tmp_path):
+    run, config = tmp_path / "run", tmp_path / "cfg.toml"
+    cfg = tiny_config(char_data, max_steps=10_000)
+    cfg.checkpoint.every_steps = 0  # only the signal saves
+    cfg.eval.interval = 0
+    config.write_text(dump_toml(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "train", "--config", str(config), "--out", str(run)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not any(r.get("step", 0) >= 3 for r in _read_if_there(run)):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    end = records(run, "run_end")[-1]
+    assert end["reason"] == "signal"
+    stopped = end["step"]
+    ckpt = run / "checkpoints" / f"step_{stopped:08d}"
+    assert ckpt.is_dir() and newest_checkpoint(run) == ckpt
+    assert json.loads((ckpt / "meta.json").read_text())["step"] == stopped
+
+    r = run_cli("train", "--config", str(config), "--out", str(run), "--resume", "auto",
+                "--set", f"train.max_steps={stopped + 2}")
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {ckpt} at step {stopped}" in r.stdout
+    assert records(run, "run_end")[-1]["step"] == stopped + 2
+
+
+def _read_if_there(run) -> list[dict]:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return [r for r in out if r.get("kind") == "train"]
