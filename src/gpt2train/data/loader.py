@@ -3,7 +3,8 @@
 A window is T + 1 consecutive tokens of one shard: x is its first T tokens, y the T tokens after each.
 Windows are numbered globally over all shards of a split (`cum_starts`), and each step draws
 B * world_size window ids:
-  random:     ids drawn uniformly (with replacement) from a seeded generator; windows may overlap.
+  random:     ids drawn uniformly from a seeded generator, distinct within a step (windows of different
+              steps may repeat, and windows with nearby starts overlap).
   sequential: non-overlapping windows (start = k * T); each epoch is a permutation of all of them seeded
               by (seed, epoch), so every window is seen exactly once per epoch.
 Every rank draws the same ids for a step (same seed, same state) and keeps ids[rank::world_size], so
@@ -121,7 +122,7 @@ class TokenLoader:
         n = self.B * self.world_size
         total = int(self.cum_starts[-1])
         if self.order == "random":
-            return self.rng.integers(0, total, size=n)
+            return self.rng.choice(total, size=n, replace=False)  # Floyd's sampling: O(n), not O(total)
         ids = []
         while n:
             if self._permutation is None:  # each epoch a fresh permutation, derived from seed and epoch

@@ -67,17 +67,28 @@ class DocumentReader:
         self.replacements = 0
         for path in self.files:
             if path.is_dir():
-                yield from self._arrow_folder(path)
+                yield from self._columnar(self._arrow_folder(path), path)
             elif path.suffix.lower() in (".jsonl", ".ndjson"):
                 yield from self._jsonl(path)
             elif path.suffix.lower() == ".parquet":
-                yield from self._parquet(path)
+                yield from self._columnar(self._parquet(path), path)
             elif path.suffix.lower() == ".arrow":
-                yield from self._arrow_file(path)
+                yield from self._columnar(self._arrow_file(path), path)
             else:  # any other file is text: one file, one document
                 text, bad = decode_utf8(path.read_bytes())
                 self.replacements += bad
                 yield text
+
+    @staticmethod
+    def _columnar(documents: Iterator[str], path: Path) -> Iterator[str]:
+        """Parquet/Arrow documents; a corrupt file, found anywhere in it, is reported as bad input."""
+        import pyarrow as pa
+
+        try:
+            yield from documents
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path} is not a readable Parquet/Arrow file ({str(e).splitlines()[0][:120]}); "
+                              f"remove or re-export it") from None
 
     def input_fingerprint(self) -> list:
         """Names, sizes and modification times of every input file, to tell a re-run from new data."""
