@@ -9,7 +9,9 @@ B * world_size window ids:
               by (seed, epoch), so every window is seen exactly once per epoch.
 Every rank draws the same ids for a step (same seed, same state) and keeps ids[rank::world_size], so
 ranks never read the same window in a step and the loader state is identical on all ranks. A batch is
-gathered with one fancy index per shard instead of a Python loop per row.
+gathered with one index per shard into a (n_starts, T + 1) strided view of the shard, so numpy copies whole
+rows with no Python loop per row. (At GPT-2 shapes a loop of B contiguous row copies is about as fast; the
+view wins for many short rows, and both far outrun a GPU's appetite: benchmarks/bench_data.py.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from gpt2train.data.prepare import load_meta
 from gpt2train.data.shards import open_tokens
@@ -67,6 +70,8 @@ class TokenLoader:
         self.rank, self.world_size = rank, world_size
         self.order, self.seed = order, seed
         self.device = torch.device(device)
+        # windows[i][start] is the (T + 1,) window at `start` of shard i: a view, no copy
+        self.windows = [sliding_window_view(s, self.T + 1) if len(s) > self.T else None for s in self.shards]
         self.starts_per_shard = np.array([self.windows_in(len(s)) for s in self.shards], dtype=np.int64)
         self.cum_starts = np.cumsum(self.starts_per_shard)  # window ids of shard i: cum_starts[i-1] .. cum_starts[i]-1
         self.first_id = self.cum_starts - self.starts_per_shard
@@ -142,10 +147,9 @@ class TokenLoader:
         start = ids - self.first_id[shard_of]
         if self.order == "sequential":
             start = start * self.T
-        span = np.arange(self.T + 1)
         for s in np.unique(shard_of):
             rows = np.nonzero(shard_of == s)[0]
-            out[rows] = self.shards[s][start[rows, None] + span]  # one gather for all rows of a shard
+            out[rows] = self.windows[s][start[rows]]  # one gather of whole rows for all rows of a shard
         return out
 
     def next_batch_numpy(self) -> np.ndarray:
