@@ -335,6 +335,7 @@ def test_fuzz_garbage_inputs(tmp_path):
             outcomes["ok"] += 1
         except ValueError as e:
             assert len(str(e).splitlines()) == 1 and str(e), repr(e)
+            assert not (tmp_path / f"out{case}").exists()  # bad input leaves nothing behind
             outcomes["error"] += 1
     assert outcomes["ok"] and outcomes["error"], outcomes
 

@@ -296,6 +296,18 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
     was interrupted resumes after the last shard it wrote.
     """
     out = Path(out_dir)
+    created = not out.exists()
+    try:
+        return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress,
+                        _stop_after_shards)
+    except ValueError:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # leave no empty folder behind after bad input
+        raise
+
+
+def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
+             progress: bool, _stop_after_shards) -> dict:
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens} must be positive")
     workers = max(1, workers or os.cpu_count() or 1)
