@@ -48,7 +48,7 @@ def naive_batches(folder: Path, B: int, T: int, steps: int) -> None:
             start = int(rng.integers(len(tokens) - T))
             rows.append(torch.from_numpy(tokens[start:start + T + 1].astype(np.int64)))
         buf = torch.stack(rows)
-        x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # what TokenLoader.next_batch returns
+        _x, _y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # what TokenLoader.next_batch returns
 
 
 def time_loader(make, B: int, T: int, steps: int, repeats: int = 3) -> float:
@@ -72,7 +72,8 @@ def bench_loader(folder: Path, B: int, T: int, steps: int) -> list[tuple[str, st
                 loader = TokenLoader(folder, "train", B, T, order=order, mode=mode, seed=0)
                 return lambda n: [loader.next_batch() for _ in range(n)]
             rows.append((mode, order, time_loader(make, B, T, steps)))
-    rows.append(("memmap", "naive Python loop", time_loader(lambda: lambda n: naive_batches(folder, B, T, n), B, T, steps)))
+    naive = time_loader(lambda: lambda n: naive_batches(folder, B, T, n), B, T, steps)
+    rows.append(("memmap", "naive Python loop", naive))
     return rows
 
 
@@ -91,7 +92,11 @@ def bench_gather(folder: Path, shapes, steps: int) -> list[tuple[int, int, float
                 for i in range(B):
                     out[i] = loader.shards[shard_of[i]][start[i]:start[i] + T + 1]
 
-        vectorized = time_loader(lambda: lambda n: [loader.next_batch_numpy() for _ in range(n)], B, T, steps)
+        def vectorized_run(n, loader=loader):
+            for _ in range(n):
+                loader.next_batch_numpy()
+
+        vectorized = time_loader(lambda: vectorized_run, B, T, steps)
         rows.append((B, T, vectorized, time_loader(lambda: per_row, B, T, steps)))
     return rows
 

@@ -14,8 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import run_cli
-from gpt2train.data.prepare import (PrepareInterrupted, load_meta, prepare_documents, prepare_files, prepare_hf,
-                                    shakespeare_text)
+from gpt2train.data.prepare import (
+    PrepareInterrupted,
+    load_meta,
+    prepare_documents,
+    prepare_files,
+    prepare_hf,
+    shakespeare_text,
+)
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
@@ -147,7 +153,7 @@ def test_jsonl_parquet_and_hf_folder(docs, gpt2, tmp_path):
 
     meta = prepare_files([tmp_path / "a.jsonl", tmp_path / "b.parquet"], tmp_path / "o1", val_fraction=0.25,
                          workers=1, progress=False)
-    both = shard_tokens_of(tmp_path / "o1", meta, "train").tolist() + shard_tokens_of(tmp_path / "o1", meta, "val").tolist()
+    both = [t for split in ("train", "val") for t in shard_tokens_of(tmp_path / "o1", meta, split).tolist()]
     assert sorted(both) == sorted(expected_stream(gpt2, docs[:20]))
     assert meta["documents"] == {"train": 15, "val": 5}
     meta = prepare_files([hf], tmp_path / "o2", text_field="content", val_fraction=0.5, workers=1, progress=False)
@@ -199,7 +205,7 @@ def test_resume_after_interruption_is_identical(txt_folder, tmp_path):
 
 
 def test_resume_val_tokens_mode(txt_folder, tmp_path):
-    kwargs = dict(workers=1, shard_tokens=3000, val_tokens=5000, progress=False)
+    kwargs = {"workers": 1, "shard_tokens": 3000, "val_tokens": 5000, "progress": False}
     fresh = prepare_files([txt_folder], tmp_path / "fresh", **kwargs)
     for stop in (1, 4):
         out = tmp_path / f"out{stop}"
@@ -220,7 +226,8 @@ def test_rerun_is_a_no_op_and_new_inputs_replace(txt_folder, tmp_path, capsys):
     assert (out / "train_000000.bin").stat().st_mtime_ns == stamp
     small = prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=20_000, progress=False)
     assert len(small["shards"]["train"]) < len(meta["shards"]["train"])
-    assert sorted(p.name for p in out.iterdir()) == sorted(["meta.json"] + small["shards"]["train"] + small["shards"]["val"])
+    expected = ["meta.json", *small["shards"]["train"], *small["shards"]["val"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted(expected)
 
 
 def test_bpe_train_and_prepare(txt_folder, docs, tmp_path):
@@ -257,7 +264,8 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
     meta = prepare_files([tmp_path / "in"], tmp_path / "out", val_fraction=0.5, workers=1)
     assert meta["invalid_utf8_replacements"] == 2
     assert "2 invalid UTF-8" in capsys.readouterr().err
-    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, ["caf\ufffd latin-1 \ufffd text"])
+    replaced = "caf\ufffd latin-1 \ufffd text"
+    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, [replaced])
 
 
 def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):

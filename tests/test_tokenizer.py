@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from gpt2train.tokenizer import (BPETokenizer, CharTokenizer, GPT2Tokenizer, package_file, tokenizer_from_name,
-                                 tokenizer_from_spec, train_bpe)
+from gpt2train.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    package_file,
+    tokenizer_from_name,
+    tokenizer_from_spec,
+    train_bpe,
+)
 
 VARIED = [
     "Hello world",
@@ -69,7 +76,8 @@ def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
     reference = Tokenizer(models.BPE.from_file(str(encoder_json), str(vocab_bpe)))
     reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     rng = random.Random(0)
-    pieces = ["the", " cat", "🙂", "é", "\n", "  ", "\t", "123", "日本", "don't", "<|endoftext|>", "!?", " ", "\u00a0"]
+    pieces = ["the", " cat", "🙂", "é", "\n", "  ", "\t", "123", "日本", "don't", "<|endoftext|>", "!?", " ",
+              "\u00a0"]
     texts = VARIED + ["".join(rng.choice(pieces) for _ in range(40)) for _ in range(30)]
     for text in texts:
         assert gpt2.encode(text) == reference.encode(text).ids, repr(text)
@@ -80,7 +88,8 @@ def tiktoken_gpt2_cached() -> bool:
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
         os.path.join(tempfile.gettempdir(), "data-gym-cache")
     base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
-    return all(Path(cache, hashlib.sha1((base + f).encode()).hexdigest()).is_file() for f in ("vocab.bpe", "encoder.json"))
+    names = (hashlib.sha1((base + f).encode()).hexdigest() for f in ("vocab.bpe", "encoder.json"))
+    return all(Path(cache, name).is_file() for name in names)
 
 
 @pytest.mark.skipif(not tiktoken_gpt2_cached(), reason="tiktoken's own gpt2 files are not cached locally")

