@@ -248,7 +248,7 @@ class SplitWriter:
             written = n - (int(ends[j]) - int(docs[2, j]))
             rest[1, 0] += written
             rest[2, 0] -= written
-        self.parts = [tokens[n:]] if tokens.size > n else []
+        self.parts = [tokens[n:].copy()] if tokens.size > n else []  # a copy frees the written tokens
         self.docs = [rest] if rest.shape[1] else []
         self.buffered = tokens.size - n
 
