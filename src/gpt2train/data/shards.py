@@ -5,6 +5,9 @@ A shard is a 1024-byte header of 256 little-endian int32 followed by the tokens:
   header[1] version: 1 for uint16, 7 for uint32
   header[2] number of tokens; the rest is zero.
 Writes go to a temporary file that is renamed into place, so a crash never leaves half a shard.
+
+Two headerless layouts from other projects are read too (`open_tokens`): nanoGPT's `train.bin`/`val.bin`
+(raw uint16 tokens) and build-nanogpt's `.npy` shards (numpy arrays of uint16 tokens).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def write_shard(path: str | Path, tokens, vocab_size: int) -> None:
     dtype = token_dtype(vocab_size)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ShardError(f"{path.name}: token id {int(tokens.max())} does not fit a vocabulary of {vocab_size}")
+        bad = int(tokens.max()) if tokens.max() >= vocab_size else int(tokens.min())
+        raise ShardError(f"{path.name}: token id {bad} is outside the vocabulary of {vocab_size}; "
+                         f"the tokenizer's vocab_size is wrong")
     magic = next(m for m, (_, dt) in FORMATS.items() if dt == dtype)
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (magic, FORMATS[magic][0], tokens.size)
@@ -74,3 +79,35 @@ def open_shard(path: str | Path, in_memory: bool = False) -> np.ndarray:
     if in_memory:
         return np.fromfile(path, dtype=dtype, count=count, offset=HEADER_BYTES)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def open_raw_uint16(path: str | Path, in_memory: bool = False) -> np.ndarray:
+    """nanoGPT's train.bin / val.bin: uint16 tokens with no header."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size % 2:
+        raise ShardError(f"{path}: {size} bytes is not a whole number of uint16 tokens; the file is truncated")
+    if in_memory:
+        return np.fromfile(path, dtype="<u2")
+    return np.memmap(path, dtype="<u2", mode="r") if size else np.zeros(0, dtype="<u2")
+
+
+def open_npy(path: str | Path, in_memory: bool = False) -> np.ndarray:
+    """build-nanogpt's `.npy` shards: a 1-D integer array of tokens."""
+    try:
+        tokens = np.load(path, mmap_mode=None if in_memory else "r", allow_pickle=False)
+    except ValueError as e:
+        raise ShardError(f"{path}: not a readable .npy token array ({str(e).splitlines()[0]})") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ShardError(f"{path}: expected a 1-D integer token array, found {tokens.dtype} of shape {tokens.shape}")
+    return tokens
+
+
+OPENERS = {"llmc": open_shard, "nanogpt": open_raw_uint16, "npy": open_npy}
+
+
+def open_tokens(path: str | Path, fmt: str = "llmc", in_memory: bool = False) -> np.ndarray:
+    """Tokens of one shard in any layout we read: llmc (default), nanogpt (raw uint16) or npy."""
+    if fmt not in OPENERS:
+        raise ShardError(f"unknown shard format {fmt!r} in meta.json; expected one of {sorted(OPENERS)}")
+    return OPENERS[fmt](path, in_memory=in_memory)

