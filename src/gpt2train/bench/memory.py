@@ -135,7 +135,8 @@ class MemoryEstimate:
         lines = [f"memory per device: micro_batch {self.micro_batch} x seq_len {self.seq_len}, "
                  f"world size {self.world_size}", f"{'component':<{width}} {'size':>11}"]
         lines += [f"{name:<{width}} {format_bytes(n):>11}" for name, n in self.breakdown.items()]
-        lines.append(f"{'predicted peak':<{width}} {format_bytes(self.total_bytes):>11}  ({self.peak_phase})")
+        lines.append(f"{'predicted peak':<{width}} {format_bytes(self.total_bytes):>11}  ({self.peak_phase}; "
+                     "not the sum: gradients appear as activations are freed)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -411,3 +412,44 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
                          "set model.loss_chunk, or shard with FSDP")
     b, accum = accumulation_for(cfg, best)
     return BatchSearch(b, accum, best, trials, total_memory, headroom)
+
+
+def find_batch_report(cfg: Config, headroom: float = 0.1, world_size: int = 1, gpu_memory_gib: float = 80.0,
+                      echo=print) -> str:
+    """`gpt2train memory --find-batch`: measure on CUDA, or explain and fall back to the estimate."""
+    T = cfg.train.seq_len or cfg.model.block_size
+    if not torch.cuda.is_available():
+        budget = int((1 - headroom) * gpu_memory_gib * 2**30)
+        b = suggest_micro_batch(cfg, budget, world_size)
+        lines = ["--find-batch measures by running training steps on a CUDA device, and there is none here.",
+                 f"Estimate-based suggestion instead, for a GPU of {gpu_memory_gib:g} GiB with {headroom:.0%} "
+                 f"headroom (--gpu-memory-gib to change):"]
+        if b == 0:
+            lines.append("  not even micro_batch 1 fits; enable model.grad_checkpointing or model.loss_chunk, "
+                         "or shard with FSDP")
+            return "\n".join(lines)
+        fit, accum = accumulation_for(cfg, b, world_size)
+        lines.append(f"  largest micro_batch by the estimate: {b}")
+        lines.append(_accumulation_line(cfg, fit, accum, T, world_size))
+        return "\n".join(lines)
+
+    def progress(b, ok, peak):
+        used = format_bytes(peak) if peak is not None else "out of memory"
+        echo(f"  micro_batch {b:>4}: {used} -> {'fits' if ok else 'too big'}")
+
+    echo(f"searching on {torch.cuda.get_device_name()} with {headroom:.0%} headroom (eager steps):")
+    found = find_micro_batch(cfg, headroom, progress=progress)
+    lines = [f"largest micro_batch that fits: {found.largest_fitting} "
+             f"(device memory {format_bytes(found.device_bytes)})",
+             _accumulation_line(cfg, found.micro_batch, found.grad_accum, T, 1)]
+    if world_size > 1:
+        lines.append(f"  (measured on one device; with {world_size} ranks the accumulation divides by {world_size}: "
+                     f"see train.total_batch_tokens)")
+    return "\n".join(lines)
+
+
+def _accumulation_line(cfg: Config, micro_batch: int, accum: int, T: int, world_size: int) -> str:
+    if cfg.train.total_batch_tokens <= 0:
+        return f"  set train.micro_batch = {micro_batch} (train.total_batch_tokens is 0: no accumulation)"
+    return (f"  for train.total_batch_tokens = {cfg.train.total_batch_tokens:,}: micro_batch {micro_batch} x seq_len {T} "
+            f"x {world_size} rank(s) x {accum} accumulation steps")
