@@ -110,3 +110,19 @@ def test_build_optimizer_keeps_the_library_groups():
 def test_cli_bench_bad_seq_len_is_one_line(tmp_path):
     r = run_cli("bench", "journey", "--device", "cpu", "--seq-len", "4096", "--out", str(tmp_path))
     assert r.returncode == 2 and r.stderr.strip().startswith("error:") and "block_size" in r.stderr
+
+
+def test_skip_leaves_a_technique_out_and_says_so(tmp_path, monkeypatch):
+    setups = []
+
+    def fake_measure(name, setup, options, data_dir, device, memory):
+        setups.append(setup)
+        return StageResult(name=name, setup={}, step_ms=10.0, tokens_per_s=3.2, warmup_s=0.0, final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", fake_measure)
+    result = run_journey(tiny_options(techniques=["bf16", "sdpa"], skip=["bf16"]), tmp_path, progress=False)
+    assert [s.status for s in result.stages] == ["ok", "skipped", "ok"]
+    assert result.stages[1].reason == "left out with --skip"
+    assert setups[-1].sdpa and not setups[-1].bf16
+    with pytest.raises(ValueError, match="unknown technique 'bf17'"):
+        run_journey(tiny_options(skip=["bf17"]), tmp_path, progress=False)

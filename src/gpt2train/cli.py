@@ -69,7 +69,7 @@ def cmd_bench(args) -> int:
 
     options = JourneyOptions(model=args.model, device=args.device, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, ablate=args.ablate,
-                             threads=args.threads)
+                             threads=args.threads, skip=args.skip or [])
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_journey(options, out)
     print(result.markdown)
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's block_size)")
     j.add_argument("--steps", type=int, default=10, help="measured steps per stage (default 10)")
     j.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    j.add_argument("--skip", action="append", metavar="TECHNIQUE",
+                   help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
+                        "fused_adamw, chunked_loss")
     j.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
     j.add_argument("--out", help="output folder (default runs/bench-<time>)")
     j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")

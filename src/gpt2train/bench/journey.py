@@ -85,6 +85,7 @@ class JourneyOptions:
     threads: int = 0  # CPU threads for torch; 0: torch's default
     data_tokens: int = 4_000_000  # size of the synthetic dataset
     techniques: list[str] | None = None  # journey stages to run after "naive" (default: all, in order)
+    skip: list[str] = field(default_factory=list)  # techniques left off everywhere, shown as skipped
 
 
 @dataclass
@@ -142,8 +143,10 @@ class PythonLoopBatches:
 
 
 # --- applicability ---------------------------------------------------------------------------------------
-def not_applicable(technique: str, device: torch.device) -> str | None:
-    """Why a technique cannot run on this device, or None when it can."""
+def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -> str | None:
+    """Why a technique cannot run on this device (or was left out), or None when it runs."""
+    if technique in skip:
+        return "left out with --skip"
     if technique == "tf32":
         if device.type != "cuda":
             return "TF32 is an NVIDIA tensor-core mode (Ampere and newer); a CPU computes fp32 matmuls in fp32"
@@ -324,7 +327,7 @@ def _release(device: torch.device, compiled: bool):
 def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
     keys = options.techniques if options.techniques is not None else [k for k, _ in TECHNIQUES]
     labels = dict(TECHNIQUES)
-    unknown = [k for k in keys if k not in labels]
+    unknown = [k for k in [*keys, *options.skip] if k not in labels]
     if unknown:
         raise ValueError(f"unknown technique {unknown[0]!r}; techniques are {', '.join(labels)}")
     return [(k, labels[k]) for k in keys]
@@ -332,6 +335,7 @@ def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
 
 def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
     """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
+    journey_stages(options)  # unknown technique names fail before any work
     device = resolve_device(options.device)
     if options.seq_len == 0:
         options = replace(options, seq_len=preset_config(options.model).block_size)
@@ -365,7 +369,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
         stages = [run("naive", Setup())]
         setup = Setup()
         for key, label in journey_stages(options):
-            reason = not_applicable(key, device)
+            reason = not_applicable(key, device, options.skip)
             if reason:
                 stages.append(StageResult(name=label, setup=dataclasses.asdict(setup), status="skipped", reason=reason))
                 if bar is not None:
@@ -377,11 +381,11 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
 
         ablation = []
         if options.ablate:
-            everything = Setup(**{k: not_applicable(k, device) is None for k, _ in TECHNIQUES})
+            everything = Setup(**{k: not_applicable(k, device, options.skip) is None for k, _ in TECHNIQUES})
             ablation.append(run("all on", everything))
             for key, _ in TECHNIQUES:
                 name = f"- {SHORT_NAMES[key]}"
-                reason = not_applicable(key, device)
+                reason = not_applicable(key, device, options.skip)
                 if reason:
                     ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
                                                 reason=reason))
