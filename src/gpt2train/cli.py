@@ -168,6 +168,32 @@ def cmd_ckpt_inspect(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from gpt2train.bench.journey import JourneyOptions, run_journey
+
+    options = JourneyOptions(model=args.model, device=args.device, micro_batch=args.micro_batch,
+                             seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, ablate=args.ablate,
+                             threads=args.threads, skip=args.skip or [])
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    result = run_journey(options, out)
+    print(result.markdown)
+    print(f"wrote {out}/journey.md, journey.json, journey.png")
+    return 0
+
+
+def cmd_memory(args) -> int:
+    from gpt2train.bench.memory import estimate_memory, find_batch_report
+    from gpt2train.config import load_config
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size} must be at least 1")
+    cfg = load_config(args.config, args.set or [])
+    print(estimate_memory(cfg, args.world_size).format())
+    if args.find_batch:
+        print(find_batch_report(cfg, args.headroom, args.world_size, args.gpu_memory_gib))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -275,6 +301,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "a damaged one is reported in one line (exit 2)")
     c.add_argument("path", type=Path, metavar="PATH", help="run directory (its newest good checkpoint) or a checkpoint folder")
     c.set_defaults(func=cmd_ckpt_inspect)
+
+    p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    j = bench.add_parser("journey", help="naive -> fast, one cumulative technique per stage (or --ablate)")
+    j.add_argument("--model", default="gpt2-tiny", help="model preset (default gpt2-tiny)")
+    j.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    j.add_argument("--micro-batch", type=int, default=8, help="sequences per step (default 8)")
+    j.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's block_size)")
+    j.add_argument("--steps", type=int, default=10, help="measured steps per stage (default 10)")
+    j.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    j.add_argument("--skip", action="append", metavar="TECHNIQUE",
+                   help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
+                        "fused_adamw, chunked_loss")
+    j.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    j.add_argument("--out", help="output folder (default runs/bench-<time>)")
+    j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
+    j.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
+    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks: FSDP divides weights, gradients, optimizer")
+    p.add_argument("--find-batch", action="store_true", help="search the largest micro_batch that fits (CUDA)")
+    p.add_argument("--headroom", type=float, default=0.1, help="share of device memory left free (default 0.1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="without CUDA, the GPU memory the estimate-based suggestion plans for (default 80)")
+    p.set_defaults(func=cmd_memory)
     return parser
 
 

@@ -1,0 +1,536 @@
+"""The optimization journey: a short measured training segment per stage, from naive to fast.
+
+Each stage turns on one more technique than the one before (cumulative), and every stage is built from
+the library's real pieces: GPT and GPTConfig, TokenLoader, AdamW with make_optimizer's parameter groups,
+autocast, torch.compile. `--ablate` measures the other way round: everything on, minus one technique.
+
+A stage runs `warmup` untimed steps first (compilation happens there and is reported apart), then
+`steps` timed ones: CUDA events around each step on a GPU, time.perf_counter on a CPU. The data is a
+synthetic prepared dataset (random GPT-2 token ids in an llm.c shard), so nothing is downloaded; random
+tokens cost the same FLOPs as real text.
+
+A technique that cannot apply on the device is shown as skipped with the reason, never faked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import json
+import math
+import platform
+import random
+import resource
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2train.config import TrainConfig
+from gpt2train.data.loader import TokenLoader
+from gpt2train.data.shards import open_shard, write_shard
+from gpt2train.model import GPT, preset_config
+from gpt2train.train.distributed import resolve_device
+from gpt2train.train.metrics import flops_per_token, peak_for_run
+from gpt2train.train.optim import make_optimizer
+
+GPT2_VOCAB = 50257
+
+
+# --- what a stage turns on -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setup:
+    ram_loader: bool = False  # TokenLoader(mode="ram"), vectorized; else a Python loop over a memmap
+    tf32: bool = False
+    bf16: bool = False
+    compile: bool = False
+    sdpa: bool = False  # flash attention through scaled_dot_product_attention; else the naive (T, T) scores
+    pad_vocab: bool = False  # 50257 -> 50304
+    fused_adamw: bool = False  # else AdamW(foreach=False, fused=False): one small kernel chain per tensor
+    chunked_loss: bool = False  # GPTConfig.loss_chunk: never the full (B*T, V) logits
+
+
+# Journey order: (Setup field, stage label). Cheap, always-right changes first, as one would apply them.
+TECHNIQUES: list[tuple[str, str]] = [
+    ("ram_loader", "+ RAM preload, vectorized batches"),
+    ("tf32", "+ TF32 matmuls"),
+    ("bf16", "+ bf16 autocast"),
+    ("compile", "+ torch.compile"),
+    ("sdpa", "+ flash attention (SDPA)"),
+    ("pad_vocab", "+ vocab 50304"),
+    ("fused_adamw", "+ fused AdamW"),
+    ("chunked_loss", "+ chunked cross-entropy"),
+]
+SHORT_NAMES = {"ram_loader": "RAM loader", "tf32": "TF32", "bf16": "bf16 autocast", "compile": "torch.compile",
+               "sdpa": "flash attention", "pad_vocab": "vocab 50304", "fused_adamw": "fused AdamW",
+               "chunked_loss": "chunked cross-entropy"}
+
+
+@dataclass
+class JourneyOptions:
+    model: str = "gpt2-tiny"
+    device: str = "auto"
+    micro_batch: int = 8
+    seq_len: int = 0  # 0: the preset's block_size
+    steps: int = 10
+    warmup: int = 3
+    ablate: bool = False
+    loss_chunk: int = 0  # rows per cross-entropy chunk; 0: a quarter of the micro-batch's tokens
+    threads: int = 0  # CPU threads for torch; 0: torch's default
+    data_tokens: int = 4_000_000  # size of the synthetic dataset
+    techniques: list[str] | None = None  # journey stages to run after "naive" (default: all, in order)
+    skip: list[str] = field(default_factory=list)  # techniques left off everywhere, shown as skipped
+
+
+@dataclass
+class StageResult:
+    name: str
+    setup: dict
+    status: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    step_ms: float | None = None  # median of the timed steps
+    step_ms_all: list[float] = field(default_factory=list)
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_mem_bytes: int | None = None
+    warmup_s: float | None = None  # the untimed steps, compilation included
+    final_loss: float | None = None
+    speedup_vs_first: float | None = None
+    speedup_vs_previous: float | None = None
+
+
+@dataclass
+class JourneyResult:
+    options: dict
+    environment: dict
+    stages: list[StageResult]
+    ablation: list[StageResult]
+    markdown: str = ""
+
+
+# --- data ----------------------------------------------------------------------------------------------
+def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB, seed: int = 0) -> Path:
+    """A prepared dataset of uniformly random token ids (one train shard and meta.json)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = np.random.default_rng(seed).integers(0, vocab_size, size=tokens, dtype=np.int64)
+    write_shard(out / "train_000000.bin", ids, vocab_size)
+    meta = {"source": "synthetic (uniform random ids)", "tokenizer": {"kind": "gpt2"}, "vocab_size": vocab_size,
+            "eot_id": vocab_size - 1, "shards": {"train": ["train_000000.bin"]}, "tokens": {"train": tokens}}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+class PythonLoopBatches:
+    """The naive loader: a memory-mapped shard, one random window per row sliced in a Python loop."""
+
+    def __init__(self, data_dir: Path, batch_size: int, seq_len: int, device: torch.device, seed: int = 0):
+        self.tokens = open_shard(Path(data_dir) / "train_000000.bin")  # memmap: every read goes to the page cache
+        self.B, self.T, self.device = batch_size, seq_len, device
+        self.rng = random.Random(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = [self.rng.randrange(len(self.tokens) - self.T - 1) for _ in range(self.B)]
+        x = torch.stack([torch.from_numpy(self.tokens[i : i + self.T].astype(np.int64)) for i in starts])
+        y = torch.stack([torch.from_numpy(self.tokens[i + 1 : i + 1 + self.T].astype(np.int64)) for i in starts])
+        return x.to(self.device), y.to(self.device)  # pageable memory: the copy blocks
+
+
+# --- applicability ---------------------------------------------------------------------------------------
+def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -> str | None:
+    """Why a technique cannot run on this device (or was left out), or None when it runs."""
+    if technique in skip:
+        return "left out with --skip"
+    if technique == "tf32":
+        if device.type != "cuda":
+            return "TF32 is an NVIDIA tensor-core mode (Ampere and newer); a CPU computes fp32 matmuls in fp32"
+        if torch.cuda.get_device_capability(device)[0] < 8:
+            return f"{torch.cuda.get_device_name(device)} predates Ampere: no TF32 tensor cores"
+    if technique == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return f"{torch.cuda.get_device_name(device)} has no bf16"
+    if technique == "fused_adamw":
+        try:
+            p = torch.nn.Parameter(torch.zeros(2, device=device))
+            p.grad = torch.zeros(2, device=device)
+            torch.optim.AdamW([p], fused=True).step()
+        except (RuntimeError, TypeError, ValueError) as e:
+            return f"torch {torch.__version__} has no fused AdamW on {device.type}: {str(e).splitlines()[0]}"
+    return None
+
+
+# --- one stage -----------------------------------------------------------------------------------------------
+def build_optimizer(model: GPT, fused: bool) -> torch.optim.AdamW:
+    """AdamW with make_optimizer's parameter groups and hyperparameters, fused or one tensor at a time."""
+    library = make_optimizer(model, TrainConfig(), "cpu")
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in library.param_groups]
+    d = library.defaults
+    return torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                             foreach=False if not fused else None, fused=fused)
+
+
+@contextmanager
+def matmul_precision(tf32: bool):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class ProcessMemory:
+    """Peak memory of a stage: CUDA's max_memory_allocated, or on CPU the process RSS high-water mark.
+
+    On Linux the RSS high-water mark can be reset (write 5 to /proc/self/clear_refs; getrusage's
+    ru_maxrss follows), so a stage's peak is its own: the high-water mark of its timed steps minus the
+    RSS left once the stage is torn down and freed memory is handed back to the OS (malloc_trim). That
+    is process memory: libraries and allocator caches blur it, so it is not comparable to CUDA's number.
+    Where the reset is refused, the peak is reported as n/a.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.method = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
+                       else "process RSS high-water mark of the timed steps (getrusage, reset per stage) "
+                            "minus the RSS after the stage is freed")
+
+    def reset_peak(self) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def floor(self) -> int:
+        """RSS once everything of a stage is freed (CPU)."""
+        _trim_heap()
+        return _current_rss()
+
+
+def _trim_heap():
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _current_rss() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Path, device: torch.device,
+                  memory: ProcessMemory) -> StageResult:
+    """Build the stage's model, optimizer and loader, warm up, and time `options.steps` training steps."""
+    result = StageResult(name=name, setup=dataclasses.asdict(setup))
+    B, T = options.micro_batch, options.seq_len
+    model_cfg = preset_config(options.model, vocab_size=GPT2_VOCAB, pad_vocab_multiple=64 if setup.pad_vocab else 1,
+                              attention="sdpa" if setup.sdpa else "naive",
+                              loss_chunk=(options.loss_chunk or max(1, B * T // 4)) if setup.chunked_loss else 0)
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(device)
+    model.train()
+    optimizer = build_optimizer(model, fused=setup.fused_adamw)
+    step_model = torch.compile(model) if setup.compile else model
+    if setup.ram_loader:
+        batches = TokenLoader(data_dir, "train", B, T, seed=0, mode="ram", device=device)
+    else:
+        batches = PythonLoopBatches(data_dir, B, T, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if setup.bf16 else nullcontext()
+
+    def train_step() -> torch.Tensor:  # the Trainer's step, without accumulation or the LR schedule
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batches.next_batch()
+        with autocast:
+            _, loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    with matmul_precision(setup.tf32):
+        start = time.perf_counter()
+        for _ in range(options.warmup):
+            train_step()
+        _synchronize(device)
+        result.warmup_s = time.perf_counter() - start
+        reset_ok = memory.reset_peak()
+        times, loss = _timed_steps(train_step, options.steps, device)
+    peak = memory.peak()
+    result.step_ms_all = [t * 1000 for t in times]
+    result.step_ms = statistics.median(result.step_ms_all)
+    result.tokens_per_s = B * T / (result.step_ms / 1000)
+    result.final_loss = float(loss)
+    peak_flops = peak_for_run(device, torch.bfloat16 if setup.bf16 else torch.float32, setup.tf32)
+    result.mfu = result.tokens_per_s * flops_per_token(model_cfg, T) / peak_flops if peak_flops else None
+    del model, optimizer, step_model, batches, train_step
+    _release(device, setup.compile)
+    if device.type == "cuda":
+        result.peak_mem_bytes = peak
+    elif reset_ok:
+        result.peak_mem_bytes = max(0, peak - memory.floor())
+    return result
+
+
+def _timed_steps(train_step, steps: int, device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Seconds per step: CUDA events between consecutive steps on a GPU (no sync inside the loop)."""
+    loss = None
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+        for i in range(steps):
+            loss = train_step()
+            events[i + 1].record()
+        torch.cuda.synchronize(device)
+        return [events[i].elapsed_time(events[i + 1]) / 1000 for i in range(steps)], loss
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = train_step()
+        times.append(time.perf_counter() - t0)
+    return times, loss
+
+
+def _synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _release(device: torch.device, compiled: bool):
+    if compiled:
+        torch._dynamo.reset()  # drop compiled graphs, so the next stage compiles (and is measured) afresh
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- the journey and the ablation ---------------------------------------------------------------------------
+def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
+    keys = options.techniques if options.techniques is not None else [k for k, _ in TECHNIQUES]
+    labels = dict(TECHNIQUES)
+    unknown = [k for k in [*keys, *options.skip] if k not in labels]
+    if unknown:
+        raise ValueError(f"unknown technique {unknown[0]!r}; techniques are {', '.join(labels)}")
+    return [(k, labels[k]) for k in keys]
+
+
+def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
+    """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
+    journey_stages(options)  # unknown technique names fail before any work
+    device = resolve_device(options.device)
+    if options.seq_len == 0:
+        options = replace(options, seq_len=preset_config(options.model).block_size)
+    _check_options(options)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    memory = ProcessMemory(device)
+    planned = [("naive", None)] + journey_stages(options)
+    if options.ablate:
+        planned += [("all on", "ablate")] + [(k, "ablate") for k, _ in TECHNIQUES]
+    bar = _progress(len(planned), progress)
+    with tempfile.TemporaryDirectory(prefix="gpt2train-bench-") as tmp:
+        needed = 4 * options.micro_batch * (options.seq_len + 1) * (options.steps + options.warmup)
+        data_dir = write_synthetic_data(tmp, max(options.data_tokens, needed))
+
+        def run(name: str, setup: Setup) -> StageResult:
+            if bar is not None:
+                bar.set_description(name)
+            try:
+                result = measure_stage(name, setup, options, data_dir, device, memory)
+            except Exception as e:  # a stage that breaks (no compiler, out of memory) is reported, not hidden
+                _release(device, setup.compile)
+                result = StageResult(name=name, setup=dataclasses.asdict(setup), status="failed",
+                                     reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if bar is not None:
+                bar.update(1)
+            return result
+
+        stages = [run("naive", Setup())]
+        setup = Setup()
+        for key, label in journey_stages(options):
+            reason = not_applicable(key, device, options.skip)
+            if reason:
+                stages.append(StageResult(name=label, setup=dataclasses.asdict(setup), status="skipped", reason=reason))
+                if bar is not None:
+                    bar.update(1)
+                continue
+            setup = replace(setup, **{key: True})
+            stages.append(run(label, setup))
+        _speedups(stages)
+
+        ablation = []
+        if options.ablate:
+            everything = Setup(**{k: not_applicable(k, device, options.skip) is None for k, _ in TECHNIQUES})
+            ablation.append(run("all on", everything))
+            for key, _ in TECHNIQUES:
+                name = f"- {SHORT_NAMES[key]}"
+                reason = not_applicable(key, device, options.skip)
+                if reason:
+                    ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
+                                                reason=reason))
+                    if bar is not None:
+                        bar.update(1)
+                    continue
+                ablation.append(run(name, replace(everything, **{key: False})))
+            _ablation_ratios(ablation)
+    if bar is not None:
+        bar.close()
+
+    result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory),
+                           stages=stages, ablation=ablation)
+    result.markdown = to_markdown(result)
+    (out / "journey.md").write_text(result.markdown)
+    (out / "journey.json").write_text(json.dumps(dataclasses.asdict(result) | {"markdown": None}, indent=2) + "\n")
+    plot_journey(result, out / "journey.png")
+    return result
+
+
+def _check_options(options: JourneyOptions):
+    block = preset_config(options.model).block_size  # raises on an unknown preset
+    if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0:
+        raise ValueError("--micro-batch and --steps must be at least 1, --warmup at least 0")
+    if not 1 <= options.seq_len <= block:
+        raise ValueError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
+
+
+def _speedups(stages: list[StageResult]):
+    """Speedup in tokens/s against the first measured stage and the last measured one before each."""
+    measured = [s for s in stages if s.status == "ok"]
+    if not measured:
+        return
+    first, previous = measured[0], None
+    for s in measured:
+        s.speedup_vs_first = s.tokens_per_s / first.tokens_per_s
+        s.speedup_vs_previous = s.tokens_per_s / previous.tokens_per_s if previous else None
+        previous = s
+
+
+def _ablation_ratios(rows: list[StageResult]):
+    """For each "minus X" row, tokens/s relative to everything on (below 1: X was helping)."""
+    base = rows[0]
+    for s in rows:
+        if s.status == "ok" and base.status == "ok":
+            s.speedup_vs_first = s.tokens_per_s / base.tokens_per_s
+
+
+def environment(device: torch.device, memory: ProcessMemory) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or _cpu_name())
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "device": str(device),
+            "device_name": name, "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "timing": "CUDA events per step" if device.type == "cuda" else "time.perf_counter per step",
+            "memory": memory.method}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="stage", dynamic_ncols=True)
+
+
+# --- reporting ------------------------------------------------------------------------------------------------
+def _fmt(value, spec: str, none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _mem(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def to_markdown(result: JourneyResult) -> str:
+    o, env = result.options, result.environment
+    lines = [
+        f"# Optimization journey: {o['model']}, micro-batch {o['micro_batch']} x {o['seq_len']} tokens",
+        "",
+        f"- date: {env['date']}; torch {env['torch']}; device {env['device']} ({env['device_name']}, "
+        f"{env['cpu_threads']} CPU threads)",
+        f"- {o['warmup']} warm-up steps (compilation included; the warm-up column), then {o['steps']} timed "
+        f"steps: ms/step is their median ({env['timing']})",
+        f"- peak memory: {env['memory']}",
+        "- each stage keeps everything above it; skipped stages did not run, with the reason",
+        "",
+        "| stage | ms/step | tokens/s | MFU | peak memory | vs naive | vs previous | warm-up s | loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in result.stages:
+        lines.append(_row(s, [_fmt(s.speedup_vs_first, ".2f") + "x" if s.speedup_vs_first else "",
+                              _fmt(s.speedup_vs_previous, ".2f") + "x" if s.speedup_vs_previous else ""]))
+    notes = [s for s in result.stages if s.status != "ok"]
+    if result.ablation:
+        lines += ["", "## Ablation: everything on, minus one technique", "",
+                  "| configuration | ms/step | tokens/s | MFU | peak memory | vs all on | warm-up s | loss |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for s in result.ablation:
+            lines.append(_row(s, [_fmt(s.speedup_vs_first, ".2f") + "x" if s.speedup_vs_first else ""]))
+        notes += [s for s in result.ablation if s.status != "ok"]
+    if notes:
+        lines += ["", "Not measured:", ""] + [f"- {s.name}: {s.status}: {s.reason}" for s in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _row(s: StageResult, ratios: list[str]) -> str:
+    if s.status != "ok":
+        return f"| {s.name} | {s.status} | | | | " + " | " * len(ratios) + " |"
+    mfu = f"{100 * s.mfu:.1f}%" if s.mfu is not None else "n/a"
+    cells = [s.name, f"{s.step_ms:,.1f}", f"{s.tokens_per_s:,.0f}", mfu, _mem(s.peak_mem_bytes), *ratios,
+             f"{s.warmup_s:.1f}", f"{s.final_loss:.3f}" if math.isfinite(s.final_loss) else "nan"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def plot_journey(result: JourneyResult, path: Path):
+    """Bars of tokens/s per stage (and per ablation row); skipped stages are labelled, not drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("journey (cumulative)", result.stages)] + ([("ablation", result.ablation)] if result.ablation else [])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 + 0.45 * max(len(r) for _, r in panels)), squeeze=False)
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        names = [r.name for r in rows][::-1]
+        values = [r.tokens_per_s or 0 for r in rows][::-1]
+        bars = ax.barh(names, values, color=["#4c72b0" if r.status == "ok" else "#cccccc" for r in rows][::-1])
+        for bar, r in zip(bars, rows[::-1]):
+            text = f" {r.tokens_per_s:,.0f}" if r.status == "ok" else f" {r.status}"
+            if r.status == "ok" and r.speedup_vs_first:
+                text += f" ({r.speedup_vs_first:.2f}x)"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
+        ax.set_title(f"{title}: tokens/s, {result.options['model']} on {result.environment['device_name']}",
+                     fontsize=10)
+        ax.set_xlim(0, max(values + [1]) * 1.35)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,455 @@
+"""How much memory a training step needs: predicted from the config, measured on a device.
+
+`estimate_memory(cfg)` adds up what a step keeps alive, component by component, from the model's
+actual ops (see docs/benchmarks.md, "Memory estimator", for the derivation), and predicts the peak by
+walking the step's phases: forward, the loss's backward, each block's backward, the optimizer step.
+It is arithmetic only, so `gpt2train plan` can call it in a loop.
+
+`find_micro_batch(cfg)` measures instead: it tries training steps on the CUDA device and keeps the
+largest micro-batch that fits. `TensorMemoryTracker` measures on any device (CPU included) by watching
+every tensor storage the ops create, which is how the estimator is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from gpt2train.config import Config
+from gpt2train.model import GPTConfig
+
+FP32 = 4
+INT64 = 8
+GPT2_VOCAB = 50257
+
+
+# --- parameter counts ------------------------------------------------------------------------------
+def layer_parameter_count(m: GPTConfig) -> int:
+    """One block: qkv (C x 3C), attention projection (C x C), MLP (C x 4C, 4C x C), two LayerNorms."""
+    C = m.n_embd
+    weights = 12 * C * C
+    if not m.bias:
+        return weights + 2 * C  # LayerNorm gains only
+    return weights + 3 * C + C + 4 * C + C + 4 * C  # linear biases (9C) and LayerNorm gain + bias (4C)
+
+
+def parameter_count(m: GPTConfig) -> int:
+    """Every parameter once (the lm_head is the token embedding): GPT-2 124M padded is 124,475,904."""
+    C = m.n_embd
+    final_ln = 2 * C if m.bias else C
+    return m.padded_vocab_size * C + m.block_size * C + m.n_layer * layer_parameter_count(m) + final_ln
+
+
+def matmul_parameter_count(m: GPTConfig) -> int:
+    """Parameters that enter a matmul (linear weights and biases, the tied lm_head): autocast casts these."""
+    C = m.n_embd
+    per_layer = 12 * C * C + (9 * C if m.bias else 0)
+    return m.n_layer * per_layer + m.padded_vocab_size * C
+
+
+# --- activations -----------------------------------------------------------------------------------
+def block_activation_bytes(m: GPTConfig, B: int, T: int, act: int) -> int:
+    """Bytes one block's forward leaves saved for backward (no checkpointing).
+
+    act is the bytes of the compute dtype (4 fp32, 2 under bf16/fp16 autocast). The residual stream
+    stays fp32 under autocast (the embeddings are fp32 and x + bf16 promotes), and LayerNorm runs in
+    fp32; matmul inputs are saved in the compute dtype.
+    """
+    C, nh = m.n_embd, m.n_head
+    BTC, BT = B * T * C, B * T
+    total = 2 * BTC * FP32  # the residual stream, saved by ln_1 and by ln_2
+    total += 2 * 2 * BT * FP32  # each LayerNorm's mean and 1/std per row
+    total += 2 * BTC * act  # ln_1 and ln_2 outputs, the inputs of c_attn and c_fc
+    total += 4 * BTC * act * 2  # c_fc output (GELU's input) and GELU's output (c_proj's input), 4C wide
+    total += BTC * act  # attention output, the input of attn.c_proj
+    if m.attention == "sdpa":
+        total += 3 * BTC * act  # q, k, v: views of the c_attn output, saved by SDPA
+        total += B * nh * T * FP32  # SDPA's log-sum-exp per query, fp32; the (T, T) scores are never stored
+    else:
+        total += 3 * BTC * act  # q, k^T, v copied to contiguous (B*nh, T, hs) by the batched matmuls
+        scores = B * nh * T * T
+        total += scores * FP32  # softmax output, fp32 (autocast runs softmax in fp32)
+        if act != FP32:
+            total += scores * act  # ... cast back to the compute dtype for att @ v
+        total += T * T  # the causal mask, bool
+    if m.dropout > 0:
+        total += 2 * BTC  # bool masks of the two residual dropouts
+        if m.attention == "naive":
+            total += B * nh * T * T
+    return total
+
+
+def top_activation_bytes(m: GPTConfig, B: int, T: int, act: int) -> int:
+    """Bytes saved outside the blocks, logits excluded: token/position ids, final LayerNorm, targets."""
+    BT, C = B * T, m.n_embd
+    total = BT * INT64 + T * INT64  # ids kept by the two embeddings' backward
+    total += B * T * C * FP32 + 2 * BT * FP32  # ln_f input (the last block's output) and its statistics
+    # ln_f output: the lm_head's input in the compute dtype, or fp32 kept by the chunked loss's checkpoints
+    total += B * T * C * (FP32 if m.loss_chunk > 0 else act)
+    total += BT * INT64  # targets, kept by cross-entropy
+    if m.dropout > 0:
+        total += B * T * C  # the embedding dropout's mask
+    return total
+
+
+def logits_bytes(m: GPTConfig, B: int, T: int, act: int) -> tuple[int, int]:
+    """(kept after forward, peak) bytes of the logits and loss buffers.
+
+    Full loss: the (B*T, V) logits in the compute dtype (the caller holds them) and log_softmax's fp32
+    output are kept; the loss's backward adds the fp32 gradients of both, 4 + 4 bytes per logit.
+    Chunked loss: nothing is kept; one chunk of rows is recomputed in backward (fp32 log_softmax output
+    and two fp32 gradients), while a chunk's weight and hidden gradients (full size) are accumulated.
+    """
+    V = m.padded_vocab_size
+    if m.loss_chunk <= 0:
+        kept = B * T * V * (act + FP32)
+        return kept, kept + 2 * B * T * V * FP32
+    rows = min(m.loss_chunk, B * T)
+    several = rows < B * T  # from the second chunk on, the weight's gradient is already accumulating
+    # slicing's backward builds a zero (B*T, C) gradient per chunk, added into the hidden's gradient
+    peak = 3 * rows * V * FP32 + several * V * m.n_embd * FP32 + 2 * B * T * m.n_embd * FP32
+    return 0, peak
+
+
+# --- the estimate ------------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    breakdown: dict[str, int]  # bytes per component (what each one holds at its largest)
+    total_bytes: int  # predicted peak of a steady-state training step (optimizer states exist)
+    peak_phase: str  # where in the step the peak falls
+    saved_after_forward: int  # activations + logits kept when the forward ends (what backward will use)
+    micro_batch: int
+    seq_len: int
+    world_size: int
+    notes: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        width = max(len(k) for k in self.breakdown) + 2
+        lines = [f"memory per device: micro_batch {self.micro_batch} x seq_len {self.seq_len}, "
+                 f"world size {self.world_size}", f"{'component':<{width}} {'size':>11}"]
+        lines += [f"{name:<{width}} {format_bytes(n):>11}" for name, n in self.breakdown.items()]
+        lines.append(f"{'predicted peak':<{width}} {format_bytes(self.total_bytes):>11}  ({self.peak_phase}; "
+                     "not the sum: gradients appear as activations are freed)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
+    """The model config with vocab_size filled in (from the data's meta.json, else GPT-2's 50257)."""
+    m = copy.copy(cfg.model)
+    notes = []
+    if m.vocab_size <= 0:
+        meta = Path(cfg.data.dir) / "meta.json"
+        if meta.is_file():
+            import json
+
+            m.vocab_size = int(json.loads(meta.read_text())["vocab_size"])
+        else:
+            m.vocab_size = GPT2_VOCAB
+            notes.append(f"model.vocab_size = 0 and {meta} not found: assumed GPT-2's {GPT2_VOCAB}")
+    return m, notes
+
+
+def compute_bytes(dtype: str, device_type: str) -> int:
+    """Bytes per element of the compute dtype, as the trainer resolves train.dtype."""
+    if dtype == "auto":
+        return FP32 if device_type == "cpu" else 2  # bf16 (or fp16) on GPUs
+    return FP32 if dtype == "float32" else 2
+
+
+def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None = None,
+                    device_type: str | None = None) -> MemoryEstimate:
+    """Predicted per-device memory of one training step of cfg.
+
+    micro_batch overrides cfg.train.micro_batch (for searches); device_type ("cuda", "cpu") defaults to
+    cfg.train.device, with "auto" read as cuda: the estimate is for planning GPU runs.
+    """
+    m, notes = resolve_model(cfg)
+    B = micro_batch if micro_batch is not None else cfg.train.micro_batch
+    T = cfg.train.seq_len or m.block_size
+    if B < 1 or T < 1:
+        raise ValueError(f"micro_batch {B} and seq_len {T} must be positive")
+    if T > m.block_size:
+        raise ValueError(f"train.seq_len = {T} exceeds model.block_size = {m.block_size}")
+    if device_type is None:
+        device_type = cfg.train.device.split(":")[0]
+        device_type = "cuda" if device_type == "auto" else device_type
+    act = compute_bytes(cfg.train.dtype, device_type)
+    fsdp = world_size > 1 and cfg.train.distributed == "fsdp"
+    shards = world_size if fsdp else 1
+    L = m.n_layer
+    P = parameter_count(m)
+
+    params = math.ceil(P * FP32 / shards)
+    grads = math.ceil(P * FP32 / shards)
+    optimizer = 2 * grads  # AdamW's exp_avg and exp_avg_sq, fp32
+    copies = matmul_parameter_count(m) * act if act != FP32 else 0
+    block = block_activation_bytes(m, B, T, act)
+    saved_block = B * T * m.n_embd * FP32 if m.grad_checkpointing else block  # checkpointing keeps the input
+    top = top_activation_bytes(m, B, T, act)
+    activations = L * saved_block + top
+    logits_kept, logits_peak = logits_bytes(m, B, T, act)
+
+    breakdown = {"parameters": params, "gradients": grads, "optimizer states": optimizer}
+    if copies:
+        breakdown["autocast weight copies"] = copies
+    breakdown["activations"] = activations
+    breakdown["logits and loss"] = logits_peak
+    extra = 0
+    if world_size > 1 and not fsdp:
+        extra = P * FP32  # DDP's gradient buckets, a second copy of the gradients
+        breakdown["DDP gradient buckets"] = extra
+    if fsdp:
+        # FSDP gathers the full fp32 weights of a block while it runs and prefetches the next one; the root
+        # (embeddings, final LayerNorm) stays gathered through forward and backward.
+        root = P - L * layer_parameter_count(m)
+        extra = (2 * layer_parameter_count(m) + root) * FP32
+        breakdown["FSDP gathered weights"] = extra
+    # The optimizer step: fused AdamW (CUDA) works in place; the foreach path (CPU) makes a temporary per state.
+    step_temp = 0 if device_type == "cuda" else math.ceil(P * FP32 / shards)
+    if step_temp:
+        breakdown["optimizer step temporaries"] = step_temp
+
+    base = params + optimizer + extra
+    phases = {"loss backward": base + copies + activations + logits_peak}
+    # The caller still holds the logits through backward and the optimizer step (the trainer's
+    # `_, loss = model(x, y)` keeps them until the next forward).
+    held_logits = B * T * m.padded_vocab_size * act if m.loss_chunk <= 0 else 0
+    # Backward of block i: the blocks above it have freed their activations and made their gradients; the
+    # blocks below still hold theirs; of the top only the token ids are left. Checkpointing rebuilds
+    # block i's activations first. Its peak is at the GELU: the gradient arriving from above (C wide) and
+    # the GELU's output and input gradients (4C each, its saved output already freed), when of block i's
+    # own gradients only the MLP output projection's (4C x C, a third) exists.
+    copies_per_layer = (copies - m.padded_vocab_size * m.n_embd * act) // L if copies else 0
+    layer_grads = math.ceil(layer_parameter_count(m) * FP32 / shards)
+    head_grads = grads - L * layer_grads  # embeddings and final LayerNorm
+    ids = (2 * B * T + T) * INT64
+    recompute = block if m.grad_checkpointing else 0
+    work = 5 * B * T * m.n_embd * FP32
+    for i in reversed(range(L)):
+        phases[f"backward of block {i}"] = (base + (i + 1) * (copies_per_layer + saved_block) + ids + held_logits
+                                            + recompute + work + head_grads + (L - 1 - i) * layer_grads
+                                            + layer_grads // 3)
+    phases["optimizer step"] = base + grads + step_temp + held_logits
+    peak_phase = max(phases, key=phases.get)
+    if peak_phase.startswith("backward of block"):
+        peak_phase = "backward through the blocks"
+
+    compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device_type == "cuda")
+    if compiled:
+        notes.append("torch.compile usually saves fewer activations than eager (it recomputes cheap "
+                     "pointwise ops), so this eager estimate is on the high side")
+    return MemoryEstimate(breakdown=breakdown, total_bytes=int(phases[max(phases, key=phases.get)]),
+                          peak_phase=peak_phase, saved_after_forward=activations + logits_kept,
+                          micro_batch=B, seq_len=T, world_size=world_size, notes=notes)
+
+
+def suggest_micro_batch(cfg: Config, budget_bytes: int, world_size: int = 1, *, device_type: str = "cuda",
+                        limit: int = 4096) -> int:
+    """The largest micro_batch whose estimated peak fits in budget_bytes (0 if not even 1 fits)."""
+    def fits(b: int) -> bool:
+        return estimate_memory(cfg, world_size, micro_batch=b, device_type=device_type).total_bytes <= budget_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def accumulation_for(cfg: Config, micro_batch: int, world_size: int = 1) -> tuple[int, int]:
+    """(micro_batch, accumulation steps) reaching train.total_batch_tokens exactly.
+
+    The micro-batch is lowered, if needed, to the largest one that divides the target evenly.
+    """
+    T = cfg.train.seq_len or cfg.model.block_size
+    target = cfg.train.total_batch_tokens
+    if target <= 0:
+        return micro_batch, 1
+    for b in range(micro_batch, 0, -1):
+        if target % (b * T * world_size) == 0:
+            return b, target // (b * T * world_size)
+    raise ValueError(f"train.total_batch_tokens = {target} is not a multiple of seq_len x world size = "
+                     f"{T * world_size}; pick a multiple of it")
+
+
+# --- measuring ---------------------------------------------------------------------------------------
+class TensorMemoryTracker(TorchDispatchMode):
+    """Counts the bytes of tensor storages created by ops while active, and their peak, on any device.
+
+    A storage is counted from the op that creates it until it is freed (a weak reference tells), so
+    `current` after a forward is what autograd and the caller keep, and `peak` is the step's high-water
+    mark, the CPU analogue of torch.cuda.max_memory_allocated. Storages that existed before (parameters,
+    optimizer states) are not counted; views count once. Allocator rounding and workspaces are not seen.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.known: set[int] = set()
+        self.current = 0
+        self.peak = 0
+
+    def ignore(self, tensors):
+        """Storages that already exist and must not be counted when an op returns a view of them."""
+        for t in tensors:
+            self.known.add(t.untyped_storage().data_ptr())
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def _track(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.live or key in self.known:
+            return
+        self.live[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int):
+        self.current -= self.live.pop(key, 0)
+
+
+# --- finding the largest micro-batch on CUDA ------------------------------------------------------------
+@dataclass
+class BatchSearch:
+    micro_batch: int  # largest that fits with the headroom (and divides total_batch_tokens)
+    grad_accum: int
+    largest_fitting: int  # before rounding to divide total_batch_tokens
+    trials: list[tuple[int, bool, int | None]]  # (micro_batch, fits, peak bytes or None on OOM)
+    device_bytes: int
+    headroom: float
+
+
+def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, progress=None) -> BatchSearch:
+    """Largest micro_batch whose training step fits in (1 - headroom) of the CUDA device's memory.
+
+    Each trial runs two eager forward/backward/optimizer steps (so the optimizer states exist) on
+    random tokens and reads torch.cuda.max_memory_allocated; an OutOfMemoryError counts as too big.
+    The search doubles from 1, then bisects.
+    """
+    if not torch.cuda.is_available():
+        raise ValueError("--find-batch measures on a CUDA device and none is available")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom {headroom} must be in [0, 1)")
+    from gpt2train.model import GPT
+    from gpt2train.train.loop import resolve_dtype
+    from gpt2train.train.optim import make_optimizer
+
+    device = torch.device(cfg.train.device if cfg.train.device.startswith("cuda") else "cuda")
+    m, _ = resolve_model(cfg)
+    T = cfg.train.seq_len or m.block_size
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+    total_memory = torch.cuda.get_device_properties(device).total_memory
+    budget = (1 - headroom) * total_memory
+    model = GPT(m).to(device)
+    optimizer = make_optimizer(model, cfg.train, "cuda")
+    trials: list[tuple[int, bool, int | None]] = []
+
+    def fits(b: int) -> bool:
+        peak = None
+        try:
+            torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(2):
+                optimizer.zero_grad(set_to_none=True)
+                x = torch.randint(0, m.vocab_size, (b, T), device=device)
+                with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                    _, loss = model(x, x)
+                loss.backward()
+                optimizer.step()
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            ok = peak <= budget
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        trials.append((b, ok, peak))
+        if progress is not None:
+            progress(b, ok, peak)
+        return ok
+
+    best = 0
+    lo, hi = 0, 1
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    best = lo
+    hi = min(hi, limit + 1)
+    while hi - lo > 1 and lo > 0:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+        best = lo
+    if best == 0:
+        raise ValueError(f"not even micro_batch 1 fits in {format_bytes(budget)}; enable model.grad_checkpointing, "
+                         "set model.loss_chunk, or shard with FSDP")
+    b, accum = accumulation_for(cfg, best)
+    return BatchSearch(b, accum, best, trials, total_memory, headroom)
+
+
+def find_batch_report(cfg: Config, headroom: float = 0.1, world_size: int = 1, gpu_memory_gib: float = 80.0,
+                      echo=print) -> str:
+    """`gpt2train memory --find-batch`: measure on CUDA, or explain and fall back to the estimate."""
+    T = cfg.train.seq_len or cfg.model.block_size
+    if not torch.cuda.is_available():
+        budget = int((1 - headroom) * gpu_memory_gib * 2**30)
+        b = suggest_micro_batch(cfg, budget, world_size)
+        lines = ["--find-batch measures by running training steps on a CUDA device, and there is none here.",
+                 f"Estimate-based suggestion instead, for a GPU of {gpu_memory_gib:g} GiB with {headroom:.0%} "
+                 f"headroom (--gpu-memory-gib to change):"]
+        if b == 0:
+            lines.append("  not even micro_batch 1 fits; enable model.grad_checkpointing or model.loss_chunk, "
+                         "or shard with FSDP")
+            return "\n".join(lines)
+        fit, accum = accumulation_for(cfg, b, world_size)
+        lines.append(f"  largest micro_batch by the estimate: {b}")
+        lines.append(_accumulation_line(cfg, fit, accum, T, world_size))
+        return "\n".join(lines)
+
+    def progress(b, ok, peak):
+        used = format_bytes(peak) if peak is not None else "out of memory"
+        echo(f"  micro_batch {b:>4}: {used} -> {'fits' if ok else 'too big'}")
+
+    echo(f"searching on {torch.cuda.get_device_name()} with {headroom:.0%} headroom (eager steps):")
+    found = find_micro_batch(cfg, headroom, progress=progress)
+    lines = [f"largest micro_batch that fits: {found.largest_fitting} "
+             f"(device memory {format_bytes(found.device_bytes)})",
+             _accumulation_line(cfg, found.micro_batch, found.grad_accum, T, 1)]
+    if world_size > 1:
+        lines.append(f"  (measured on one device; with {world_size} ranks the accumulation divides by {world_size}: "
+                     f"see train.total_batch_tokens)")
+    return "\n".join(lines)
+
+
+def _accumulation_line(cfg: Config, micro_batch: int, accum: int, T: int, world_size: int) -> str:
+    if cfg.train.total_batch_tokens <= 0:
+        return f"  set train.micro_batch = {micro_batch} (train.total_batch_tokens is 0: no accumulation)"
+    return (f"  for train.total_batch_tokens = {cfg.train.total_batch_tokens:,}: micro_batch {micro_batch} x seq_len {T} "
+            f"x {world_size} rank(s) x {accum} accumulation steps")

@@ -1,0 +1,128 @@
+"""The optimization journey: real stages on a tiny CPU run, the ablation's shape, honest skips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+
+from gpt2train.bench import journey
+from gpt2train.bench.journey import (TECHNIQUES, JourneyOptions, PythonLoopBatches, StageResult, build_optimizer,
+                                     not_applicable, run_journey, write_synthetic_data)
+from gpt2train.config import TrainConfig
+from gpt2train.data.loader import TokenLoader
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.train.optim import make_optimizer
+
+CPU = torch.device("cpu")
+
+
+def tiny_options(**kw) -> JourneyOptions:
+    base = dict(model="gpt2-tiny", device="cpu", micro_batch=2, seq_len=16, steps=2, warmup=1, data_tokens=20_000)
+    return JourneyOptions(**{**base, **kw})
+
+
+def test_journey_runs_stages_and_writes_md_json_png(tmp_path):
+    result = run_journey(tiny_options(techniques=["ram_loader", "tf32"]), tmp_path, progress=False)
+    naive, ram, tf32 = result.stages
+    assert naive.status == ram.status == "ok"
+    for stage in (naive, ram):
+        assert len(stage.step_ms_all) == 2 and stage.tokens_per_s > 0 and np.isfinite(stage.final_loss)
+        assert stage.mfu is None  # no known peak FLOP/s for a CPU
+        assert stage.warmup_s is not None
+    assert naive.speedup_vs_first == 1.0 and naive.speedup_vs_previous is None
+    assert ram.speedup_vs_previous == pytest.approx(ram.tokens_per_s / naive.tokens_per_s)
+    assert ram.setup["ram_loader"] and not naive.setup["ram_loader"]
+    assert tf32.status == "skipped" and "TF32" in tf32.reason and tf32.tokens_per_s is None
+
+    md = (tmp_path / "journey.md").read_text()
+    assert "| naive |" in md and "skipped" in md and "n/a" in md and "TF32 is an NVIDIA" in md
+    saved = json.loads((tmp_path / "journey.json").read_text())
+    assert [s["name"] for s in saved["stages"]] == [s.name for s in result.stages]
+    assert saved["environment"]["torch"] == torch.__version__
+    assert (tmp_path / "journey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ablation_has_one_row_per_technique(tmp_path, monkeypatch):
+    measured = []
+
+    def fake_measure(name, setup, options, data_dir, device, memory):
+        measured.append((name, setup))
+        on = sum(getattr(setup, k) for k, _ in TECHNIQUES)  # pretend each technique adds 10% throughput
+        return StageResult(name=name, setup={}, step_ms=100 / (1 + 0.1 * on), tokens_per_s=32 * (1 + 0.1 * on),
+                           warmup_s=0.0, final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", fake_measure)
+    result = run_journey(tiny_options(ablate=True, techniques=[]), tmp_path, progress=False)
+    rows = result.ablation
+    assert [r.name for r in rows] == ["all on"] + [f"- {journey.SHORT_NAMES[k]}" for k, _ in TECHNIQUES]
+    everything = measured[1][1]
+    assert not everything.tf32 and everything.compile  # TF32 cannot apply on a CPU
+    tf32_row = rows[1 + [k for k, _ in TECHNIQUES].index("tf32")]
+    assert tf32_row.status == "skipped" and "TF32" in tf32_row.reason
+    for (name, setup), key in zip(measured[2:], [k for k, _ in TECHNIQUES if k != "tf32"]):
+        assert not getattr(setup, key) and name == f"- {journey.SHORT_NAMES[key]}"
+        assert sum(getattr(setup, k) for k, _ in TECHNIQUES) == sum(getattr(everything, k) for k, _ in TECHNIQUES) - 1
+    assert all(r.speedup_vs_first < 1 for r in rows[1:] if r.status == "ok")
+    assert "## Ablation" in (tmp_path / "journey.md").read_text()
+
+
+def test_a_failing_stage_is_reported_not_hidden(tmp_path, monkeypatch):
+    def broken(name, setup, options, data_dir, device, memory):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    monkeypatch.setattr(journey, "measure_stage", broken)
+    result = run_journey(tiny_options(techniques=[]), tmp_path, progress=False)
+    assert result.stages[0].status == "failed" and result.stages[0].reason == "RuntimeError: no C++ compiler"
+
+
+def test_tf32_is_not_applicable_on_cpu_and_the_rest_is():
+    assert "TF32" in not_applicable("tf32", CPU)
+    for key in ("ram_loader", "bf16", "compile", "sdpa", "pad_vocab", "chunked_loss"):
+        assert not_applicable(key, CPU) is None
+    reason = not_applicable("fused_adamw", CPU)  # torch decides; either it runs or we say why not
+    assert reason is None or "fused" in reason
+
+
+def test_naive_batches_are_next_token_windows_like_the_ram_loader(tmp_path):
+    data = write_synthetic_data(tmp_path, 5_000, vocab_size=100)
+    x, y = PythonLoopBatches(data, batch_size=3, seq_len=8, device=CPU).next_batch()
+    assert x.shape == y.shape == (3, 8) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    xr, yr = TokenLoader(data, "train", 3, 8, mode="ram").next_batch()  # the synthetic data feeds the real loader
+    assert xr.shape == (3, 8) and torch.equal(xr[:, 1:], yr[:, :-1])
+
+
+def test_build_optimizer_keeps_the_library_groups():
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
+    library = make_optimizer(model, TrainConfig(), "cpu")
+    plain, fused = build_optimizer(model, fused=False), build_optimizer(model, fused=True)
+    assert plain.defaults["foreach"] is False and not plain.defaults["fused"]
+    assert fused.defaults["fused"] is True
+    for opt in (plain, fused):
+        assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in library.param_groups]
+        assert [g["weight_decay"] for g in opt.param_groups] == [g["weight_decay"] for g in library.param_groups]
+
+
+def test_cli_bench_bad_seq_len_is_one_line(tmp_path):
+    r = run_cli("bench", "journey", "--device", "cpu", "--seq-len", "4096", "--out", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.strip().startswith("error:") and "block_size" in r.stderr
+
+
+def test_skip_leaves_a_technique_out_and_says_so(tmp_path, monkeypatch):
+    setups = []
+
+    def fake_measure(name, setup, options, data_dir, device, memory):
+        setups.append(setup)
+        return StageResult(name=name, setup={}, step_ms=10.0, tokens_per_s=3.2, warmup_s=0.0, final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", fake_measure)
+    result = run_journey(tiny_options(techniques=["bf16", "sdpa"], skip=["bf16"]), tmp_path, progress=False)
+    assert [s.status for s in result.stages] == ["ok", "skipped", "ok"]
+    assert result.stages[1].reason == "left out with --skip"
+    assert setups[-1].sdpa and not setups[-1].bf16
+    with pytest.raises(ValueError, match="unknown technique 'bf17'"):
+        run_journey(tiny_options(skip=["bf17"]), tmp_path, progress=False)
