@@ -48,7 +48,7 @@ def naive_batches(folder: Path, B: int, T: int, steps: int) -> None:
             start = int(rng.integers(len(tokens) - T))
             rows.append(torch.from_numpy(tokens[start:start + T + 1].astype(np.int64)))
         buf = torch.stack(rows)
-        _x, _y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # what TokenLoader.next_batch returns
+        buf[:, :-1].contiguous(), buf[:, 1:].contiguous()  # the x, y that TokenLoader.next_batch returns
 
 
 def time_loader(make, B: int, T: int, steps: int, repeats: int = 3) -> float:

@@ -282,7 +282,8 @@ def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Pa
     result.final_loss = float(loss)
     peak_flops = peak_for_run(device, torch.bfloat16 if setup.bf16 else torch.float32, setup.tf32)
     result.mfu = result.tokens_per_s * flops_per_token(model_cfg, T) / peak_flops if peak_flops else None
-    del model, optimizer, step_model, batches, train_step
+    del train_step
+    model = optimizer = step_model = batches = None  # free them before measuring the next stage
     _release(device, setup.compile)
     if device.type == "cuda":
         result.peak_mem_bytes = peak
