@@ -14,6 +14,7 @@ import gpt2train.data.prepare as prepare_module
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.data.shards import ShardError, write_shard
+from gpt2train.eval.val import ValWindows
 
 T = 8
 SHARD_LENGTHS = (4 * T + 1, 50, 9, 3 * T + 1)  # varied, one shard barely longer than a window
@@ -167,6 +168,10 @@ def check_layout(folder, train: list, val, fmt, capsys):
     assert seen <= windows and len(seen) == 6
     first_val = TokenLoader(folder, "val", 1, T, order="sequential").next_batch_numpy()[0]
     assert tuple(first_val) in {tuple(val[k * T:k * T + T + 1]) for k in range((len(val) - 1) // T)}
+    # validation loss reads the same layout: every window at k*T, the header-less file read as tokens
+    windows = ValWindows(folder, T)
+    expected = np.stack([val[k * T:k * T + T + 1] for k in range((len(val) - 1) // T)])
+    np.testing.assert_array_equal(windows.gather(np.arange(len(windows))), expected)
 
 
 def test_reads_nanogpt_bin(tmp_path, capsys):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta
-from gpt2train.data.shards import open_shard
+from gpt2train.data.shards import open_tokens
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
 
 
@@ -30,11 +30,12 @@ class ValWindows:
     """Every non-overlapping window of seq_len + 1 tokens in a split's shards (inputs and targets)."""
 
     def __init__(self, data_dir: str | Path, seq_len: int, split: str = "val"):
-        names = load_meta(data_dir)["shards"].get(split) or []
+        meta = load_meta(data_dir)
+        names = meta["shards"].get(split) or []
         if not names:
             raise DataError(f"{data_dir}: no {split} shards in meta.json")
         self.seq_len = seq_len
-        self.shards = [open_shard(Path(data_dir) / name) for name in names]
+        self.shards = [open_tokens(Path(data_dir) / name, meta.get("format", "llmc")) for name in names]
         # A window starting at k * seq_len needs seq_len + 1 tokens: (len - 1) // seq_len of them fit.
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.shard_of = np.repeat(np.arange(len(counts)), counts)
