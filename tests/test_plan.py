@@ -3,15 +3,16 @@ and the memory fit/suggestion logic with a stubbed estimate (never the estimator
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import sys
-import types
 
 import pytest
 
 from conftest import REPO, run_cli
 from gpt2train import plan as P
+from gpt2train.bench.journey import JourneyResult, StageResult
+from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, load_config
 from gpt2train.model import preset_config
 from gpt2train.train.metrics import flops_per_token
@@ -138,10 +139,16 @@ def test_peak_follows_precision():
 
 
 def write_bench(runs, name, mfu, device_name="NVIDIA H100 80GB HBM3"):
+    """A journey.json as `gpt2train bench journey` writes it: the last stage has every technique on; the
+    ablation rows (each one technique off) come after it in the file and must not be taken."""
     path = runs / name / "journey.json"
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"hardware": {"device_name": device_name},
-                                "steps": [{"name": "baseline", "mfu": 0.2}, {"name": "tuned", "mfu": mfu}]}))
+    stages = [StageResult("naive", {}, mfu=0.2), StageResult("+ chunked cross-entropy", {}, mfu=mfu),
+              StageResult("+ TF32", {}, status="skipped")]
+    ablation = [StageResult("all on", {}, mfu=mfu), StageResult("all but compile", {}, mfu=0.11)]
+    result = JourneyResult(options={}, environment={"device_name": device_name, "device": "cuda"},
+                           stages=stages, ablation=ablation)
+    path.write_text(json.dumps(dataclasses.asdict(result) | {"markdown": None}))
     return path
 
 
@@ -249,29 +256,10 @@ def test_options_already_on_are_not_suggested(monkeypatch):
     assert {(ckpt, chunk) for _, ckpt, chunk, *_ in asked} == {(True, 512)}
 
 
-def test_prefers_the_bench_memory_estimator(monkeypatch):
-    module = types.ModuleType("gpt2train.bench.memory")
-    module.estimate_memory = lambda cfg, world_size=1: P.MemoryEstimate({"x": 7 * world_size}, 7 * world_size)
-    monkeypatch.setitem(sys.modules, "gpt2train.bench.memory", module)
-    assert P.estimate_memory_bytes(resolved(), 2) == (14, {"x": 14}, "gpt2train.bench.memory")
-
-
-def test_rough_fallback_moves_the_right_way():
-    base = resolved()
-    est = P._rough_memory_estimate(base, 1)
-    assert est.total_bytes == sum(est.breakdown.values())
-    assert est.breakdown["weights"] == 4 * 124_475_904 and est.breakdown["optimizer"] == 8 * 124_475_904
-
-    def changed(world_size=1, **model_or_train):
-        cfg = resolved()
-        for key, value in model_or_train.items():
-            setattr(cfg.model if hasattr(cfg.model, key) else cfg.train, key, value)
-        return P._rough_memory_estimate(cfg, world_size).breakdown
-
-    assert changed(grad_checkpointing=True)["activations"] < est.breakdown["activations"]
-    assert changed(loss_chunk=1024)["logits"] < est.breakdown["logits"]
-    assert changed(world_size=8, distributed="fsdp")["optimizer"] == 8 * 124_475_904 // 8
-    assert changed(world_size=8)["optimizer"] == 8 * 124_475_904  # DDP replicates
+def test_memory_comes_from_the_estimator():
+    cfg = resolved()
+    fit = P.memory_fit(cfg, P.find_device("H100"), 1)
+    assert fit.total_bytes == estimate_memory(cfg, 1).total_bytes and fit.estimator == "gpt2train.bench.memory"
 
 
 # --- CLI ---------------------------------------------------------------------------------------

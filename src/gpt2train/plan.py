@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.train.metrics import flops_per_token, peak_for_run
@@ -169,7 +170,9 @@ def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return None, f"{path} unreadable ({type(e).__name__})"
-    mfus = [m for m in _values_of(data, "mfu") if isinstance(m, (int, float)) and math.isfinite(m) and 0 < m <= 1]
+    # the cumulative stages (the last is every technique on); the ablation's rows each lack one technique
+    stages = data.get("stages") if isinstance(data, dict) and isinstance(data.get("stages"), list) else data
+    mfus = [m for m in _values_of(stages, "mfu") if isinstance(m, (int, float)) and math.isfinite(m) and 0 < m <= 1]
     if not mfus:
         return None, f"{path} holds no MFU figure"
     bench_device = _bench_device_name(data)
@@ -197,49 +200,10 @@ def _bench_device_name(data) -> str | None:
 # Memory
 
 
-@dataclass
-class MemoryEstimate:
-    """The shape of gpt2train.bench.memory.MemoryEstimate, for the fallback below."""
-
-    breakdown: dict[str, int]
-    total_bytes: int
-
-
 def estimate_memory_bytes(cfg: Config, world_size: int) -> tuple[int, dict[str, int], str]:
-    """(bytes per device, breakdown, which estimator). Prefers gpt2train.bench.memory."""
-    try:
-        from gpt2train.bench.memory import estimate_memory
-    except ModuleNotFoundError as e:
-        if not (e.name or "").startswith("gpt2train.bench"):
-            raise
-        est, source = _rough_memory_estimate(cfg, world_size), "rough fallback estimate"
-    else:
-        est, source = estimate_memory(cfg, world_size), "gpt2train.bench.memory"
-    return int(est.total_bytes), dict(est.breakdown), source
-
-
-# --- FALLBACK: used only while gpt2train.bench.memory is not installed. Rough on purpose. ---
-def _rough_memory_estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
-    """Bytes per device: fp32 weights, grads and two Adam moments (sharded under FSDP), activations of
-    ~34*B*T*C bytes per layer in 16-bit autocast (per block input only when checkpointed, plus one block
-    being recomputed), and the fp32 logits with their gradient (one chunk of rows when chunked)."""
-    m, t = cfg.model, cfg.train
-    params, _ = count_params(m)
-    shards = world_size if t.distributed == "fsdp" else 1
-    B, T, C, L, V = t.micro_batch, t.seq_len or m.block_size, m.n_embd, m.n_layer, m.padded_vocab_size
-    act_scale = 2 if t.dtype == "float32" else 1  # 34*B*T*C counts 16-bit activations
-    per_layer = 34 * B * T * C * act_scale
-    activations = (2 * B * T * C * act_scale * L + per_layer) if m.grad_checkpointing else per_layer * L
-    rows = min(m.loss_chunk, B * T) if m.loss_chunk > 0 else B * T
-    breakdown = {
-        "weights": 4 * params // shards,
-        "gradients": 4 * params // shards,
-        "optimizer": 8 * params // shards,
-        "activations": activations,
-        "logits": rows * V * 4 * 2,
-    }
-    return MemoryEstimate(breakdown, sum(breakdown.values()))
-# --- end of fallback ---
+    """(bytes per device, breakdown, which estimator) from the memory estimator of `gpt2train memory`."""
+    est = estimate_memory(cfg, world_size)
+    return int(est.total_bytes), dict(est.breakdown), "gpt2train.bench.memory"
 
 
 @dataclass
