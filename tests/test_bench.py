@@ -20,6 +20,12 @@ from gpt2train.train.optim import make_optimizer
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def cpu_with_bf16(monkeypatch):
+    """Run the bf16 stage on any CPU, so that these tests see the same stages everywhere."""
+    monkeypatch.setattr(journey, "cpu_has_native_bf16", lambda: True)
+
+
 def tiny_options(**kw) -> JourneyOptions:
     base = dict(model="gpt2-tiny", device="cpu", micro_batch=2, seq_len=16, steps=2, warmup=1, data_tokens=20_000)
     return JourneyOptions(**{**base, **kw})
@@ -85,6 +91,12 @@ def test_tf32_is_not_applicable_on_cpu_and_the_rest_is():
         assert not_applicable(key, CPU) is None
     reason = not_applicable("fused_adamw", CPU)  # torch decides; either it runs or we say why not
     assert reason is None or "fused" in reason
+
+
+def test_bf16_is_skipped_on_a_cpu_that_would_emulate_it(monkeypatch):
+    monkeypatch.setattr(journey, "cpu_has_native_bf16", lambda: False)
+    assert "emulate bf16" in not_applicable("bf16", CPU)
+    assert not_applicable("bf16", torch.device("meta")) is None  # only a CPU's own bf16 support is asked about
 
 
 def test_naive_batches_are_next_token_windows_like_the_ram_loader(tmp_path):

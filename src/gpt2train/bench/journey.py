@@ -154,6 +154,9 @@ def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -
             return f"{torch.cuda.get_device_name(device)} predates Ampere: no TF32 tensor cores"
     if technique == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return f"{torch.cuda.get_device_name(device)} has no bf16"
+    if technique == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512/AMX bf16 support: autocast "
+                "would emulate bf16 matmuls, many times slower than fp32; a CPU trains in fp32")
     if technique == "fused_adamw":
         try:
             p = torch.nn.Parameter(torch.zeros(2, device=device))
@@ -162,6 +165,14 @@ def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -
         except (RuntimeError, TypeError, ValueError) as e:
             return f"torch {torch.__version__} has no fused AdamW on {device.type}: {str(e).splitlines()[0]}"
     return None
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls in hardware on this CPU (AVX-512 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
 # --- one stage -----------------------------------------------------------------------------------------------
