@@ -18,6 +18,15 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: faster on a shared CPU, and the same in every run compared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """Tiny Shakespeare with the char tokenizer (vocab 66): small embeddings, fast steps."""

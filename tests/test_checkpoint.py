@@ -20,13 +20,7 @@ from gpt2train.model import GPT, GPTConfig
 from gpt2train.train.loop import Trainer, train
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: faster on a shared CPU, and the same in every run compared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

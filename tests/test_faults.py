@@ -25,12 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import fault_trials  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def inject_loss_faults(monkeypatch, faults: dict[int, float]):
