@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 
 def test_prepare_train_sample_smoke(tmp_path):
-    data, run = tmp_path / "data", tmp_path / "run"
+    data, run = tmp_path / "data", tmp_path / "runs" / "shakespeare-cpu"  # without --out: runs/<config name>
     r = run_cli("prepare", "shakespeare", "--out", str(data), "--tokenizer", "char")
     assert r.returncode == 0, r.stderr
     assert "train" in r.stdout and (data / "meta.json").is_file()
 
-    r = run_cli("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(run),
+    r = run_cli("train", "--config", str(REPO / "configs" / "shakespeare-cpu.toml"),
                 "--set", f"data.dir={data}", "--set", "model.n_layer=1", "--set", "model.n_embd=32",
                 "--set", "model.n_head=2", "--set", "train.max_steps=6", "--set", "eval.interval=3",
                 "--set", "train.micro_batch=4", "--set", "train.seq_len=32", "--set", "model.block_size=32",
-                "--set", "log.progress=lines")
+                "--set", "log.progress=lines", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("run directory runs/shakespeare-cpu")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     kinds = {rec["kind"] for rec in records}
     assert {"run_start", "train", "val", "checkpoint", "run_end"} <= kinds

@@ -68,12 +68,18 @@ def cmd_train(args) -> int:
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
-    out = train(cfg, args.out, resume=args.resume)
+    run_dir = args.out or default_run_dir(args.config)
+    out = train(cfg, run_dir, resume=args.resume)
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
         return 0
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
-          f"run directory {args.out}")
+          f"run directory {run_dir}")
     return 0
+
+
+def default_run_dir(config: str | None) -> Path:
+    """runs/<config name>: the same folder on every launch, so `--resume auto` finds the run again."""
+    return Path("runs") / (Path(config).stem if config else "default")
 
 
 def cmd_sample(args) -> int:
@@ -235,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("--config", help="TOML config file (see configs/)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", required=True, help="run directory: config.toml, metrics.jsonl, checkpoints/")
+    p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
+                   "(default runs/<config file name>)")
     p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
     p.set_defaults(func=cmd_train)
 
