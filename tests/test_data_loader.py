@@ -103,6 +103,15 @@ def test_two_ranks_never_share_a_window_and_together_cover_the_epoch(data):
         assert ranks[0].state_dict() == ranks[1].state_dict()  # identical state on every rank
 
 
+def test_sequential_steps_never_mix_epochs(data):
+    """14 windows, 6 per step: each epoch gives 2 steps of distinct windows and drops its last 2 windows."""
+    ranks = [TokenLoader(data, "train", 3, T, order="sequential", seed=0, rank=r, world_size=2) for r in range(2)]
+    for step in range(9):
+        rows = np.concatenate([r.next_batch_numpy() for r in ranks])
+        assert len({tuple(row) for row in rows}) == 6, step
+        assert (ranks[0].epoch, ranks[0].position) == ((step + 1) // 2, 6 if step % 2 == 0 else 0)
+
+
 def test_random_order_has_distinct_windows_within_a_step(data):
     loader = TokenLoader(data, "train", 16, T, order="random", seed=0)
     for _ in range(20):
@@ -232,6 +241,11 @@ def test_bad_data_is_one_line(tmp_path, data):
     odd.mkdir()
     (odd / "train.bin").write_bytes(b"\x01\x02\x03")
     assert "uint16" in one_line(ShardError, load_meta, odd)
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    with open(npz / "x_train_000001.npy", "wb") as f:
+        np.savez(f, tokens=np.arange(100, dtype=np.uint16))
+    assert ".npz archive" in one_line(ShardError, TokenLoader, npz, "train", 1, T)
 
     loader = TokenLoader(data, "train", 2, T)
     state = loader.state_dict()

@@ -4,9 +4,11 @@ one-line errors for bad input that never cost the data already on disk."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import run_cli
+import gpt2train.data.prepare as prepare_module
 from gpt2train.data.prepare import (
     PrepareInterrupted,
     load_meta,
@@ -204,6 +207,53 @@ def test_resume_after_interruption_is_identical(txt_folder, tmp_path):
     assert not list(out.glob(".prepare-*"))
 
 
+def test_a_crash_while_moving_shards_into_place_is_finished_by_the_rerun(txt_folder, tmp_path, monkeypatch):
+    fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
+    out = tmp_path / "out"
+    real_replace, moved = os.replace, []
+
+    def crash_on_second_shard(src, dst):  # the second move of a finished shard from staging into OUT
+        if str(dst).endswith(".bin") and Path(dst).parent == out:
+            moved.append(dst)
+            if len(moved) == 2:
+                raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare_module.os, "replace", crash_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    monkeypatch.setattr(prepare_module.os, "replace", real_replace)
+    assert not (out / "meta.json").exists() and (out / "train_000000.bin").is_file()
+    meta = prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    assert meta == {**fresh, "source": meta["source"]}
+    for names in meta["shards"].values():
+        for n in names:
+            assert (out / n).read_bytes() == (tmp_path / "fresh" / n).read_bytes()
+    assert not list(out.glob(".prepare-*"))
+
+
+def test_a_damaged_resume_state_starts_over(txt_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(PrepareInterrupted):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=2)
+    (state,) = out.glob(".prepare-*/state.json")
+    state.write_text("")  # what a power loss can leave
+    meta = prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    assert "is damaged; preparing from the start" in capsys.readouterr().err
+    assert meta == {**prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False),
+                    "source": meta["source"]}
+
+
+def test_a_finished_rerun_removes_an_interrupted_run_of_other_inputs(txt_folder, tmp_path):
+    out = tmp_path / "out"
+    prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    with pytest.raises(PrepareInterrupted):
+        prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=1000, progress=False, _stop_after_shards=1)
+    assert list(out.glob(".prepare-*"))
+    prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)  # already prepared
+    assert not list(out.glob(".prepare-*"))
+
+
 def test_resume_val_tokens_mode(txt_folder, tmp_path):
     kwargs = {"workers": 1, "shard_tokens": 3000, "val_tokens": 5000, "progress": False}
     fresh = prepare_files([txt_folder], tmp_path / "fresh", **kwargs)
@@ -298,7 +348,9 @@ def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
         ([tmp_path / "three"], {"val_fraction": 0.1}, "val split empty"),
         ([tmp_path / "three"], {"val_tokens": 10_000}, "train split empty"),
         ([txt_folder], {"val_fraction": 1.5}, "[0, 1)"),
-        ([txt_folder], {"shard_tokens": 0}, "positive"),
+        ([txt_folder], {"shard_tokens": 0}, "[1, 2**31)"),
+        ([txt_folder], {"shard_tokens": 2**31}, "int32"),
+        ([txt_folder], {"val_fraction": 1e-7}, "use --val-tokens"),
         ([txt_folder], {"tokenizer": "bpe:/nope.json"}, "tokenizer train"),
     ]
     for paths, kwargs, expected in cases:

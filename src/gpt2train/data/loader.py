@@ -128,17 +128,13 @@ class TokenLoader:
         total = int(self.cum_starts[-1])
         if self.order == "random":
             return self.rng.choice(total, size=n, replace=False)  # Floyd's sampling: O(n), not O(total)
-        ids = []
-        while n:
-            if self._permutation is None:  # each epoch a fresh permutation, derived from seed and epoch
-                self._permutation = np.random.default_rng([self.seed, self.epoch]).permutation(total)
-            take = self._permutation[self.position : self.position + n]
-            ids.append(take)
-            n -= take.size
-            self.position += take.size
-            if self.position >= total:
-                self.epoch, self.position, self._permutation = self.epoch + 1, 0, None
-        return np.concatenate(ids)
+        if self._permutation is None:  # each epoch a fresh permutation, derived from seed and epoch
+            self._permutation = np.random.default_rng([self.seed, self.epoch]).permutation(total)
+        ids = self._permutation[self.position : self.position + n]
+        self.position += n
+        if self.position + n > total:  # the epoch's last partial step is dropped: a step never mixes two
+            self.epoch, self.position, self._permutation = self.epoch + 1, 0, None  # epochs, so no window twice
+        return ids
 
     def _gather(self, out: np.ndarray) -> np.ndarray:
         """Fill out (B, T + 1) with this rank's windows for the next step."""

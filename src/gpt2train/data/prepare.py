@@ -63,9 +63,20 @@ def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
+def read_json(path: Path):
+    """The parsed file, or None when it cannot be read or parsed (a damaged leftover of a crash)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # a power loss must not leave an empty file under the final name
     os.replace(tmp, path)
 
 
@@ -161,6 +172,8 @@ class SplitRule:
             if not 0 <= f < 1:
                 raise ValueError(f"--val-fraction {f} must be in [0, 1)")
             self.fraction, self.val_tokens = Fraction(str(f)).limit_denominator(10**6), None
+            if f > 0 and self.fraction == 0:
+                raise ValueError(f"--val-fraction {f} is below one document in a million; use --val-tokens instead")
         self.val_seen = 0  # val tokens so far (val-tokens mode)
         self.val_docs: int | None = None  # val-tokens mode: number of val documents once val is full
 
@@ -310,8 +323,8 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
 
 def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
              progress: bool, _stop_after_shards) -> dict:
-    if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens {shard_tokens} must be positive")
+    if not 1 <= shard_tokens < 2**31:
+        raise ValueError(f"--shard-tokens {shard_tokens} must be in [1, 2**31): the llm.c header counts tokens in int32")
     workers = max(1, workers or os.cpu_count() or 1)
     rule = SplitRule(val_fraction, val_tokens)
     tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None)
@@ -326,6 +339,8 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
         except ValueError:
             old = {}
         if old.get("fingerprint") == key and dataset_is_complete(out, old):
+            for stale in out.glob(".prepare-*"):  # an interrupted run of other inputs
+                shutil.rmtree(stale, ignore_errors=True)
             if progress:
                 print(f"{out}: already prepared from these inputs; nothing to do", file=sys.stderr)
             return old
@@ -336,8 +351,18 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
         if stale != staging:
             shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir(exist_ok=True)
-    state_path = staging / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.is_file() else None
+    state_path, pending = staging / "state.json", staging / "install.json"
+    if pending.is_file():  # every shard was written; a crash interrupted moving them into OUT
+        meta = read_json(pending)
+        if meta is not None:
+            install(staging, out, meta)
+            return meta
+    state = read_json(state_path) if state_path.is_file() else None
+    if state_path.is_file() and not (isinstance(state, dict) and all(s in state.get("splits", {}) for s in SPLITS)):
+        print(f"note: {state_path} is damaged; preparing from the start", file=sys.stderr)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        state = None
     if state and state.get("val_docs") is not None:
         rule.val_docs = state["val_docs"]
     writers = {s: SplitWriter(s, staging, shard_tokens, tok.vocab_size, state and state["splits"][s]) for s in SPLITS}
@@ -444,7 +469,11 @@ def save_state(path: Path, writers: dict, next_doc: int, rule: SplitRule) -> Non
 
 
 def install(staging: Path, out: Path, meta: dict) -> None:
-    """Move the finished shards into OUT and write meta.json last; drop shards of an older dataset there."""
+    """Move the finished shards into OUT and write meta.json last; drop shards of an older dataset there.
+    Resumable: install.json in the staging folder lets a re-run finish a move that a crash interrupted."""
+    pending = staging / "install.json"
+    if read_json(pending) != meta:
+        write_json_atomic(pending, meta)
     old_meta = out / "meta.json"
     old_shards: set[str] = set()
     if old_meta.is_file():
@@ -455,7 +484,8 @@ def install(staging: Path, out: Path, meta: dict) -> None:
         old_meta.unlink()  # until the new meta.json exists, the folder is not a dataset
     new = {n for names in meta["shards"].values() for n in names}
     for name in sorted(new):
-        os.replace(staging / name, out / name)
+        if (staging / name).is_file() or not (out / name).is_file():  # else: moved before a crash
+            os.replace(staging / name, out / name)
     for name in sorted(old_shards - new):
         if (out / name).is_file() and Path(name).name == name:
             (out / name).unlink()

@@ -98,6 +98,8 @@ def open_npy(path: str | Path, in_memory: bool = False) -> np.ndarray:
         tokens = np.load(path, mmap_mode=None if in_memory else "r", allow_pickle=False)
     except ValueError as e:
         raise ShardError(f"{path}: not a readable .npy token array ({str(e).splitlines()[0]})") from None
+    if not isinstance(tokens, np.ndarray):  # np.load opens a .npz archive whatever its name
+        raise ShardError(f"{path}: a .npz archive, not a .npy array; save the tokens with np.save")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ShardError(f"{path}: expected a 1-D integer token array, found {tokens.dtype} of shape {tokens.shape}")
     return tokens
