@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -83,6 +84,25 @@ def test_a_failing_stage_is_reported_not_hidden(tmp_path, monkeypatch):
     monkeypatch.setattr(journey, "measure_stage", broken)
     result = run_journey(tiny_options(techniques=[]), tmp_path, progress=False)
     assert result.stages[0].status == "failed" and result.stages[0].reason == "RuntimeError: no C++ compiler"
+
+
+def test_a_failed_technique_stays_off_in_later_stages_and_the_ablation(tmp_path, monkeypatch):
+    def compile_breaks(name, setup, options, data_dir, device, memory):
+        if setup.compile:
+            raise RuntimeError("no C++ compiler")
+        return StageResult(name=name, setup=dataclasses.asdict(setup), step_ms=10.0, tokens_per_s=3.2, warmup_s=0.0,
+                           final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", compile_breaks)
+    result = run_journey(tiny_options(techniques=["compile", "sdpa"], ablate=True), tmp_path, progress=False)
+    assert [s.status for s in result.stages] == ["ok", "failed", "ok"]
+    assert result.stages[2].setup["sdpa"] and not result.stages[2].setup["compile"]
+    rows = {r.name: r for r in result.ablation}
+    assert rows["all on"].status == "ok" and not rows["all on"].setup["compile"]
+    assert rows["- torch.compile"].status == "skipped" and "no C++ compiler" in rows["- torch.compile"].reason
+    md = (tmp_path / "journey.md").read_text()
+    header, *rows_md = [line for line in md.splitlines() if line.startswith("| ")][:4]
+    assert all(line.count("|") == header.count("|") for line in rows_md)  # failed rows keep the table's width
 
 
 def test_tf32_is_not_applicable_on_cpu_and_the_rest_is():

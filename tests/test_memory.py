@@ -122,7 +122,7 @@ def test_estimated_activations_match_the_saved_tensor_sum(attention, B, T):
     assert est.breakdown["activations"] + log_softmax_output == pytest.approx(measured, rel=0.10)
 
 
-def _measure_step(cfg: Config) -> tuple[int, int]:
+def _measure_step(cfg: Config, accumulation: int = 1) -> tuple[int, int]:
     """(bytes kept after forward, peak bytes) of a steady-state step, parameters and optimizer states excluded."""
     torch.manual_seed(0)
     model = GPT(cfg.model)
@@ -131,9 +131,10 @@ def _measure_step(cfg: Config) -> tuple[int, int]:
 
     def step(tracker=None):
         optimizer.zero_grad(set_to_none=True)
-        _, loss = model(x, x)  # the trainer's line: the logits stay referenced through backward
-        kept = tracker.current if tracker else 0
-        loss.backward()
+        for _ in range(accumulation):
+            _, loss = model(x, x)  # the trainer's line: the logits stay referenced through backward
+            kept = tracker.current if tracker else 0
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         return kept
@@ -160,6 +161,18 @@ def test_estimate_matches_measured_tensor_memory(model_kw):
     assert est.saved_after_forward == pytest.approx(kept, rel=0.10)
     states = est.breakdown["parameters"] + est.breakdown["optimizer states"]
     assert est.total_bytes - states == pytest.approx(peak, rel=0.10)
+
+
+@pytest.mark.parametrize("model_kw", [dict(attention="sdpa"), dict(attention="sdpa", grad_checkpointing=True)])
+def test_accumulation_holds_the_gradients_through_later_micro_batches(model_kw):
+    cfg = tiny(B=4, T=32, **model_kw)
+    single = estimate_memory(cfg).total_bytes
+    cfg.train.total_batch_tokens = 4 * 4 * 32  # four micro-batches per optimizer step
+    _, peak = _measure_step(cfg, accumulation=4)
+    est = estimate_memory(cfg)
+    states = est.breakdown["parameters"] + est.breakdown["optimizer states"]
+    assert est.total_bytes - states == pytest.approx(peak, rel=0.10)
+    assert est.total_bytes > single
 
 
 def test_tracker_counts_what_is_kept_and_freed():

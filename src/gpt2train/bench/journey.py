@@ -348,7 +348,10 @@ def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
 def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
     """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
     journey_stages(options)  # unknown technique names fail before any work
-    device = resolve_device(options.device)
+    if options.device == "auto":  # the journey times CUDA and CPU steps only (MPS would need its own sync)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = resolve_device(options.device)
     if options.seq_len == 0:
         options = replace(options, seq_len=preset_config(options.model).block_size)
     _check_options(options)
@@ -380,6 +383,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
 
         stages = [run("naive", Setup())]
         setup = Setup()
+        failed: dict[str, str] = {}  # technique -> why its stage failed; it stays off from then on
         for key, label in journey_stages(options):
             reason = not_applicable(key, device, options.skip)
             if reason:
@@ -387,17 +391,24 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                 if bar is not None:
                     bar.update(1)
                 continue
-            setup = replace(setup, **{key: True})
-            stages.append(run(label, setup))
+            stages.append(run(label, replace(setup, **{key: True})))
+            if stages[-1].status == "failed":
+                failed[key] = stages[-1].reason
+            else:
+                setup = replace(setup, **{key: True})
         _speedups(stages)
+
+        def left_out(key: str) -> str | None:
+            reason = not_applicable(key, device, options.skip)
+            return reason or (f"failed in the journey ({failed[key]})" if key in failed else None)
 
         ablation = []
         if options.ablate:
-            everything = Setup(**{k: not_applicable(k, device, options.skip) is None for k, _ in TECHNIQUES})
+            everything = Setup(**{k: left_out(k) is None for k, _ in TECHNIQUES})
             ablation.append(run("all on", everything))
             for key, _ in TECHNIQUES:
                 name = f"- {SHORT_NAMES[key]}"
-                reason = not_applicable(key, device, options.skip)
+                reason = left_out(key)
                 if reason:
                     ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
                                                 reason=reason))
@@ -420,8 +431,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
 
 def _check_options(options: JourneyOptions):
     block = preset_config(options.model).block_size  # raises on an unknown preset
-    if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0:
-        raise ValueError("--micro-batch and --steps must be at least 1, --warmup at least 0")
+    if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0 or options.threads < 0:
+        raise ValueError("--micro-batch and --steps must be at least 1, --warmup and --threads at least 0")
     if not 1 <= options.seq_len <= block:
         raise ValueError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
 
@@ -491,7 +502,7 @@ def to_markdown(result: JourneyResult) -> str:
         f"- {o['warmup']} warm-up steps (compilation included; the warm-up column), then {o['steps']} timed "
         f"steps: ms/step is their median ({env['timing']})",
         f"- peak memory: {env['memory']}",
-        "- each stage keeps everything above it; skipped stages did not run, with the reason",
+        "- each stage keeps everything above it; skipped and failed stages (reasons below) stay off after them",
         "",
         "| stage | ms/step | tokens/s | MFU | peak memory | vs naive | vs previous | warm-up s | loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -513,8 +524,8 @@ def to_markdown(result: JourneyResult) -> str:
 
 
 def _row(s: StageResult, ratios: list[str]) -> str:
-    if s.status != "ok":
-        return f"| {s.name} | {s.status} | | | | " + " | " * len(ratios) + " |"
+    if s.status != "ok":  # name, status, then empty cells up to the header's width
+        return "| " + " | ".join([s.name, s.status] + [""] * (5 + len(ratios))) + " |"
     mfu = f"{100 * s.mfu:.1f}%" if s.mfu is not None else "n/a"
     cells = [s.name, f"{s.step_ms:,.1f}", f"{s.tokens_per_s:,.0f}", mfu, _mem(s.peak_mem_bytes), *ratios,
              f"{s.warmup_s:.1f}", f"{s.final_loss:.3f}" if math.isfinite(s.final_loss) else "nan"]

@@ -225,7 +225,11 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         breakdown["optimizer step temporaries"] = step_temp
 
     base = params + optimizer + extra
-    phases = {"loss backward": base + copies + activations + logits_peak}
+    # With gradient accumulation the gradients are zeroed once per optimizer step, so from the second
+    # micro-batch on all of them exist through forward and backward.
+    accumulating = cfg.train.total_batch_tokens > B * T * world_size
+    held_grads = grads if accumulating else 0
+    phases = {"loss backward": base + copies + activations + logits_peak + held_grads}
     # The caller still holds the logits through backward and the optimizer step (the trainer's
     # `_, loss = model(x, y)` keeps them until the next forward).
     held_logits = B * T * m.padded_vocab_size * act if m.loss_chunk <= 0 else 0
@@ -241,15 +245,17 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
     recompute = block if m.grad_checkpointing else 0
     work = 5 * B * T * m.n_embd * FP32
     for i in reversed(range(L)):
+        made = grads if accumulating else head_grads + (L - 1 - i) * layer_grads + layer_grads // 3
         phases[f"backward of block {i}"] = (base + (i + 1) * (copies_per_layer + saved_block) + ids + held_logits
-                                            + recompute + work + head_grads + (L - 1 - i) * layer_grads
-                                            + layer_grads // 3)
+                                            + recompute + work + made)
     phases["optimizer step"] = base + grads + step_temp + held_logits
     peak_phase = max(phases, key=phases.get)
     if peak_phase.startswith("backward of block"):
         peak_phase = "backward through the blocks"
 
     compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device_type == "cuda")
+    if accumulating:
+        notes.append("gradient accumulation: the gradients are held through every micro-batch's forward and backward")
     if compiled:
         notes.append("torch.compile usually saves fewer activations than eager (it recomputes cheap "
                      "pointwise ops), so this eager estimate is on the high side")
@@ -375,12 +381,13 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
         peak = None
         try:
             torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(2):
+            for _ in range(2):  # the second step has the optimizer states
                 optimizer.zero_grad(set_to_none=True)
-                x = torch.randint(0, m.vocab_size, (b, T), device=device)
-                with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-                    _, loss = model(x, x)
-                loss.backward()
+                for _ in range(2):  # accumulating: the second micro-batch runs with the gradients held
+                    x = torch.randint(0, m.vocab_size, (b, T), device=device)
+                    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                        _, loss = model(x, x)
+                    loss.backward()
                 optimizer.step()
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
