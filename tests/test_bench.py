@@ -8,11 +8,19 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 
+from conftest import run_cli
 from gpt2train.bench import journey
-from gpt2train.bench.journey import (TECHNIQUES, JourneyOptions, PythonLoopBatches, StageResult, build_optimizer,
-                                     not_applicable, run_journey, write_synthetic_data)
+from gpt2train.bench.journey import (
+    TECHNIQUES,
+    JourneyOptions,
+    PythonLoopBatches,
+    StageResult,
+    build_optimizer,
+    not_applicable,
+    run_journey,
+    write_synthetic_data,
+)
 from gpt2train.config import TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.model import GPT, GPTConfig

@@ -11,14 +11,13 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli, tiny_config
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
+from conftest import REPO, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.train.loop import Trainer, train
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,7 +111,7 @@ def test_a_crash_at_any_instant_of_a_save_leaves_a_loadable_checkpoint(tmp_path,
         fake_save(run, 1, best=True)
         calls = 0
 
-        def pause():
+        def pause(crash_at=crash_at):
             nonlocal calls
             calls += 1
             if calls == crash_at:

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli
 import gpt2train.data.prepare as prepare_module
+from conftest import run_cli
 from gpt2train.data.prepare import (
     PrepareInterrupted,
     load_meta,

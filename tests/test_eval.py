@@ -19,8 +19,15 @@ from gpt2train import cli
 from gpt2train.checkpoint import load_model, model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.data.shards import open_shard
-from gpt2train.eval.hellaswag import (HellaSwagError, collate, encode_example, load_examples,
-                                      read_arrow, read_jsonl, score_examples)
+from gpt2train.eval.hellaswag import (
+    HellaSwagError,
+    collate,
+    encode_example,
+    load_examples,
+    read_arrow,
+    read_jsonl,
+    score_examples,
+)
 from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
 from gpt2train.model import GPT, GPTConfig

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, tiny_config
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
+from conftest import REPO, tiny_config
 from gpt2train import cli
 from gpt2train.config import GuardConfig, dump_toml
 from gpt2train.model import GPT
@@ -23,7 +23,6 @@ from gpt2train.train.loop import train
 
 sys.path.insert(0, str(REPO / "scripts"))
 import fault_trials  # noqa: E402
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip
 
 transformers.logging.set_verbosity_error()
 

@@ -26,9 +26,21 @@ import numpy as np
 import torch
 
 import gpt2train
-from gpt2train.checkpoint import (CheckpointError, check_same_shape, load_training_checkpoint, newest_checkpoint,
-                                  point_latest, read_meta, recover, resolve_checkpoint, ring_entries, rng_state,
-                                  save_training_checkpoint, set_aside_newer, set_rng_state)
+from gpt2train.checkpoint import (
+    CheckpointError,
+    check_same_shape,
+    load_training_checkpoint,
+    newest_checkpoint,
+    point_latest,
+    read_meta,
+    recover,
+    resolve_checkpoint,
+    ring_entries,
+    rng_state,
+    save_training_checkpoint,
+    set_aside_newer,
+    set_rng_state,
+)
 from gpt2train.config import Config, ConfigError, save_config, to_dict
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
