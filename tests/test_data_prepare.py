@@ -8,6 +8,7 @@ import os
 import random
 import struct
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -358,6 +359,35 @@ def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
         assert expected in message, (paths, kwargs, message)
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before, (paths, kwargs)
     assert load_meta(out) == good
+
+
+def fake_datasets(rows: list[dict], calls: list) -> types.ModuleType:
+    """A stand-in for the `datasets` library: load_dataset(..., streaming=True) yields these rows."""
+    module = types.ModuleType("datasets")
+
+    def load_dataset(name, config=None, split="train", streaming=False):
+        calls.append((name, config, split, streaming))
+        return iter(rows)
+
+    module.load_dataset = load_dataset
+    return module
+
+
+def test_prepare_hf_streams_rows_like_local_files(txt_folder, docs, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets([{"text": d, "id": i} for i, d in enumerate(docs)], calls))
+    meta = prepare_hf("someone/corpus", tmp_path / "hf", config="small", split="train", workers=1, progress=False)
+    assert calls == [("someone/corpus", "small", "train", True)] and meta["source"] == "hf:someone/corpus:small[train]"
+    local = prepare_files([txt_folder], tmp_path / "local", workers=1, progress=False)  # the same documents, in order
+    assert meta["tokens"] == local["tokens"] and meta["documents"] == local["documents"]
+    for names in meta["shards"].values():
+        for n in names:
+            assert (tmp_path / "hf" / n).read_bytes() == (tmp_path / "local" / n).read_bytes()
+
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets([{"content": "x"}], calls))
+    assert "--text-field" in one_line(ValueError, prepare_hf, "someone/corpus", tmp_path / "o", progress=False)
+    monkeypatch.setitem(sys.modules, "datasets", fake_datasets([{"text": ["a", "b"]}], calls))
+    assert "holds list, not text" in one_line(ValueError, prepare_hf, "someone/corpus", tmp_path / "o", progress=False)
 
 
 def test_prepare_hf_without_datasets_is_one_line(tmp_path, monkeypatch):

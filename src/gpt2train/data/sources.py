@@ -197,10 +197,13 @@ class HFStreamReader:
                               "(or pip install datasets)") from None
         stream = datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
         for i, row in enumerate(stream):
-            text = row.get(self.text_field)
-            if not isinstance(text, (str, type(None))) or (text is None and self.text_field not in row):
+            if self.text_field not in row:
                 raise SourceError(f"{self.name} row {i} has no text field {self.text_field!r} "
                                   f"(found {sorted(row)}); pass --text-field NAME")
+            text = row[self.text_field]
+            if not isinstance(text, (str, type(None))):
+                raise SourceError(f"{self.name} row {i}: field {self.text_field!r} holds {type(text).__name__}, "
+                                  f"not text; pass --text-field with a text column")
             yield text or ""
 
     def input_fingerprint(self) -> list:
