@@ -225,13 +225,16 @@ def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
 # --- end to end -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_run(gpt2_data, tmp_path_factory):
-    """A 4-step GPT-2-tokenizer run with HellaSwag and samples every 2 steps."""
+    """A 4-step GPT-2-tokenizer run with HellaSwag (4 examples from a local jsonl) and samples every 2 steps."""
     run = tmp_path_factory.mktemp("gpt2_run")
     cfg = tiny_config(gpt2_data, max_steps=4)
     cfg.eval.interval = 4
     cfg.checkpoint.every_steps = 4
-    cfg.eval.hellaswag_interval = 2 if ARROW else 0
-    cfg.eval.hellaswag_limit = 4
+    local = run.parent / "hellaswag_local.jsonl"
+    write_jsonl(local, [original_row(f"Context {i}: the man", "then", [f"ending {k} of {i}." for k in range(4)], i % 4)
+                        for i in range(6)])
+    cfg.eval.hellaswag_interval, cfg.eval.hellaswag_path = 2, str(local)
+    cfg.eval.hellaswag_limit = 0  # all of the local file's 6 (the default source has 10,042)
     cfg.eval.sample_interval = 2
     cfg.eval.sample_prompts = ["\n", "ROMEO:"]
     cfg.eval.sample_tokens = 5
@@ -243,11 +246,10 @@ def records(run, kind):
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-@needs_arrow
 def test_training_hook_logs_hellaswag_and_samples(gpt2_run):
     hs = records(gpt2_run, "hellaswag")
     assert [r["step"] for r in hs] == [2, 4]
-    assert all(r["n"] == 4 and 0 <= r["acc"] <= 1 and r["acc_norm"] * 4 == round(r["acc_norm"] * 4) for r in hs)
+    assert all(r["n"] == 6 and 0 <= r["acc"] <= 1 and r["acc_norm"] * 6 == round(r["acc_norm"] * 6) for r in hs)
     samples = records(gpt2_run, "sample")
     assert [(r["step"], r["prompt"]) for r in samples] == [(2, "\n"), (2, "ROMEO:"), (4, "\n"), (4, "ROMEO:")]
     assert all(isinstance(r["text"], str) for r in samples)
@@ -296,6 +298,24 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (extra, lines)
     assert not (ckpt / "eval.json.tmp").exists()
+
+
+def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    r = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    local = tmp_path / "hellaswag.jsonl"
+    write_jsonl(local, [original_row(f"Context {i}: a dog", "then", [f"ending {k}." for k in range(4)], i % 4)
+                        for i in range(5)])
+    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--tasks", "val,hellaswag", "--data", str(gpt2_data),
+                "--hellaswag", str(local), "--limit", "5", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000000" / "eval.json").read_text())
+    assert saved["tasks"]["hellaswag"]["n"] == 5 and saved["tasks"]["val"]["windows"] == 5
+    assert saved["tasks"]["val"]["loss"] == pytest.approx(np.log(50257), rel=0.05)  # random weights: near uniform
 
 
 @needs_arrow

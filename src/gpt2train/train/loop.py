@@ -91,6 +91,13 @@ def git_revision() -> str | None:
         return None
 
 
+def format_eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 def accumulation_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches per optimizer step: total_batch_tokens / (micro_batch * seq_len * world_size), exactly."""
     per_pass = cfg.train.micro_batch * cfg.train.seq_len * world_size
@@ -159,6 +166,7 @@ class Trainer:
         self.val_loss = None  # the latest validation loss
         self.wall_before = 0.0  # training wall seconds of earlier launches (from the checkpoint)
         self.launch_start = time.time()
+        self.first_step = 1  # the first step of this launch (fit() sets it after a resume)
         self.resumed_from = None
         self.sharded = cfg.train.distributed == "fsdp" and self.dist.enabled  # DCP checkpoints
         self.guard = TrainingGuard(cfg.guard)
@@ -378,7 +386,7 @@ class Trainer:
         self._previous_handlers = self._install_signal_handlers()
         self._log_start()
         start_wall = self.launch_start = time.time()
-        first_step = self.step + 1
+        first_step = self.first_step = self.step + 1
         last_save = time.time()
         progress = self._progress_bar()
         reason = "done"
@@ -451,7 +459,8 @@ class Trainer:
         self.logger.log("train", **record)
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         line = (f"step {self.step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {out['lr']:.2e} | "
-                f"norm {out['grad_norm']:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {dt * 1000:.0f} ms")
+                f"norm {out['grad_norm']:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {dt * 1000:.0f} ms | "
+                f"eta {format_eta(self.eta_seconds())}")
         if first_compiled:
             line += " (includes compilation)"
         if progress is not None:
@@ -459,6 +468,11 @@ class Trainer:
             if self.cfg.log.progress == "bar":
                 return
         self._print(line, progress)
+
+    def eta_seconds(self) -> float:
+        """Seconds to max_steps at this launch's pace so far (evaluations and saves included)."""
+        done = self.step - self.first_step + 1
+        return (time.time() - self.launch_start) / max(done, 1) * (self.cfg.train.max_steps - self.step)
 
     def _progress_bar(self):
         mode = self.cfg.log.progress
