@@ -89,8 +89,12 @@ def cmd_sample(args) -> int:
 
     if args.num_samples < 1:
         raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
-    model, _, meta = load_model(args.ckpt, device=args.device)
+    from gpt2train.train.distributed import resolve_device
+
+    device = resolve_device(args.device)
+    model, _, meta = load_model(args.ckpt, device=device)
     tok = tokenizer_from_spec(meta["tokenizer"])
+    print(f"device: {device}", file=sys.stderr)  # once the inputs are known good: errors stay one line
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)
     start, n = time.perf_counter(), 0
@@ -255,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1337, help="sample i uses seed + i")
     p.add_argument("--num-samples", type=int, default=1, help="how many continuations of the prompt")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, mps")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")

@@ -7,6 +7,7 @@ summed across ranks, so the numbers match a single process.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -62,6 +63,9 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
             jobs["val"] = _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
+        if progress and info.rank == 0:
+            print(f"device: {info.device} x {info.world_size} rank(s), {str(resolved).removeprefix('torch.')}",
+                  file=sys.stderr)
         results = {}
         for task in tasks:
             start = time.time()
