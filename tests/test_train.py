@@ -235,7 +235,7 @@ def one_thread():
 
 @pytest.mark.slow
 def test_quickstart_config_val_loss_falls(char_data, tmp_path, one_thread):
-    """configs/shakespeare-cpu.toml on the char-level fixture, with a shorter budget than the full 600 steps."""
+    """configs/shakespeare-cpu.toml on the char-level fixture, with a shorter budget than the full 300 steps."""
     cfg = load_config(REPO / "configs" / "shakespeare-cpu.toml",
                       [f"data.dir={char_data}", "train.max_steps=60", "train.warmup_steps=10", "eval.interval=0",
                        "eval.val_batches=8", "checkpoint.every_steps=0", "log.interval=20", "log.progress=lines"])

