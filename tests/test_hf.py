@@ -9,13 +9,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli
+from conftest import run_cli, tiny_config
 from gpt2train.checkpoint import load_model
 from gpt2train.data.prepare import shakespeare_text
 from gpt2train.generate import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer
+from gpt2train.train.loop import train
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip
@@ -154,6 +155,28 @@ def test_exported_tokenizer_gives_our_ids_and_greedy_text_matches_transformers(t
     theirs_new = out[0, len(prompt):].tolist()
     assert ours_new == theirs_new
     assert hf_tok.decode(theirs_new) == tok.decode(ours_new)
+
+
+def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_sample(gpt2_data, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = tiny_config(gpt2_data, max_steps=30)
+    cfg.train.lr = 3e-3
+    train(cfg, tmp_path / "run")
+    r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "ROMEO:", "--temperature", "0",
+                "--max-new-tokens", "20", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    prompt = hf_tok("ROMEO:")["input_ids"]
+    with torch.no_grad():
+        out = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                              pad_token_id=hf_tok.eos_token_id)
+    theirs_text = hf_tok.decode([t for t in out[0, len(prompt):].tolist() if t != hf_tok.eos_token_id])
+    assert r.stdout.rstrip("\n") == "ROMEO:" + theirs_text.rstrip("\n") and len(theirs_text) > 0
 
 
 # ---------------------------------------------------------------- run directories and the CLI
