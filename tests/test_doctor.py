@@ -214,6 +214,14 @@ def test_healthy_run_reports_healthy(tmp_path):
     assert "healthy: no symptom found" in format_diagnosis(d)
 
 
+def test_a_run_too_short_to_judge_is_not_called_healthy(tmp_path):
+    records = healthy()
+    start, train = records[0], [r for r in records if r["kind"] == "train"][:3]
+    d = diagnose(write_run(tmp_path / "short", [start, *train]))
+    text = format_diagnosis(d)
+    assert d.exit_status == 0 and "healthy" not in text and "only 3 logged train steps" in text
+
+
 @pytest.mark.parametrize("rule", list(SYMPTOMS))
 def test_each_symptom_alone(tmp_path, rule):
     d = diagnose(write_run(tmp_path / rule, SYMPTOMS[rule]()))

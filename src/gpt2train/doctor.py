@@ -53,6 +53,7 @@ DIVERGE_WINDOW = 10  # rolling median over 10 logged losses, so one spike is not
 DIVERGE_RATIO = 1.3  # the run ends 30% above its best rolling median: training has come apart
 
 MAX_LISTED = 5  # steps listed in one line of evidence
+MIN_TRAIN_RECORDS = 8  # fewer logged steps than this: "healthy" would be a guess
 
 
 @dataclass
@@ -346,7 +347,10 @@ def format_diagnosis(d: Diagnosis) -> str:
     launches = f"{d.launches} launch{'es' if d.launches != 1 else ''}"
     lines = [f"doctor {d.run_dir}: {d.train_records} logged train steps to step {d.last_step}, {launches}"]
     lines += [f"note: {n}" for n in d.notes]
-    if d.healthy:
+    if d.healthy and d.train_records < MIN_TRAIN_RECORDS:
+        lines.append(f"no symptom found, but only {d.train_records} logged train steps: too few to judge most rules "
+                     f"(they need {MIN_TRAIN_RECORDS}+); run longer or lower log.interval")
+    elif d.healthy:
         lines.append("healthy: no symptom found")
     for f in d.findings:
         lines.append(f"{f.severity.upper():8} {f.title}")
