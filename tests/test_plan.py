@@ -74,6 +74,22 @@ def test_steps_and_epochs_from_meta(tmp_path):
     assert plan.epochs == 500 * 4096 / 1_000_000
     assert plan.peak_flops is None and plan.wall_s(plan.budget_tokens) is None  # no CPU peak
     assert "1,000,000 train tokens = 244.1 steps/epoch" in P.format_plan(plan)
+    assert any("too big to time here" in n for n in plan.notes)  # GPT-2 124M: minutes per step on a CPU
+
+
+def test_cpu_time_from_tokens_per_s_given_or_measured_here(tmp_path):
+    cfg = Config()
+    cfg.model = preset_config("gpt2-tiny", vocab_size=300)
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.max_steps, cfg.train.total_batch_tokens = 2, 32, 100, 0
+    given = P.make_plan(cfg, P.find_device("cpu"), tokens_per_s=640.0, runs_dir=tmp_path)
+    assert given.wall_s(given.budget_tokens) == 100 * 64 / 640.0
+    assert "640 tokens/s per device, given with --tokens-per-s" in P.format_plan(given)
+    measured = P.make_plan(cfg, P.find_device("cpu"), runs_dir=tmp_path)
+    assert measured.tokens_per_s > 0 and measured.tokens_per_s_source.startswith("measured here")
+    assert measured.wall_s(6400) == 6400 / measured.tokens_per_s
+    assert "time        budget:" in P.format_plan(measured)
+    with pytest.raises(P.PlanError, match="must be positive"):
+        P.make_plan(cfg, P.find_device("cpu"), tokens_per_s=0.0, runs_dir=tmp_path)
 
 
 def test_vocab_defaults_to_gpt2_without_data(tmp_path):

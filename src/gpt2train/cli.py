@@ -156,7 +156,7 @@ def cmd_plan(args) -> int:
 
     cfg = load_config(args.config, args.set or [])
     plan = make_plan(cfg, find_device(args.device), gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
-                     bench_json=args.bench_json)
+                     bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
     print(format_plan(plan))
     return 0
 
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mfu", type=float, help="assumed model FLOPs utilization, 0..1 (default: a gpt2train bench "
                    "figure from runs/bench-*/journey.json, else 0.40)")
     p.add_argument("--bench-json", metavar="PATH", help="take the MFU from this gpt2train bench journey.json")
+    p.add_argument("--tokens-per-s", type=float, metavar="N", help="a device without a known peak (CPU): its "
+                   "training tokens/s, e.g. from a run's log (default: timed here on a few steps)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("doctor", help="diagnose a run from its metrics: symptoms, evidence and fixes",

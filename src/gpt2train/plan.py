@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -316,6 +317,8 @@ class Plan:
     mfu_source: str
     memory: MemoryFit
     notes: list[str] = field(default_factory=list)
+    tokens_per_s: float | None = None  # per device, where no peak is known (a CPU): given or measured here
+    tokens_per_s_source: str = ""
 
     @property
     def steps_per_epoch(self) -> float | None:
@@ -327,13 +330,15 @@ class Plan:
 
     def wall_s(self, tokens: int) -> float | None:
         if self.peak_flops is None:
-            return None
+            return tokens / (self.tokens_per_s * self.gpus) if self.tokens_per_s else None
         return wall_seconds(tokens, self.flops_per_token, self.peak_flops, self.mfu, self.gpus)
 
 
 def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = None, data_dir: str | None = None,
-              bench_json: str | Path | None = None, runs_dir: str | Path = "runs") -> Plan:
-    """Everything `gpt2train plan` prints. mfu (0..1) wins over a bench figure, which wins over the default."""
+              bench_json: str | Path | None = None, runs_dir: str | Path = "runs", tokens_per_s: float | None = None,
+              measure_cpu: bool = True) -> Plan:
+    """Everything `gpt2train plan` prints. mfu (0..1) wins over a bench figure, which wins over the default.
+    Without a known peak (a CPU), the time comes from tokens_per_s, else from timing a few steps here."""
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: need at least one device")
     if mfu is not None and not 0 < mfu <= 1:
@@ -351,14 +356,55 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
     tokens_per_step = cfg.train.micro_batch * cfg.train.seq_len * gpus * accum
     mfu, mfu_source = _choose_mfu(mfu, device, bench_json, runs_dir, notes)
     peak = peak_flops_for(device, cfg)
-    if peak is None:
-        notes.append(f"no peak FLOP/s known for {device.name}: wall time not estimated; plan for a GPU with --device")
+    speed, speed_source = None, ""
+    if tokens_per_s is not None:
+        if tokens_per_s <= 0:
+            raise PlanError(f"--tokens-per-s {tokens_per_s}: must be positive")
+        speed, speed_source = tokens_per_s, "given with --tokens-per-s"
+    elif peak is None and measure_cpu and not device.is_gpu:
+        speed, speed_source = measure_cpu_speed(cfg, notes)
+    if peak is None and speed is None:
+        notes.append(f"no peak FLOP/s known for {device.name}: wall time not estimated; pass --tokens-per-s or "
+                     "plan for a GPU with --device")
     return Plan(cfg=cfg, device=device, gpus=gpus, params=params, params_non_embedding=params_non_embedding,
                 flops_per_token=per_token, tokens_per_step=tokens_per_step, grad_accum=accum,
                 budget_tokens=cfg.train.max_steps * tokens_per_step,
                 chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
                 train_tokens=int(meta["tokens"]["train"]) if meta else None, peak_flops=peak, mfu=mfu,
-                mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes)
+                mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes, tokens_per_s=speed,
+                tokens_per_s_source=speed_source)
+
+
+CPU_FLOPS_FLOOR = 2e10  # FLOP/s: a slow CPU, to decide whether timing a step here is quick
+CPU_TIMING_LIMIT_S = 30  # time steps here only when all of them should take less than this
+
+
+def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[float | None, str]:
+    """Tokens/s of the config's training step on this machine's CPU (fp32, eager, like a CPU run): one
+    warm-up step, then `steps` timed. None, with a note, when the step is too big to time in seconds."""
+    from gpt2train.train.optim import make_optimizer
+
+    B, T = cfg.train.micro_batch, cfg.train.seq_len
+    flops = flops_per_token(cfg.model, T) * B * T * (1 + steps)
+    if flops / CPU_FLOPS_FLOOR > CPU_TIMING_LIMIT_S:
+        notes.append(f"a step is too big to time here quickly (~{flops / CPU_FLOPS_FLOOR / (1 + steps):,.0f} s at "
+                     f"{CPU_FLOPS_FLOOR / 1e9:.0f} GFLOP/s): wall time not estimated; pass --tokens-per-s")
+        return None, ""
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    optimizer = make_optimizer(model, cfg.train, "cpu")
+    x = torch.randint(0, cfg.model.vocab_size, (B, T))
+    elapsed = 0.0
+    for i in range(1 + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        elapsed += (time.perf_counter() - start) if i else 0.0
+    speed = B * T * steps / elapsed
+    return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
 
 
 def _read_meta(data_dir: str, required: bool, notes: list[str]) -> dict | None:
@@ -418,7 +464,11 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"device      {plan.gpus} x {plan.device.name}: {peak}, "
                  f"{plan.device.memory_bytes / GiB:,.0f} GiB each")
     budget_s, chinchilla_s = plan.wall_s(plan.budget_tokens), plan.wall_s(plan.chinchilla_tokens)
-    if budget_s is not None:
+    if budget_s is not None and plan.peak_flops is None:
+        lines.append(f"speed       {plan.tokens_per_s:,.0f} tokens/s per device, {plan.tokens_per_s_source}")
+        lines.append(f"time        budget: {_duration(budget_s)}; chinchilla: {_duration(chinchilla_s)} "
+                     "(steps only: evaluation and checkpoints add to it)")
+    elif budget_s is not None:
         lines.append(f"MFU         {plan.mfu:.2f}, {plan.mfu_source}")
         lines.append(f"time        budget: {_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
                      f"chinchilla: {_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
