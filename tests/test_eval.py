@@ -265,10 +265,12 @@ def test_hook_skips_hellaswag_without_gpt2_tokenizer_and_leaves_training_unchang
 
     plain = run("plain")
     hooked = run("hooked", hellaswag_interval=1, sample_interval=2, sample_prompts=["ROMEO:", "\n"], sample_tokens=8)
-    assert capfd.readouterr().err.count("skipping HellaSwag") == 1  # warned once, not every step
+    out = capfd.readouterr()
+    assert out.err.count("skipping HellaSwag") == 1  # warned once, not every step
     assert records(hooked, "hellaswag") == []
     samples = records(hooked, "sample")
     assert [r["step"] for r in samples] == [2, 2, 4, 4] and all(len(r["text"]) > 0 for r in samples)
+    assert out.out.count("step 2: sample 'ROMEO:") == 1 and out.out.count("step 4: sample '\\n") == 1
     # Sampling uses its own generator: the training run is step for step the same.
     assert [r["loss"] for r in records(plain, "train")] == [r["loss"] for r in records(hooked, "train")]
     assert [r["val_loss"] for r in records(plain, "val")] == [r["val_loss"] for r in records(hooked, "val")]

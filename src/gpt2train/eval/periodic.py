@@ -28,7 +28,7 @@ class PeriodicEvals:
         if cfg.hellaswag_interval and step % cfg.hellaswag_interval == 0 and not self.hellaswag_disabled:
             self.hellaswag(step, progress)
         if cfg.sample_interval and step % cfg.sample_interval == 0:
-            self.samples(step)
+            self.samples(step, progress)
 
     def hellaswag(self, step: int, progress=None):
         from gpt2train.eval.hellaswag import evaluate_hellaswag, load_examples
@@ -51,7 +51,7 @@ class PeriodicEvals:
         t.logger.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"])
         t._print(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)", progress)
 
-    def samples(self, step: int):
+    def samples(self, step: int, progress=None):
         from gpt2train.generate import generate
 
         t, tok = self.trainer, self.tokenizer
@@ -69,6 +69,7 @@ class PeriodicEvals:
                                top_k=SAMPLE_TOP_K, eot_id=tok.eot_id, seed=t.cfg.train.seed)
                 text = tok.decode([i for i in ids if i != tok.eot_id])
                 t.logger.log("sample", step=step, prompt=prompt, text=text)
+                t._print(f"step {step}: sample {prompt + text!r}"[:160], progress)
         finally:
             model.train()
 
