@@ -82,6 +82,25 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
     assert starts[1]["resumed_from"].endswith("step_00000006")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_resume_matches_within_bf16_noise(char_data, tmp_path):
+    """On a GPU kernels may be non-deterministic, so a resumed bf16 run equals an uninterrupted one only
+    within bf16 noise; compiled, as GPU runs are."""
+    def gpu_config():
+        return tiny_config(char_data, max_steps=12, device="cuda", dtype="bfloat16", compile=True)
+
+    straight = train(gpu_config(), tmp_path / "straight")
+    trainer = Trainer(gpu_config(), tmp_path / "resumed")
+    stop_with_sigterm_at(trainer, 6)
+    assert trainer.fit()["step"] == 6
+    resumed = train(gpu_config(), tmp_path / "resumed", resume="auto")
+    assert straight["step"] == resumed["step"] == 12
+    losses_a, losses_b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
+    assert sorted(losses_b) == list(range(1, 13))
+    for step in range(7, 13):
+        assert losses_b[step] == pytest.approx(losses_a[step], rel=2e-2), step
+
+
 def test_resume_may_change_schedule_and_intervals_not_shape(char_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(char_data, max_steps=6), run)
