@@ -23,6 +23,10 @@ from gpt2train.data.loader import TokenLoader
 from gpt2train.train import distributed as D
 from gpt2train.train.loop import Trainer, train
 
+# The ranks run with one thread each (torchrun sets OMP_NUM_THREADS=1); so does the single-process
+# reference, so that no thread-count-dependent reduction order separates them.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Two runs that see the same windows differ only in the order of float sums (the batch mean is taken
 # over rows in another order, gradients are averaged across ranks): a few ulps, amplified a little by Adam.
 TOL = 1e-6
@@ -32,7 +36,17 @@ def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + str(REPO / "tests"), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+    def launch():
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+    r = launch()
+    if r.returncode != 0 and any(s in r.stderr for s in PORT_RACE):
+        r = launch()  # --standalone's free port was taken before the ranks bound it: that race, once more
+    return r
+
+
+PORT_RACE = ("EADDRINUSE", "Address already in use", "address already in use")
 
 
 def latest_weights(run_dir: Path) -> dict[str, torch.Tensor]:
