@@ -3,8 +3,10 @@ symptom must be recognised, and nothing else flagged in its file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import random
 import re
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from gpt2train.bench.journey import JourneyResult, StageResult
 from gpt2train.config import Config, save_config
 from gpt2train.doctor import Diagnosis, check_records, diagnose, format_diagnosis
 from gpt2train.report import ReportError
@@ -212,6 +215,29 @@ def test_healthy_run_reports_healthy(tmp_path):
     assert d.healthy and d.exit_status == 0
     assert d.train_records == len(logged_steps()) and d.last_step == STEPS and d.launches == 1
     assert "healthy: no symptom found" in format_diagnosis(d)
+
+
+def write_bench(runs: Path, name: str, device_name: str, mfu: float, mtime: int) -> None:
+    """A journey.json as `gpt2train bench journey` writes it, modified at `mtime` (the newest one counts)."""
+    path = runs / name / "journey.json"
+    path.parent.mkdir(parents=True)
+    result = JourneyResult(options={}, environment={"device_name": device_name}, ablation=[],
+                           stages=[StageResult("naive", {}, mfu=0.03), StageResult("+ fused AdamW", {}, mfu=mfu)])
+    path.write_text(json.dumps(dataclasses.asdict(result)))
+    os.utime(path, (mtime, mtime))
+
+
+def test_low_mfu_is_judged_against_this_devices_bench_figure(tmp_path):
+    runs = tmp_path / "runs"
+    run = write_run(runs / "run", low_mfu())  # mean MFU 0.08 on an H100
+    write_bench(runs, "bench-1", "NVIDIA A100-SXM4-80GB", 0.12, mtime=1)  # another GPU: not this device's
+    (finding,) = diagnose(run).findings
+    assert "expected ~0.40 (a tuned GPT-2 run's typical figure)" in finding.evidence[0]
+    write_bench(runs, "bench-2", "NVIDIA H100 80GB HBM3", 0.12, mtime=2)
+    assert diagnose(run).findings == []  # 0.08 is not below half of what this H100 reached in the bench
+    write_bench(runs, "bench-3", "NVIDIA H100 80GB HBM3", 0.5, mtime=3)
+    (finding,) = diagnose(run).findings
+    assert "expected ~0.50 (this device's gpt2train bench figure" in finding.evidence[0]
 
 
 def test_a_run_too_short_to_judge_is_not_called_healthy(tmp_path):

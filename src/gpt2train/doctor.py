@@ -13,6 +13,7 @@ divergence). Bad input (no metrics file) also exits 2, with a one-line error.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -94,8 +95,28 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     records = load_metrics(run_dir)  # ReportError (one line) when missing, empty or unreadable
     cfg, notes = run_config(run_dir, records)
     train = _of(records, "train")
+    expected = expected_mfu(Path(run_dir).parent, records)
     return Diagnosis(run_dir=str(run_dir), last_step=train[-1]["step"] if train else None, train_records=len(train),
-                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg), notes=notes)
+                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg, expected), notes=notes)
+
+
+def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
+    """The MFU the run's device should reach: the all-techniques stage of the newest `gpt2train bench
+    journey` beside the run (runs/bench-*/journey.json) measured on the same device, else a tuned GPT-2 run's."""
+    from gpt2train.plan import newest_bench_json
+
+    starts = _of(records, "run_start")
+    device = (starts[-1].get("hardware") or {}).get("device_name") if starts else None
+    found = newest_bench_json(runs_dir)
+    if device and found is not None:
+        try:
+            bench = json.loads(found.read_text())
+            stages = [s for s in bench["stages"] if _finite(s.get("mfu"))]
+            if bench["environment"]["device_name"] == device and stages:
+                return stages[-1]["mfu"], f"this device's gpt2train bench figure ({found})"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable bench file: fall back to the typical figure
+    return EXPECTED_GPU_MFU, "a tuned GPT-2 run's typical figure"
 
 
 def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[str]]:
@@ -109,8 +130,9 @@ def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[s
     return Config(), [f"{path} not found: judged against the default config (grad_clip, warmup)"]
 
 
-def check_records(records: list[dict], cfg: Config) -> list[Finding]:
-    """Every finding, serious ones first."""
+def check_records(records: list[dict], cfg: Config,
+                  expected: tuple[float, str] = (EXPECTED_GPU_MFU, "a tuned GPT-2 run's typical figure")) -> list[Finding]:
+    """Every finding, serious ones first. `expected`: the MFU the device should reach, and where it comes from."""
     divergence = check_divergence(records)
     resume = check_resume_gap(records)
     explained = _steps_explained(records, divergence, resume)  # spikes these already account for
@@ -123,7 +145,7 @@ def check_records(records: list[dict], cfg: Config) -> list[Finding]:
         check_overfitting(records),
         resume,
         check_throughput(records),
-        check_mfu(records),
+        check_mfu(records, *expected),
     ]
     found = [f for f in found if f is not None]
     return sorted(found, key=lambda f: f.severity != "serious")
@@ -322,17 +344,18 @@ def check_throughput(records: list[dict]) -> Finding | None:
                    "(thermal or power throttling: nvidia-smi -q -d PERFORMANCE; other jobs on it)", [last[0]["step"]])
 
 
-def check_mfu(records: list[dict]) -> Finding | None:
+def check_mfu(records: list[dict], expected: float = EXPECTED_GPU_MFU,
+              source: str = "a tuned GPT-2 run's typical figure") -> Finding | None:
     timed = [r for r in _steady_train(records) if _finite(r.get("mfu"))]
     if not timed:
         return None  # the device's peak is unknown (a CPU, say): nothing to compare with
     mean = statistics.fmean(r["mfu"] for r in timed)
-    if mean >= LOW_MFU_FRACTION * EXPECTED_GPU_MFU:
+    if mean >= LOW_MFU_FRACTION * expected:
         return None
     starts = _of(records, "run_start")
     device = ((starts[-1].get("hardware") or {}).get("device_name") if starts else None) or "the device"
-    evidence = [f"mean MFU {mean:.3f} over {len(timed)} logged steps on {device}; a tuned GPT-2 run reaches "
-                f"~{EXPECTED_GPU_MFU:.2f}"]
+    evidence = [f"mean MFU {mean:.3f} over {len(timed)} logged steps on {device}; expected ~{expected:.2f} "
+                f"({source})"]
     return Finding("low_mfu", "warning", "MFU far below what the device can do", evidence,
                    "raise train.micro_batch (gpt2train plan checks memory), keep train.compile on, use bfloat16 and "
                    "model.attention = \"sdpa\"; if tokens/s also varies, the data loader is starving the GPU",
