@@ -13,7 +13,6 @@ divergence). Bad input (no metrics file) also exits 2, with a one-line error.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -103,6 +102,7 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
 def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
     """The MFU the run's device should reach: the all-techniques stage of the newest `gpt2train bench
     journey` beside the run (runs/bench-*/journey.json) measured on the same device, else a tuned GPT-2 run's."""
+    from gpt2train.bench.journey import read_final_mfu
     from gpt2train.plan import newest_bench_json
 
     starts = _of(records, "run_start")
@@ -110,11 +110,10 @@ def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
     found = newest_bench_json(runs_dir)
     if device and found is not None:
         try:
-            bench = json.loads(found.read_text())
-            stages = [s for s in bench["stages"] if _finite(s.get("mfu"))]
-            if bench["environment"]["device_name"] == device and stages:
-                return stages[-1]["mfu"], f"this device's gpt2train bench figure ({found})"
-        except (OSError, ValueError, KeyError, TypeError):
+            mfu, bench_device = read_final_mfu(found)
+            if bench_device == device:
+                return mfu, f"this device's gpt2train bench figure ({found})"
+        except ValueError:
             pass  # an unreadable bench file: fall back to the typical figure
     return EXPECTED_GPU_MFU, "a tuned GPT-2 run's typical figure"
 

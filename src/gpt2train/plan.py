@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config
 from gpt2train.model import GPT, GPTConfig
@@ -164,37 +164,15 @@ def newest_bench_json(runs_dir: str | Path = "runs") -> Path | None:
 
 
 def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
-    """(MFU, why) from a bench journey.json: the last finite `mfu` in it (the journey's final, tuned
-    configuration). None with the reason when the file holds none or was measured on another device."""
-    path = Path(path)
+    """(MFU, why) from a bench journey.json: its final, tuned stage. None with the reason when the file holds
+    none or was measured on another device."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return None, f"{path} unreadable ({type(e).__name__})"
-    # the cumulative stages (the last is every technique on); the ablation's rows each lack one technique
-    stages = data.get("stages") if isinstance(data, dict) and isinstance(data.get("stages"), list) else data
-    mfus = [m for m in _values_of(stages, "mfu") if isinstance(m, (int, float)) and math.isfinite(m) and 0 < m <= 1]
-    if not mfus:
-        return None, f"{path} holds no MFU figure"
-    bench_device = _bench_device_name(data)
-    if bench_device and device.peak_key and _normalized(device.peak_key) not in _normalized(bench_device):
+        mfu, bench_device = read_final_mfu(path)
+    except ValueError as e:
+        return None, str(e)
+    if device.peak_key and _normalized(device.peak_key) not in _normalized(bench_device):
         return None, f"{path} was measured on {bench_device}, not {device.name}"
-    return mfus[-1], f"measured by gpt2train bench ({path})"
-
-
-def _values_of(data, key: str) -> list:
-    """Every value stored under `key` anywhere in a JSON tree, in document order."""
-    if isinstance(data, dict):
-        here = [data[key]] if key in data else []
-        return here + [v for k, x in data.items() if k != key for v in _values_of(x, key)]
-    if isinstance(data, list):
-        return [v for x in data for v in _values_of(x, key)]
-    return []
-
-
-def _bench_device_name(data) -> str | None:
-    names = [n for n in _values_of(data, "device_name") if isinstance(n, str)]
-    return names[0] if names else None
+    return mfu, f"measured by gpt2train bench ({path})"
 
 
 # ----------------------------------------------------------------------------------------------

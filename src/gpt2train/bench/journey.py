@@ -114,6 +114,22 @@ class JourneyResult:
     markdown: str = ""
 
 
+def read_final_mfu(path: str | Path) -> tuple[float, str]:
+    """(MFU, device name) of the last measured cumulative stage (every technique on) of a saved journey.json;
+    the ablation rows, each with one technique off, do not count. ValueError, in one line, when unreadable."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        mfus = [s["mfu"] for s in data["stages"] if isinstance(s.get("mfu"), (int, float))
+                and math.isfinite(s["mfu"]) and 0 < s["mfu"] <= 1]
+        device_name = str(data["environment"]["device_name"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} unreadable ({type(e).__name__})") from None
+    if not mfus:
+        raise ValueError(f"{path} holds no MFU figure")
+    return mfus[-1], device_name
+
+
 # --- data ----------------------------------------------------------------------------------------------
 def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB, seed: int = 0) -> Path:
     """A prepared dataset of uniformly random token ids (one train shard and meta.json)."""
