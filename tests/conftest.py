@@ -66,6 +66,15 @@ def tiny_config(data_dir: Path, **train) -> Config:
     return cfg
 
 
+def one_line(exc_type, fn, *args, **kwargs) -> str:
+    """The message of the exc_type that fn(*args, **kwargs) raises, which must be one line."""
+    with pytest.raises(exc_type) as e:
+        fn(*args, **kwargs)
+    message = str(e.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `python -m gpt2train ARGS` in a subprocess with this checkout's sources first on the path."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}

@@ -11,6 +11,7 @@ import torch
 
 import gpt2train.data.loader as loader_module
 import gpt2train.data.prepare as prepare_module
+from conftest import one_line
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.data.shards import ShardError, write_shard
@@ -213,13 +214,6 @@ def test_reads_llmc_shards_without_meta(tmp_path, capsys):
 
 
 # --- bad data ----------------------------------------------------------------------------------------
-def one_line(exc_type, fn, *args, **kwargs) -> str:
-    with pytest.raises(exc_type) as e:
-        fn(*args, **kwargs)
-    assert len(str(e.value).splitlines()) == 1, str(e.value)
-    return str(e.value)
-
-
 def test_bad_data_is_one_line(tmp_path, data):
     assert "one batch" in one_line(DataError, TokenLoader, data, "train", 100, T)
     msg = one_line(DataError, TokenLoader, data, "val", 40, T)

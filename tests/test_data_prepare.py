@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpt2train.data.prepare as prepare_module
-from conftest import run_cli
+from conftest import one_line, run_cli
 from gpt2train.data.prepare import (
     PrepareInterrupted,
     load_meta,
@@ -29,14 +29,6 @@ from gpt2train.data.prepare import (
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
-
-
-def one_line(exc_type, fn, *args, **kwargs) -> str:
-    with pytest.raises(exc_type) as e:
-        fn(*args, **kwargs)
-    message = str(e.value)
-    assert len(message.splitlines()) == 1, message
-    return message
 
 
 def shard_tokens_of(folder, meta, split) -> np.ndarray:

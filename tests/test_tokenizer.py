@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_line
 from gpt2train.tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -146,23 +147,15 @@ def test_bpe_spec_is_self_contained(bpe_file, tmp_path):
     assert tokenizer_from_spec({"kind": "bpe", "path": str(bpe_file)}).vocab_size == tok.vocab_size
 
 
-def one_line_error(exc_type, fn, *args, **kwargs) -> str:
-    with pytest.raises(exc_type) as e:
-        fn(*args, **kwargs)
-    message = str(e.value)
-    assert len(message.splitlines()) == 1, message
-    return message
-
-
 def test_tokenizer_errors(tmp_path):
-    assert "bpe:PATH" in one_line_error(ValueError, tokenizer_from_name, "sentencepiece")
-    assert "tokenizer train" in one_line_error(FileNotFoundError, tokenizer_from_name, f"bpe:{tmp_path / 'no.json'}")
+    assert "bpe:PATH" in one_line(ValueError, tokenizer_from_name, "sentencepiece")
+    assert "tokenizer train" in one_line(FileNotFoundError, tokenizer_from_name, f"bpe:{tmp_path / 'no.json'}")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    assert "tokenizer.json" in one_line_error(ValueError, BPETokenizer, bad)
-    assert "258" in one_line_error(ValueError, train_bpe, ["abc"], 100, tmp_path / "t.json")
+    assert "tokenizer.json" in one_line(ValueError, BPETokenizer, bad)
+    assert "258" in one_line(ValueError, train_bpe, ["abc"], 100, tmp_path / "t.json")
     assert not (tmp_path / "t.json").exists()
-    assert "expected gpt2, char or bpe" in one_line_error(ValueError, tokenizer_from_spec, {"kind": "wordpiece"})
+    assert "expected gpt2, char or bpe" in one_line(ValueError, tokenizer_from_spec, {"kind": "wordpiece"})
 
 
 def test_bpe_without_endoftext_is_refused(tmp_path):
@@ -173,4 +166,4 @@ def test_bpe_without_endoftext_is_refused(tmp_path):
     tok.train_from_iterator(["some text"] * 5, trainers.BpeTrainer(vocab_size=300, show_progress=False))
     path = tmp_path / "noeot.json"
     tok.save(str(path))
-    assert "<|endoftext|>" in one_line_error(ValueError, BPETokenizer, path)
+    assert "<|endoftext|>" in one_line(ValueError, BPETokenizer, path)
