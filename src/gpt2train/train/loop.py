@@ -385,8 +385,8 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.toml")
         self._previous_handlers = self._install_signal_handlers()
         self._log_start()
-        start_wall = self.launch_start = time.time()
-        first_step = self.first_step = self.step + 1
+        self.launch_start = time.time()
+        self.first_step = self.step + 1
         last_save = time.time()
         progress = self._progress_bar()
         reason = "done"
@@ -410,8 +410,8 @@ class Trainer:
             if out["skipped"]:
                 self.logger.log("guard", step=step, action="skip", reason="non-finite loss or grad norm",
                                 loss=_finite_or_none(out["loss"]), grad_norm=_finite_or_none(out["grad_norm"]))
-            first_compiled = self.compiled and step == first_step
-            if step % cfg.log.interval == 0 or step == first_step or step == cfg.train.max_steps:
+            first_compiled = self.compiled and step == self.first_step
+            if step % cfg.log.interval == 0 or step == self.first_step or step == cfg.train.max_steps:
                 self._log_train(out, dt, first_compiled, progress)
             if progress is not None:
                 progress.update(1)
@@ -442,7 +442,7 @@ class Trainer:
         if progress is not None:
             progress.close()
         self._restore_signal_handlers()
-        self.logger.log("run_end", step=self.step, tokens=self.tokens, wall_s=time.time() - start_wall, reason=reason)
+        self.logger.log("run_end", step=self.step, tokens=self.tokens, wall_s=time.time() - self.launch_start, reason=reason)
         self.logger.close()
         return {"step": self.step, "tokens": self.tokens, "val_loss": val_loss, "best_val_loss": self.best_val,
                 "reason": reason}
