@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from conftest import tiny_config  # this script's folder (tests/) is first on sys.path
-from gpt2train.train import distributed as D
+from gpt2train import distributed as D
 from gpt2train.train.loop import Trainer
 
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from conftest import REPO, tiny_config
 from distributed_worker import worker_config
+from gpt2train import distributed as D
 from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
-from gpt2train.train import distributed as D
 from gpt2train.train.loop import Trainer, train
 
 # The ranks run with one thread each (torchrun sets OMP_NUM_THREADS=1); so does the single-process

@@ -64,7 +64,7 @@ class CheckpointSaveError(OSError):
 # --- what goes in -------------------------------------------------------------------------------------
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Weights of the plain model: no `_orig_mod.`/`module.` prefixes, tied lm_head left out."""
-    from gpt2train.train.distributed import unwrap
+    from gpt2train.distributed import unwrap
 
     state = unwrap(model).state_dict()
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED_KEYS}
@@ -385,7 +385,7 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
     every rank writes its shards of model and optimizer with DCP into the staging folder, and rank 0 adds the
     full weights (for sampling and export), the rest of the state and meta.json. Rank 0's outcome is shared,
     so a failed save raises CheckpointSaveError on every rank."""
-    from gpt2train.train import distributed as D
+    from gpt2train import distributed as D
 
     root = Path(run_dir) / "checkpoints"
     name = checkpoint_name(step) if ring else "best"
@@ -454,7 +454,7 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
         weights = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:
         raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
-    from gpt2train.train.distributed import unwrap
+    from gpt2train.distributed import unwrap
 
     load_model_state(unwrap(model), weights)
     optimizer.load_state_dict(state["optimizer"])

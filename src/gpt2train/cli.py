@@ -89,7 +89,7 @@ def cmd_sample(args) -> int:
 
     if args.num_samples < 1:
         raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
-    from gpt2train.train.distributed import resolve_device
+    from gpt2train.distributed import resolve_device
 
     device = resolve_device(args.device)
     model, _, meta = load_model(args.ckpt, device=device)

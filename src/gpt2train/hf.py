@@ -182,7 +182,7 @@ def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer files for the GPT-2 tokenizer) into out_dir,
     loadable with transformers' GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline."""
-    from gpt2train.train.distributed import unwrap
+    from gpt2train.distributed import unwrap
 
     cfg: GPTConfig = unwrap(model).config
     if not cfg.bias:
@@ -202,7 +202,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
 def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Our weights in HF's layout: Conv1D weights transposed, embedding unpadded, lm_head left to the tie."""
     from gpt2train.checkpoint import model_state
-    from gpt2train.train.distributed import unwrap
+    from gpt2train.distributed import unwrap
 
     vocab_size = unwrap(model).config.vocab_size
     state = {}

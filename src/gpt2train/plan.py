@@ -92,8 +92,8 @@ def find_device(name: str) -> Device:
 
 
 def detect_device(name: str = "auto") -> Device:
-    """This machine's accelerator (via train.distributed.resolve_device), with its real memory size."""
-    from gpt2train.train.distributed import resolve_device
+    """This machine's accelerator (via gpt2train.distributed.resolve_device), with its real memory size."""
+    from gpt2train.distributed import resolve_device
 
     device = resolve_device(name.strip().lower())  # auto, cuda or cuda:N; raises when CUDA is missing
     if device.type != "cuda":

@@ -35,8 +35,8 @@ import torch
 from gpt2train.config import TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
+from gpt2train.distributed import resolve_device
 from gpt2train.model import GPT, preset_config
-from gpt2train.train.distributed import resolve_device
 from gpt2train.train.metrics import flops_per_token, peak_for_run
 from gpt2train.train.optim import make_optimizer
 

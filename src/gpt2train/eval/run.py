@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpt2train import distributed as D
 from gpt2train.checkpoint import load_model, resolve_checkpoint
 from gpt2train.data.prepare import load_meta
-from gpt2train.train import distributed as D
 
 TASKS = ("val", "hellaswag")
 
