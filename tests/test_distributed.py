@@ -139,7 +139,7 @@ def test_ddp_all_reduces_only_on_the_last_micro_batch(char_data, gloo_group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     trainer = Trainer(tiny_config(char_data, micro_batch=2), None)
-    trainer.model = DDP(trainer.raw_model)
+    trainer.step_fn.model = DDP(trainer.raw_model)
     calls = []
 
     def counting_hook(state, bucket):
@@ -148,14 +148,14 @@ def test_ddp_all_reduces_only_on_the_last_micro_batch(char_data, gloo_group):
         fut.set_result(bucket.buffer())
         return fut
 
-    trainer.model.register_comm_hook(None, counting_hook)
-    trainer.grad_accum = 1
+    trainer.step_fn.model.register_comm_hook(None, counting_hook)
+    trainer.step_fn.grad_accum = 1
     trainer.train_step()  # the first step may rebuild buckets; count from the second
     calls.clear()
     trainer.train_step()
     per_step = len(calls)
     assert per_step >= 1
     calls.clear()
-    trainer.grad_accum = 4
+    trainer.step_fn.grad_accum = 4
     trainer.train_step()
     assert len(calls) == per_step  # three micro-batches under no_sync, one all-reduce round at the end

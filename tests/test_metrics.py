@@ -55,10 +55,10 @@ def test_peak_depends_on_precision_and_unknown_devices_have_none():
 def test_mfu_is_tokens_per_second_times_flops_over_peak(char_data, tmp_path):
     trainer = Trainer(tiny_config(char_data), tmp_path)
     trainer.peak_flops = 1e12  # pretend a device with a known peak
-    out = trainer.train_step()
-    trainer._log_train(out, dt=0.5, first_compiled=False, progress=None)
-    trainer.logger.close()
-    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    out = {**trainer.train_step(), "seconds": 0.5}
+    trainer._log_train(out, first_compiled=False)
+    trainer.console.end(trainer.state.step, trainer.state.tokens, "done")
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-2]
     tokens_per_s = 4 * 32 / 0.5
     assert rec["tokens_per_s"] == tokens_per_s
     assert rec["mfu"] == pytest.approx(tokens_per_s * flops_per_token(trainer.cfg.model, 32) / 1e12, rel=1e-12)
@@ -69,7 +69,8 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
     cfg = tiny_config(char_data, max_steps=4)
     cfg.log.interval = 2
     cfg.checkpoint.every_steps = 0
-    Trainer(cfg, tmp_path).fit()
+    trainer = Trainer(cfg, tmp_path)  # its cfg has the data's vocabulary filled in
+    trainer.fit()
     printed = capsys.readouterr().out
     assert "mfu: unknown for cpu" in printed and "tok/s" in printed
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -80,7 +81,7 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
         assert r["mfu"] is None and r["peak_mem_mb"] is None and "compile_ms" not in r
         assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] > 0
     start = next(r for r in records if r["kind"] == "run_start")
-    assert start["flops_per_token"] == flops_per_token(cfg.model, 32) and start["peak_flops"] is None
+    assert start["flops_per_token"] == flops_per_token(trainer.cfg.model, 32) and start["peak_flops"] is None
     # what the report shows: hardware and the code's revision, recorded when the run starts
     assert start["hardware"] == {"device": "cpu", "device_name": "cpu", "torch": torch.__version__, "world_size": 1,
                                  "cuda": torch.version.cuda}

@@ -27,7 +27,7 @@ def stop_with_sigterm_at(trainer: Trainer, stop_step: int):
 
     def step_then_signal():
         out = original()
-        if trainer.step == stop_step:
+        if trainer.state.step == stop_step:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
@@ -132,7 +132,7 @@ def test_resume_from_path_and_auto_without_checkpoint(char_data, tmp_path):
     assert records(tmp_path / "b", "run_start")[0]["step"] == 6
 
     fresh = Trainer(tiny_config(char_data), tmp_path / "empty", resume="auto")
-    assert fresh.step == 0 and fresh.resumed_from is None
+    assert fresh.state.step == 0 and fresh.state.resumed_from is None
     with pytest.raises(CheckpointError, match="does not exist"):
         Trainer(tiny_config(char_data), tmp_path / "c", resume=str(tmp_path / "nowhere"))
 
@@ -147,7 +147,7 @@ def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys):
     capsys.readouterr()
 
     trainer = Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
-    assert trainer.step == 5
+    assert trainer.state.step == 5
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     assert len(warnings) == 2 and "step_00000010" in warnings[0] and "state.pt" in warnings[0]
     assert "moved damaged step_00000010 aside" in warnings[1]

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from conftest import REPO, tiny_config
 from gpt2train import cli
 from gpt2train.config import ConfigError, TrainConfig, dump_toml, load_config
-from gpt2train.train.loop import Trainer, accumulation_steps, seed_everything, train
+from gpt2train.runtime import accumulation_steps
+from gpt2train.train.loop import Trainer, seed_everything, train
 from gpt2train.train.optim import lr_at, make_optimizer
 
 
@@ -37,7 +38,7 @@ def test_k_micro_batches_equal_one_batch_of_k_times_b(char_data):
         losses = [trainer.train_step()["loss"] for _ in range(3)]
         runs.append((trainer, losses))
     (accum, accum_losses), (whole, whole_losses) = runs
-    assert (accum.grad_accum, whole.grad_accum) == (4, 1)
+    assert (accum.runtime.grad_accum, whole.runtime.grad_accum) == (4, 1)
     np.testing.assert_allclose(accum_losses, whole_losses, rtol=0, atol=1e-6)
     for (name, p), q in zip(accum.raw_model.named_parameters(), whole.raw_model.parameters()):
         assert (p - q).abs().max().item() <= 1e-6, name
@@ -140,7 +141,7 @@ def test_fp16_with_grad_scaler_on_cpu(char_data):
         pytest.skip(f"this torch has no CPU fp16 autocast / GradScaler: {e}")
     ref = Trainer(tiny_config(char_data), None).train_step()
     trainer = Trainer(tiny_config(char_data, dtype="float16", grad_clip=0.5), None)
-    assert trainer.dtype == torch.float16 and trainer.scaler.is_enabled()
+    assert trainer.runtime.dtype == torch.float16 and trainer.scaler.is_enabled()
     scale = trainer.scaler.get_scale()
     out = trainer.train_step()
     # Unscaled before the clip: the logged norm is the fp32 run's, not `scale` times it, and the clip
@@ -155,7 +156,7 @@ def test_fp16_with_grad_scaler_on_cpu(char_data):
 
 def test_dtype_auto_is_fp32_on_cpu(char_data):
     trainer = Trainer(tiny_config(char_data, dtype="auto"), None)
-    assert trainer.dtype == torch.float32 and not trainer.scaler.is_enabled()
+    assert trainer.runtime.dtype == torch.float32 and not trainer.scaler.is_enabled()
 
 
 @pytest.mark.slow
@@ -171,7 +172,7 @@ def test_compiled_training_evaluates_uncompiled_and_keeps_going(char_data, tmp_p
     cfg.checkpoint.save_best = False
     counters.clear()
     trainer = Trainer(cfg, tmp_path)
-    assert trainer.compiled and trainer.model is not trainer.raw_model
+    assert trainer.runtime.compile and trainer.model is not trainer.raw_model
     trainer.fit()
     assert counters["stats"]["unique_graphs"] == 1  # compiled once: evaluation did not recompile
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

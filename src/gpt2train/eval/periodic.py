@@ -1,15 +1,24 @@
-"""Evaluations during training: HellaSwag every eval.hellaswag_interval steps and a few text samples every
-eval.sample_interval steps, logged as `hellaswag` and `sample` records (docs/metrics.md).
+"""Evaluations during training: validation loss every eval.interval steps (and at the end), HellaSwag every
+eval.hellaswag_interval steps, a few text samples every eval.sample_interval steps, logged as `val`,
+`hellaswag` and `sample` records (docs/metrics.md).
 
-Both run the uncompiled model (trainer.raw_model) under no_grad, so they never trigger a recompile, and
-both run on every rank: under FSDP each forward gathers weights from all ranks. Sampling uses its own
-seeded generator, so the training RNG stream is untouched.
+All run the plain, uncompiled model under no_grad, so they never trigger a recompile, and all run on every
+rank: under FSDP each forward gathers weights from all ranks. Sampling uses its own seeded generator, so
+the training RNG stream is untouched. The trainer hands this component what it needs; it knows nothing of
+the trainer.
 """
 
 from __future__ import annotations
 
+import math
 import sys
+from typing import Callable
 
+import torch
+
+from gpt2train.config import Config
+from gpt2train.data.loader import TokenLoader
+from gpt2train.eval.val import validation_loss
 from gpt2train.tokenizer import tokenizer_from_spec
 
 SAMPLE_TEMPERATURE = 0.8
@@ -17,71 +26,82 @@ SAMPLE_TOP_K = 200
 
 
 class PeriodicEvals:
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.tokenizer = tokenizer_from_spec(trainer.data_meta["tokenizer"])
+    def __init__(self, cfg: Config, model: torch.nn.Module, val_loader: TokenLoader, tokenizer_spec: dict,
+                 autocast: Callable, log: Callable, say: Callable[[str], None], is_main: bool):
+        self.cfg, self.model, self.val_loader = cfg, model, val_loader
+        self.tokenizer_spec = tokenizer_spec
+        self.tokenizer = tokenizer_from_spec(tokenizer_spec)
+        self.autocast = autocast  # () -> the run's autocast context
+        self.log, self.say, self.is_main = log, say, is_main  # log(kind, **fields); say(line) prints on rank 0
         self.examples = None  # HellaSwag examples, read at the first run
         self.hellaswag_disabled = False  # set, with one warning, when HellaSwag cannot run for this model
 
-    def after_step(self, step: int, progress=None):
-        cfg = self.trainer.cfg.eval
+    def after_step(self, step: int, tokens: int, last: bool, best_val: float) -> float | None:
+        """Run whatever is due at `step`; returns the validation loss when validation ran."""
+        cfg = self.cfg.eval
+        val_loss = None
+        if (cfg.interval and step % cfg.interval == 0) or last:
+            val_loss = self.validate()
+            self.log("val", step=step, tokens=tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+            self.say(f"step {step}: val loss {val_loss:.4f}" + (" (best)" if val_loss < best_val else ""))
         if cfg.hellaswag_interval and step % cfg.hellaswag_interval == 0 and not self.hellaswag_disabled:
-            self.hellaswag(step, progress)
+            self.hellaswag(step)
         if cfg.sample_interval and step % cfg.sample_interval == 0:
-            self.samples(step, progress)
+            self.samples(step)
+        return val_loss
 
-    def hellaswag(self, step: int, progress=None):
+    def validate(self) -> float:
+        """Mean loss over the first val_batches windows of the val split (all of it when 0), the same
+        windows every time."""
+        self.model.eval()
+        try:
+            out = validation_loss(self.model, self.val_loader, self.cfg.eval.val_batches, self.autocast())
+        finally:
+            self.model.train()
+        return out["loss"]
+
+    def hellaswag(self, step: int):
         from gpt2train.eval.hellaswag import evaluate_hellaswag, load_examples
 
-        t = self.trainer
         if self.examples is None:
-            kind = t.data_meta["tokenizer"].get("kind")
+            kind = self.tokenizer_spec.get("kind")
             if kind != "gpt2":
                 return self._disable(f"HellaSwag needs the GPT-2 tokenizer and this run uses {kind!r}")
             try:
-                self.examples = load_examples(t.cfg.eval.hellaswag_path or None, t.cfg.eval.hellaswag_limit)
+                self.examples = load_examples(self.cfg.eval.hellaswag_path or None, self.cfg.eval.hellaswag_limit)
             except (OSError, ValueError) as e:
                 return self._disable(str(e).splitlines()[0])
-        model = t.raw_model
-        model.eval()
+        self.model.eval()
         try:
-            out = evaluate_hellaswag(model, self.tokenizer, self.examples, max(1, t.cfg.train.micro_batch // 4), t.autocast)
+            out = evaluate_hellaswag(self.model, self.tokenizer, self.examples, max(1, self.cfg.train.micro_batch // 4),
+                                     self.autocast())
         finally:
-            model.train()
-        t.logger.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"])
-        t._print(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)", progress)
+            self.model.train()
+        self.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"])
+        self.say(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)")
 
-    def samples(self, step: int, progress=None):
+    def samples(self, step: int):
         from gpt2train.generate import generate
 
-        t, tok = self.trainer, self.tokenizer
-        model = t.raw_model
-        model.eval()
+        tok = self.tokenizer
+        self.model.eval()
         try:
-            for prompt in t.cfg.eval.sample_prompts:
+            for prompt in self.cfg.eval.sample_prompts:
                 try:
                     prompt_ids = tok.encode(prompt)
                 except ValueError as e:  # a character the char tokenizer never saw: skip, do not stop training
-                    if t.is_main:
+                    if self.is_main:
                         print(f"warning: sample prompt {prompt!r} skipped: {e}", file=sys.stderr, flush=True)
                     continue
-                ids = generate(model, prompt_ids, t.cfg.eval.sample_tokens, temperature=SAMPLE_TEMPERATURE,
-                               top_k=SAMPLE_TOP_K, eot_id=tok.eot_id, seed=t.cfg.train.seed)
+                ids = generate(self.model, prompt_ids, self.cfg.eval.sample_tokens, temperature=SAMPLE_TEMPERATURE,
+                               top_k=SAMPLE_TOP_K, eot_id=tok.eot_id, seed=self.cfg.train.seed)
                 text = tok.decode([i for i in ids if i != tok.eot_id])
-                t.logger.log("sample", step=step, prompt=prompt, text=text)
-                t._print(f"step {step}: sample {prompt + text!r}"[:160], progress)
+                self.log("sample", step=step, prompt=prompt, text=text)
+                self.say(f"step {step}: sample {prompt + text!r}"[:160])
         finally:
-            model.train()
+            self.model.train()
 
     def _disable(self, reason: str):
         self.hellaswag_disabled = True
-        if self.trainer.is_main:
+        if self.is_main:
             print(f"warning: skipping HellaSwag during training: {reason}", file=sys.stderr, flush=True)
-
-
-def run_periodic_evals(trainer, step: int, progress=None):
-    """The training loop's hook: run whatever is due at `step` (state kept on the trainer between calls)."""
-    evals = trainer.__dict__.get("_periodic_evals")
-    if evals is None:
-        evals = trainer._periodic_evals = PeriodicEvals(trainer)
-    evals.after_step(step, progress)

@@ -33,9 +33,9 @@ def parse_tasks(text: str | list[str]) -> list[str]:
 
 
 def autocast_for(device: torch.device, dtype: str):
-    from gpt2train.train.loop import resolve_dtype
+    from gpt2train.runtime import resolve_dtype
 
-    resolved = resolve_dtype(dtype, device)
+    resolved = resolve_dtype(dtype, device.type)
     return (torch.autocast(device.type, dtype=resolved) if resolved != torch.float32 else nullcontext()), resolved
 
 

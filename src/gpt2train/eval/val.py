@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from gpt2train.data.loader import DataError, TokenLoader
@@ -60,12 +59,12 @@ class ValWindows:
         return np.stack([self.shards[self.shard_of[i]][self.start[i] + span].astype(np.int64) for i in ids])
 
 
-def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, vocab_size: int, autocast=None) -> torch.Tensor:
-    """Sum over all positions of -log p(y | x), from logits cut to the real vocabulary."""
+def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None) -> torch.Tensor:
+    """Sum over all positions of -log p(y | x). The model's own loss: logits cut to the real vocabulary,
+    and never materialized whole when the model's loss is chunked."""
     with autocast or nullcontext():
-        logits = model(x)  # (B, T, V); the model already drops padded vocabulary columns
-    logits = logits[..., :vocab_size].float()
-    return F.cross_entropy(logits.reshape(-1, vocab_size), y.reshape(-1), reduction="sum")
+        _, loss = model(x, y)  # the mean over B * T positions, in fp32
+    return loss.double() * y.numel()
 
 
 @torch.no_grad()
@@ -79,7 +78,6 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     Returns {"loss", "ppl", "tokens", "windows", "seq_len"}, summed over all ranks.
     """
     device = next(model.parameters()).device
-    vocab_size = model.config.vocab_size
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_windows = 0
     if isinstance(source, TokenLoader):
@@ -88,7 +86,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
         n = batches or max(1, int(source.cum_starts[-1]) // (source.B * source.world_size))
         for _ in tqdm(range(n), desc="val", unit="batch", disable=not progress or rank_and_world()[0] != 0):
             x, y = source.next_batch()
-            total += summed_loss(model, x, y, vocab_size, autocast)
+            total += summed_loss(model, x, y, autocast)
             n_windows += x.size(0)
     else:
         seq_len = seq_len or model.config.block_size
@@ -100,7 +98,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
                 idle_forward(model, device)
                 continue
             buf = torch.from_numpy(data.gather(ids[rows])).to(device)
-            total += summed_loss(model, buf[:, :-1], buf[:, 1:], vocab_size, autocast)
+            total += summed_loss(model, buf[:, :-1], buf[:, 1:], autocast)
             n_windows += len(rows)
     loss_sum, n_windows = sum_across_ranks([float(total), n_windows], device)
     tokens = int(n_windows) * seq_len

@@ -1,0 +1,132 @@
+"""What a config will do on a device: one resolution of shapes, precision, compile, batch and seed.
+
+`gpt2train train` runs what `resolve_runtime` says, and `plan`, `memory` and `bench` ask the same function,
+so a prediction is made for the run that `train` starts with the same settings:
+
+    config -> resolve_config (vocab and seq_len from the data) -> resolve_runtime (device, dtype + autocast,
+    TF32, compile, micro-batch x accumulation x ranks, seed) -> Runtime.apply() (TF32 switches)
+
+Nothing here touches a GPU unless `apply()` is called, so a plan for an H100 can be made on a laptop.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from gpt2train.config import Config, ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def use_expandable_segments():
+    """Ask PyTorch's CUDA allocator for expandable segments (fewer fragmentation OOMs), unless the user set
+    the allocator config. The allocator reads this once, when CUDA starts: it must run before any CUDA call."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the older name of the same setting
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+
+
+def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | None = None) -> Config:
+    """A copy with the "take it from elsewhere" shapes made concrete: model.vocab_size 0 -> the data's
+    vocabulary (else `default_vocab`), train.seq_len 0 -> model.block_size. One-line ConfigError otherwise."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.model.vocab_size <= 0:
+        if data_vocab is None and default_vocab is None:
+            raise ConfigError("model.vocab_size = 0 takes the vocabulary from the prepared data, and there is none; "
+                              "prepare data first or set model.vocab_size")
+        cfg.model.vocab_size = int(data_vocab if data_vocab is not None else default_vocab)
+    elif data_vocab is not None and cfg.model.vocab_size < data_vocab:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
+                          f"({data_vocab}); set it to {data_vocab} or 0 (from the data)")
+    if cfg.train.seq_len == 0:
+        cfg.train.seq_len = cfg.model.block_size
+    if cfg.train.seq_len > cfg.model.block_size:
+        raise ConfigError(f"train.seq_len = {cfg.train.seq_len} exceeds model.block_size = {cfg.model.block_size}")
+    return cfg
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per optimizer step: total_batch_tokens / (micro_batch * seq_len * world_size), exactly."""
+    seq_len = cfg.train.seq_len or cfg.model.block_size
+    per_pass = cfg.train.micro_batch * seq_len * world_size
+    if cfg.train.total_batch_tokens <= 0:
+        return 1
+    if cfg.train.total_batch_tokens % per_pass:
+        raise ConfigError(f"train.total_batch_tokens = {cfg.train.total_batch_tokens} is not a multiple of "
+                          f"micro_batch * seq_len * world_size = {per_pass}; pick a multiple of {per_pass}")
+    return cfg.train.total_batch_tokens // per_pass
+
+
+def resolve_dtype(name: str, device_type: str, bf16_supported: bool | None = None) -> torch.dtype:
+    """auto: bf16 on GPUs that have it, fp16 (with a GradScaler) on older GPUs, fp32 elsewhere.
+    `bf16_supported` answers for a GPU that is not this machine's (a plan); None asks this machine's."""
+    if name != "auto":
+        return DTYPES[name]
+    if device_type != "cuda":
+        return torch.float32
+    if bf16_supported is None:
+        bf16_supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16_supported else torch.float16
+
+
+def resolve_compile(setting: bool | str, device_type: str) -> bool:
+    """auto: compile on CUDA, where it pays; eager elsewhere."""
+    return setting is True or (setting == "auto" and device_type == "cuda")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What one rank of a run does: the answer to every "auto" and 0 of the config."""
+
+    device: torch.device
+    dtype: torch.dtype  # the autocast dtype; float32: no autocast
+    tf32: bool  # TF32 tensor cores for fp32 matmuls (CUDA only)
+    compile: bool
+    micro_batch: int
+    seq_len: int
+    world_size: int
+    grad_accum: int  # micro-batches per optimizer step on each rank
+    seed: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_len * self.world_size * self.grad_accum
+
+    @property
+    def precision(self) -> str:
+        """The precision the matmuls run in, the key of a device's peak FLOP/s."""
+        if self.dtype != torch.float32:
+            return "bf16"  # fp16 tensor cores have bf16's peak
+        return "tf32" if self.tf32 and self.device.type == "cuda" else "fp32"
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        """fp16 needs loss scaling; bf16 has fp32's range and does not."""
+        return self.dtype == torch.float16
+
+    def autocast(self):
+        """The context every forward of the run runs in (a fresh one each call)."""
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def apply(self):
+        """Set the process-wide switches this runtime asks for (TF32 matmuls on CUDA)."""
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
+
+
+def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1,
+                    bf16_supported: bool | None = None) -> Runtime:
+    """The runtime of a resolved config (see resolve_config) on `device` with `world_size` ranks."""
+    device = torch.device(device)
+    seq_len = cfg.train.seq_len or cfg.model.block_size
+    return Runtime(device=device, dtype=resolve_dtype(cfg.train.dtype, device.type, bf16_supported),
+                   tf32=cfg.train.tf32, compile=resolve_compile(cfg.train.compile, device.type),
+                   micro_batch=cfg.train.micro_batch, seq_len=seq_len, world_size=world_size,
+                   grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed)

@@ -1,0 +1,160 @@
+"""The trainer's checkpoint management: resume, periodic and best saves, and rollback after a guard verdict.
+
+The files and their atomicity are checkpoint.py's; this component decides when to save and what goes in:
+the model, the optimizer, the scaler, the guard, the run's counters (RunState), and every rank's RNG and
+train-loader position, so that a resumed run continues exactly as if never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2train import distributed as D
+from gpt2train.checkpoint import (
+    CheckpointError,
+    check_same_shape,
+    load_training_checkpoint,
+    newest_checkpoint,
+    point_latest,
+    read_meta,
+    recover,
+    resolve_checkpoint,
+    ring_entries,
+    rng_state,
+    save_training_checkpoint,
+    set_aside_newer,
+    set_rng_state,
+)
+from gpt2train.config import Config, to_dict
+from gpt2train.data.loader import TokenLoader
+from gpt2train.train.guard import GuardError, TrainingGuard
+
+
+@dataclass
+class RunState:
+    """The run's counters: what a checkpoint's meta.json records besides the tensors."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0
+    best_val: float = math.inf
+    val_loss: float | None = None  # the latest validation loss
+    wall_before: float = 0.0  # training wall seconds of earlier launches
+    launch_start: float = field(default_factory=time.time)
+    resumed_from: str | None = None
+
+    def wall_seconds(self) -> float:
+        return self.wall_before + (time.time() - self.launch_start)
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: TokenLoader,
+                 guard: TrainingGuard, state: RunState, extra_meta: dict):
+        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        self.model, self.optimizer, self.scaler, self.loader, self.guard = model, optimizer, scaler, loader, guard
+        self.state = state
+        self.extra_meta = extra_meta  # tokenizer, parameter count: facts of the run saved with every checkpoint
+        self.sharded = cfg.train.distributed == "fsdp" and dist.enabled  # DCP checkpoints
+        self.last_save = time.time()
+
+    # --- when ------------------------------------------------------------------------------------
+    def minutes_due(self) -> bool:
+        minutes = self.cfg.checkpoint.every_minutes
+        return bool(minutes and time.time() - self.last_save >= 60 * minutes)
+
+    def regular_due(self, step: int, last: bool, minutes_due: bool, stop: bool) -> bool:
+        """A save into the ring: every every_steps, every every_minutes, at the end, or before a stop."""
+        every = self.cfg.checkpoint.every_steps
+        return bool(every and step % every == 0) or minutes_due or (last and self.cfg.checkpoint.save_final) or stop
+
+    # --- resume ----------------------------------------------------------------------------------
+    def resume(self, resume: str) -> Path | None:
+        """`auto`: the newest good checkpoint of the run directory, or a fresh start when there is none;
+        otherwise a run directory (its newest good checkpoint) or a checkpoint folder."""
+        if resume == "auto":
+            if self.run_dir is None:
+                return None
+            if self.dist.is_main:
+                recover(self.run_dir / "checkpoints")  # undo what a crash mid-save left behind
+            D.barrier()
+            ckpt = newest_checkpoint(self.run_dir, warn=self.dist.is_main)
+            if ckpt is None:
+                if ring_entries(self.run_dir / "checkpoints"):  # never silently start over a damaged run
+                    raise CheckpointError(f"every checkpoint in {self.run_dir / 'checkpoints'} is damaged; move them "
+                                          "away to start fresh, or resume from a copy with --resume PATH")
+                return None
+            if self.dist.is_main:
+                # Damaged newer checkpoints leave the ring, and `latest` names the one resumed from (a crash
+                # between publishing a checkpoint and moving `latest` leaves it behind).
+                for name in set_aside_newer(ckpt.parent, int(read_meta(ckpt)["step"])):
+                    print(f"warning: moved damaged {name} aside to .damaged-{name}", file=sys.stderr)
+                point_latest(ckpt.parent, ckpt.name)
+            D.barrier()
+        else:
+            ckpt = resolve_checkpoint(resume)
+        self.load(ckpt, restore_data=True)
+        self.state.resumed_from = str(ckpt)
+        return ckpt
+
+    def load(self, ckpt: Path, restore_data: bool) -> dict:
+        """Load a checkpoint into the live run. `restore_data` (resume): also every rank's RNG and loader state,
+        the guard and the counters of the run; a rollback leaves those moving forward so that the bad batches
+        are not replayed."""
+        check_same_shape(read_meta(ckpt)["config"]["model"], to_dict(self.cfg)["model"])
+        saved, meta = load_training_checkpoint(ckpt, self.model, self.optimizer, sharded=self.sharded)
+        self.scaler.load_state_dict(saved["scaler"])
+        state = self.state
+        if restore_data:
+            ranks = saved["ranks"]
+            if len(ranks) == self.dist.world_size:
+                set_rng_state(ranks[self.dist.rank]["rng"])
+                self.loader.load_state_dict(ranks[self.dist.rank]["loader"])
+            elif self.dist.is_main:
+                print(f"warning: checkpoint saved with {len(ranks)} ranks, resuming with {self.dist.world_size}; "
+                      "data order and RNG restart from the seed", file=sys.stderr)
+            self.guard.load_state_dict(saved.get("guard", {}))
+            state.best_val = float(meta.get("best_val_loss") or math.inf)
+            state.val_loss = meta.get("val_loss")
+            state.wall_before = float(meta.get("train_wall_s") or 0.0)
+        state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+        return meta
+
+    # --- save ------------------------------------------------------------------------------------
+    def save(self, ring: bool = True, best: bool = False) -> Path | None:
+        """Save a checkpoint: into the ring (`ring`), and/or as best/ (`best`). Every rank contributes its RNG and
+        loader state; rank 0 writes (every rank writes its own shards under FSDP)."""
+        if self.run_dir is None:
+            return None
+        if ring:
+            self.guard.after_checkpoint()
+        state = self.state
+        ranks = D.all_gather_objects({"rng": rng_state(), "loader": self.loader.state_dict()})
+        saved = {"scaler": self.scaler.state_dict(), "ranks": ranks, "guard": self.guard.state_dict()}
+        meta = {"tokens": state.tokens, "val_loss": state.val_loss,
+                "best_val_loss": None if math.isinf(state.best_val) else state.best_val,
+                "train_wall_s": state.wall_seconds(), "config": to_dict(self.cfg),
+                "world_size": self.dist.world_size, "torch": torch.__version__, **self.extra_meta}
+        path = save_training_checkpoint(self.run_dir, state.step, self.model, self.optimizer, saved, meta,
+                                        is_main=self.dist.is_main, sharded=self.sharded,
+                                        keep_last=self.cfg.checkpoint.keep_last, ring=ring, best=best)
+        if ring:
+            self.last_save = time.time()
+        return path
+
+    # --- rollback --------------------------------------------------------------------------------
+    def rollback(self, reason: str) -> int:
+        """Reload the newest good checkpoint (weights, optimizer, scaler; not the data); returns its step."""
+        step = self.state.step
+        ckpt = newest_checkpoint(self.run_dir, warn=self.dist.is_main) if self.run_dir is not None else None
+        if ckpt is None:
+            raise GuardError(f"guard: {reason} at step {step} and no checkpoint to roll back to; "
+                             "lower train.lr, check the data, or save earlier (checkpoint.every_steps)")
+        self.guard.before_rollback(int(ckpt.name.split("_")[-1]), step)
+        self.load(ckpt, restore_data=False)
+        return self.state.step

@@ -1,0 +1,140 @@
+"""What a run tells the person watching and the run log: the start banner, one line per logged step
+(loss, LR, grad norm, tokens/s, MFU, ETA), a progress bar on a terminal, and the metrics.jsonl records.
+
+Only rank 0 prints and writes; on the other ranks every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import gpt2train
+from gpt2train.config import Config, to_dict
+from gpt2train.train.metrics import MetricsLogger
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Console:
+    def __init__(self, cfg: Config, run_dir: Path | None, is_main: bool, device: torch.device):
+        self.cfg, self.is_main, self.device = cfg, is_main, device
+        if is_main and run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        self.logger = MetricsLogger(run_dir if is_main else None, cfg.log.tensorboard, cfg.log.wandb,
+                                    cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg))
+        self.bar = None
+        self.launch_start = time.time()
+        self.first_step = 1  # of this launch: the ETA counts from here
+
+    def log(self, kind: str, **fields):
+        self.logger.log(kind, **fields)
+
+    def print(self, text: str):
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    # --- a launch --------------------------------------------------------------------------------
+    def start(self, trainer, step: int):
+        """The run_start record and the banner: device, model, batch, MFU basis, resume."""
+        device, runtime, model = trainer.device, trainer.runtime, trainer.raw_model
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        hardware = {"device": str(device), "device_name": name, "torch": torch.__version__,
+                    "world_size": runtime.world_size, "cuda": torch.version.cuda}
+        self.log("run_start", step=step + 1, config=to_dict(self.cfg), hardware=hardware, git=git_revision(),
+                 version=gpt2train.__version__, params=model.num_params(),
+                 params_non_embedding=model.num_params(non_embedding=True), flops_per_token=trainer.flops_per_token,
+                 peak_flops=trainer.peak_flops, resumed_from=trainer.state.resumed_from)
+        self.launch_start, self.first_step = time.time(), step + 1
+        if not self.is_main:
+            return
+        print(f"device: {name} ({device}), world size {runtime.world_size}, dtype {str(runtime.dtype).split('.')[-1]}, "
+              f"compile {'on' if runtime.compile else 'off'}")
+        print(f"model: {model.num_params() / 1e6:.2f}M parameters "
+              f"({model.num_params(non_embedding=True) / 1e6:.2f}M without embeddings)")
+        print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
+              f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
+        if trainer.peak_flops:
+            print(f"mfu: against {trainer.peak_flops / 1e12:.0f} TFLOP/s per device, "
+                  f"{trainer.flops_per_token / 1e6:.1f} MFLOP per token")
+        else:
+            print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.train.metrics.PEAK_FLOPS); "
+                  "reporting tokens/s only")
+        if trainer.state.resumed_from:
+            print(f"resumed from {trainer.state.resumed_from} at step {step}")
+        self.open_bar(step)
+
+    def open_bar(self, step: int):
+        mode = self.cfg.log.progress
+        if not self.is_main or mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.cfg.train.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def advance(self, step: int):
+        """Move the bar to `step` (one forward after a step, back after a rollback)."""
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
+    def end(self, step: int, tokens: int, reason: str, error: str | None = None):
+        """The run_end record; closes the bar and the log (also after an error)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if not self.logger.active or self.logger.file.closed:
+            return
+        fields = {"error": error} if error is not None else {}
+        self.log("run_end", step=step, tokens=tokens, wall_s=time.time() - self.launch_start, reason=reason, **fields)
+        self.logger.close()
+
+    # --- a step ----------------------------------------------------------------------------------
+    def train_line(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float, seconds: float,
+                   tokens_per_step: int, mfu: float | None, first_compiled: bool):
+        """The `train` record and the console line (or the bar's postfix when the bar is on)."""
+        tok_s = tokens_per_step / seconds
+        peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        record = dict(step=step, tokens=tokens, loss=loss, lr=lr, grad_norm=grad_norm, step_ms=seconds * 1000,
+                      tokens_per_s=tok_s, mfu=mfu, peak_mem_mb=peak_mem)
+        if first_compiled:
+            record["compile_ms"] = seconds * 1000  # the first compiled step includes compilation
+        self.log("train", **record)
+        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        line = (f"step {step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"norm {grad_norm:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {seconds * 1000:.0f} ms | "
+                f"eta {format_eta(self.eta_seconds(step))}")
+        if first_compiled:
+            line += " (includes compilation)"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s | mfu {mfu_text}", refresh=False)
+            if self.cfg.log.progress == "bar":
+                return
+        self.print(line)
+
+    def eta_seconds(self, step: int) -> float:
+        """Seconds to max_steps at this launch's pace so far (evaluations and saves included)."""
+        done = step - self.first_step + 1
+        return (time.time() - self.launch_start) / max(done, 1) * (self.cfg.train.max_steps - step)
