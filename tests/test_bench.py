@@ -16,7 +16,6 @@ from gpt2train.bench.journey import (
     JourneyOptions,
     PythonLoopBatches,
     StageResult,
-    build_optimizer,
     not_applicable,
     run_journey,
     write_synthetic_data,
@@ -136,10 +135,10 @@ def test_naive_batches_are_next_token_windows_like_the_ram_loader(tmp_path):
     assert xr.shape == (3, 8) and torch.equal(xr[:, 1:], yr[:, :-1])
 
 
-def test_build_optimizer_keeps_the_library_groups():
+def test_forced_fused_or_plain_adamw_keeps_the_library_groups():
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=50))
     library = make_optimizer(model, TrainConfig(), "cpu")
-    plain, fused = build_optimizer(model, fused=False), build_optimizer(model, fused=True)
+    plain, fused = (make_optimizer(model, TrainConfig(), "cpu", fused=f) for f in (False, True))
     assert plain.defaults["foreach"] is False and not plain.defaults["fused"]
     assert fused.defaults["fused"] is True
     for opt in (plain, fused):

@@ -14,16 +14,17 @@ import functools
 import math
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from gpt2train import runtime
 from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
-from gpt2train.config import Config
+from gpt2train.config import Config, ConfigError
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runtime import accumulation_steps, resolve_runtime
 from gpt2train.train.metrics import flops_per_token, peak_for_run
 
 GiB = 2**30
@@ -128,25 +129,21 @@ def _count_params(model_fields: tuple) -> tuple[int, int]:
 
 
 def resolve_config(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
-    """A copy with every "take it from elsewhere" value made concrete, as the trainer would."""
-    cfg = copy.deepcopy(cfg)
-    if cfg.model.vocab_size <= 0:
-        cfg.model.vocab_size = int(meta["vocab_size"]) if meta else DEFAULT_VOCAB
-    if cfg.train.seq_len == 0:
-        cfg.train.seq_len = cfg.model.block_size
-    if cfg.train.seq_len > cfg.model.block_size:
-        raise PlanError(f"train.seq_len = {cfg.train.seq_len} exceeds model.block_size = {cfg.model.block_size}")
+    """A copy with every "take it from elsewhere" value made concrete, by the trainer's own resolution."""
+    try:
+        cfg = runtime.resolve_config(cfg, int(meta["vocab_size"]) if meta else None, default_vocab=DEFAULT_VOCAB)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
     if cfg.train.total_batch_tokens <= 0:  # the trainer's meaning of 0: one micro-batch on every rank
         cfg.train.total_batch_tokens = cfg.train.micro_batch * cfg.train.seq_len * gpus
-    if cfg.train.dtype == "auto":  # what the trainer picks: bf16 on (recent) GPUs, fp32 on a CPU
-        cfg.train.dtype = "bfloat16" if device.is_gpu else "float32"
+    # The dtype the trainer picks on that device (a GPU of the table has bf16).
+    dtype = runtime.resolve_dtype(cfg.train.dtype, "cuda" if device.is_gpu else "cpu", bf16_supported=True)
+    cfg.train.dtype = {v: k for k, v in runtime.DTYPES.items()}[dtype]
     return cfg
 
 
 def accumulation(cfg: Config, gpus: int) -> int:
-    from gpt2train.train.loop import accumulation_steps  # raises the trainer's own one-line error
-
-    return accumulation_steps(cfg, gpus)
+    return accumulation_steps(cfg, gpus)  # the trainer's own resolution and one-line error
 
 
 def wall_seconds(tokens: float, flops_per_tok: float, peak: float, mfu: float, gpus: int) -> float:
@@ -358,9 +355,11 @@ CPU_TIMING_LIMIT_S = 30  # time steps here only when all of them should take les
 
 
 def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[float | None, str]:
-    """Tokens/s of the config's training step on this machine's CPU (fp32, eager, like a CPU run): one
-    warm-up step, then `steps` timed. None, with a note, when the step is too big to time in seconds."""
+    """Tokens/s of the config's training step on this machine's CPU, as `gpt2train train` would run it there
+    (the same TrainStep and runtime, one micro-batch of random tokens): one warm-up step, then `steps` timed.
+    None, with a note, when the step is too big to time in seconds."""
     from gpt2train.train.optim import make_optimizer
+    from gpt2train.train.step import TrainStep
 
     B, T = cfg.train.micro_batch, cfg.train.seq_len
     flops = flops_per_token(cfg.model, T) * B * T * (1 + steps)
@@ -368,19 +367,14 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
         notes.append(f"a step is too big to time here quickly (~{flops / CPU_FLOPS_FLOOR / (1 + steps):,.0f} s at "
                      f"{CPU_FLOPS_FLOOR / 1e9:.0f} GFLOP/s): wall time not estimated; pass --tokens-per-s")
         return None, ""
+    runtime = dataclasses.replace(resolve_runtime(cfg, "cpu"), grad_accum=1)
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    optimizer = make_optimizer(model, cfg.train, "cpu")
     x = torch.randint(0, cfg.model.vocab_size, (B, T))
-    elapsed = 0.0
-    for i in range(1 + steps):
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = model(x, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        elapsed += (time.perf_counter() - start) if i else 0.0
+    step = TrainStep(torch.compile(model) if runtime.compile else model, make_optimizer(model, cfg.train, "cpu"),
+                     lambda: (x, x), runtime, clip_params=model.parameters(), grad_clip=cfg.train.grad_clip, timed=True)
+    step()  # warm-up (and compilation, when the config compiles)
+    elapsed = sum(step().seconds for _ in range(steps))
     speed = B * T * steps / elapsed
     return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
 

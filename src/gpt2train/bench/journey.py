@@ -25,20 +25,22 @@ import resource
 import statistics
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gpt2train.config import TrainConfig
+from gpt2train.config import Config, TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.distributed import resolve_device
 from gpt2train.model import GPT, preset_config
+from gpt2train.runtime import Runtime, resolve_runtime
 from gpt2train.train.metrics import flops_per_token, peak_for_run
 from gpt2train.train.optim import make_optimizer
+from gpt2train.train.step import TrainStep
 
 GPT2_VOCAB = 50257
 
@@ -192,23 +194,24 @@ def cpu_has_native_bf16() -> bool:
 
 
 # --- one stage -----------------------------------------------------------------------------------------------
-def build_optimizer(model: GPT, fused: bool) -> torch.optim.AdamW:
-    """AdamW with make_optimizer's parameter groups and hyperparameters, fused or one tensor at a time."""
-    library = make_optimizer(model, TrainConfig(), "cpu")
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in library.param_groups]
-    d = library.defaults
-    return torch.optim.AdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
-                             foreach=False if not fused else None, fused=fused)
+def stage_runtime(setup: Setup, options: JourneyOptions, device: torch.device) -> Runtime:
+    """The runtime a stage trains under: the same resolution `gpt2train train` makes from a config."""
+    cfg = Config()
+    cfg.model = preset_config(options.model, vocab_size=GPT2_VOCAB)
+    cfg.train = replace(cfg.train, micro_batch=options.micro_batch, seq_len=options.seq_len, seed=0,
+                        dtype="bfloat16" if setup.bf16 else "float32", tf32=setup.tf32, compile=setup.compile)
+    return resolve_runtime(cfg, device)
 
 
 @contextmanager
-def matmul_precision(tf32: bool):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+def applied(runtime: Runtime):
+    """The runtime's process-wide switches (TF32) for one stage, put back afterwards."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    runtime.apply()
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 class ProcessMemory:
@@ -267,34 +270,27 @@ def _current_rss() -> int:
 
 def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Path, device: torch.device,
                   memory: ProcessMemory) -> StageResult:
-    """Build the stage's model, optimizer and loader, warm up, and time `options.steps` training steps."""
+    """Build the stage's model, optimizer and loader, warm up, and time `options.steps` training steps.
+
+    The step is the trainer's own TrainStep (one micro-batch, no LR schedule: the optimizer's LR)."""
     result = StageResult(name=name, setup=dataclasses.asdict(setup))
     B, T = options.micro_batch, options.seq_len
+    runtime = stage_runtime(setup, options, device)
     model_cfg = preset_config(options.model, vocab_size=GPT2_VOCAB, pad_vocab_multiple=64 if setup.pad_vocab else 1,
                               attention="sdpa" if setup.sdpa else "naive",
                               loss_chunk=(options.loss_chunk or max(1, B * T // 4)) if setup.chunked_loss else 0)
     torch.manual_seed(0)
     model = GPT(model_cfg).to(device)
     model.train()
-    optimizer = build_optimizer(model, fused=setup.fused_adamw)
-    step_model = torch.compile(model) if setup.compile else model
+    optimizer = make_optimizer(model, TrainConfig(), device.type, fused=setup.fused_adamw)
     if setup.ram_loader:
         batches = TokenLoader(data_dir, "train", B, T, seed=0, mode="ram", device=device)
     else:
         batches = PythonLoopBatches(data_dir, B, T, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if setup.bf16 else nullcontext()
+    train_step = TrainStep(torch.compile(model) if runtime.compile else model, optimizer, batches.next_batch, runtime,
+                           clip_params=model.parameters())
 
-    def train_step() -> torch.Tensor:  # the Trainer's step, without accumulation or the LR schedule
-        optimizer.zero_grad(set_to_none=True)
-        x, y = batches.next_batch()
-        with autocast:
-            _, loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss.detach()
-
-    with matmul_precision(setup.tf32):
+    with applied(runtime):
         start = time.perf_counter()
         for _ in range(options.warmup):
             train_step()
@@ -307,10 +303,9 @@ def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Pa
     result.step_ms = statistics.median(result.step_ms_all)
     result.tokens_per_s = B * T / (result.step_ms / 1000)
     result.final_loss = float(loss)
-    peak_flops = peak_for_run(device, torch.bfloat16 if setup.bf16 else torch.float32, setup.tf32)
+    peak_flops = peak_for_run(device, runtime.dtype, setup.tf32)
     result.mfu = result.tokens_per_s * flops_per_token(model_cfg, T) / peak_flops if peak_flops else None
-    del train_step
-    model = optimizer = step_model = batches = None  # free them before measuring the next stage
+    model = optimizer = train_step = batches = None  # free them before measuring the next stage
     _release(device, setup.compile)
     if device.type == "cuda":
         result.peak_mem_bytes = peak
@@ -326,14 +321,14 @@ def _timed_steps(train_step, steps: int, device: torch.device) -> tuple[list[flo
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         events[0].record()
         for i in range(steps):
-            loss = train_step()
+            loss = train_step().loss
             events[i + 1].record()
         torch.cuda.synchronize(device)
         return [events[i].elapsed_time(events[i + 1]) / 1000 for i in range(steps)], loss
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = train_step()
+        loss = train_step().loss
         times.append(time.perf_counter() - t0)
     return times, loss
 

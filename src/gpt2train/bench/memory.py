@@ -13,6 +13,8 @@ every tensor storage the ops create, which is how the estimator is tested withou
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from gpt2train.config import Config
 from gpt2train.model import GPTConfig
+from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
 
 FP32 = 4
 INT64 = 8
@@ -149,26 +152,22 @@ def format_bytes(n: float) -> str:
 
 
 def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
-    """The model config with vocab_size filled in (from the data's meta.json, else GPT-2's 50257)."""
-    m = copy.copy(cfg.model)
+    """The model config with vocab_size filled in as the trainer does (from the data's meta.json), else
+    GPT-2's 50257."""
     notes = []
-    if m.vocab_size <= 0:
-        meta = Path(cfg.data.dir) / "meta.json"
+    data_vocab = None
+    meta = Path(cfg.data.dir) / "meta.json"
+    if cfg.model.vocab_size <= 0:
         if meta.is_file():
-            import json
-
-            m.vocab_size = int(json.loads(meta.read_text())["vocab_size"])
+            data_vocab = int(json.loads(meta.read_text())["vocab_size"])
         else:
-            m.vocab_size = GPT2_VOCAB
             notes.append(f"model.vocab_size = 0 and {meta} not found: assumed GPT-2's {GPT2_VOCAB}")
-    return m, notes
+    return resolve_config(cfg, data_vocab, default_vocab=GPT2_VOCAB).model, notes
 
 
 def compute_bytes(dtype: str, device_type: str) -> int:
-    """Bytes per element of the compute dtype, as the trainer resolves train.dtype."""
-    if dtype == "auto":
-        return FP32 if device_type == "cpu" else 2  # bf16 (or fp16) on GPUs
-    return FP32 if dtype == "float32" else 2
+    """Bytes per element of the compute dtype, as the trainer resolves train.dtype (a planned GPU has bf16)."""
+    return resolve_dtype(dtype, device_type, bf16_supported=True).itemsize
 
 
 def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None = None,
@@ -253,7 +252,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
     if peak_phase.startswith("backward of block"):
         peak_phase = "backward through the blocks"
 
-    compiled = cfg.train.compile is True or (cfg.train.compile == "auto" and device_type == "cuda")
+    compiled = resolve_compile(cfg.train.compile, device_type)
     if accumulating:
         notes.append("gradient accumulation: the gradients are held through every micro-batch's forward and backward")
     if compiled:
@@ -363,14 +362,18 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
     if not 0 <= headroom < 1:
         raise ValueError(f"--headroom {headroom} must be in [0, 1)")
     from gpt2train.model import GPT
-    from gpt2train.train.loop import resolve_dtype
     from gpt2train.train.optim import make_optimizer
+    from gpt2train.train.step import TrainStep
 
     device = torch.device(cfg.train.device if cfg.train.device.startswith("cuda") else "cuda")
     m, _ = resolve_model(cfg)
-    T = cfg.train.seq_len or m.block_size
-    dtype = resolve_dtype(cfg.train.dtype, device)
-    torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+    resolved = copy.deepcopy(cfg)
+    resolved.model = m
+    # The trainer's runtime, eager (compiling each trial size would take minutes), accumulating over two
+    # micro-batches so that the second runs with the gradients held.
+    runtime = dataclasses.replace(resolve_runtime(resolved, device), compile=False, grad_accum=2)
+    runtime.apply()
+    T = runtime.seq_len
     total_memory = torch.cuda.get_device_properties(device).total_memory
     budget = (1 - headroom) * total_memory
     model = GPT(m).to(device)
@@ -379,16 +382,16 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
 
     def fits(b: int) -> bool:
         peak = None
+        def random_batch():
+            x = torch.randint(0, m.vocab_size, (b, T), device=device)
+            return x, x
+
+        step = TrainStep(model, optimizer, random_batch, dataclasses.replace(runtime, micro_batch=b),
+                         grad_clip=cfg.train.grad_clip)
         try:
             torch.cuda.reset_peak_memory_stats(device)
             for _ in range(2):  # the second step has the optimizer states
-                optimizer.zero_grad(set_to_none=True)
-                for _ in range(2):  # accumulating: the second micro-batch runs with the gradients held
-                    x = torch.randint(0, m.vocab_size, (b, T), device=device)
-                    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-                        _, loss = model(x, x)
-                    loss.backward()
-                optimizer.step()
+                step()
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device)
             ok = peak <= budget

@@ -10,20 +10,24 @@ import torch
 from gpt2train.config import TrainConfig
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
+                   fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW that decays only 2-D+ weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
 
-    The fused CUDA kernel updates every parameter in one launch; elsewhere the foreach path batches them.
+    fused None (the trainer's choice): the fused CUDA kernel, which updates every parameter in one launch,
+    on CUDA, and the foreach path, which batches them, elsewhere. fused True / False force the fused kernel
+    / one small kernel chain per tensor (the journey's naive stage).
     """
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
-    if device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
-        kwargs["fused"] = True
+    if fused is None:
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        kwargs["fused" if fused else "foreach"] = True
     else:
-        kwargs["foreach"] = True
+        kwargs.update(fused=fused, foreach=None if fused else False)
     return torch.optim.AdamW(groups, **kwargs)
 
 
