@@ -46,8 +46,9 @@ from gpt2train.config import Config, ConfigError, save_config, to_dict
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.model import GPT
+from gpt2train.runlog import MetricsLogger
 from gpt2train.train.guard import GuardError, TrainingGuard, Verdict
-from gpt2train.train.metrics import MetricsLogger, flops_per_token, peak_for_run
+from gpt2train.train.metrics import flops_per_token, peak_for_run
 from gpt2train.train.optim import lr_at, make_optimizer
 
 
