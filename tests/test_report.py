@@ -214,6 +214,15 @@ def test_report_reads_only_through_runlog(tmp_path, monkeypatch):
     assert pngs(tmp_path / "out") == GPU_FIGURES and f"{BEST_VAL:.4f}" in page.read_text()
 
 
+def test_page_has_every_section_and_no_unfilled_placeholder(tmp_path):
+    text = build_report([write_run(tmp_path / "r", full_run())], None).read_text()
+    for heading in ("<h1>gpt2train report</h1>", "<h2>Summary</h2>", "<h2>Figures</h2>",
+                    "<h2>Guard events and resumes</h2>", "<h2>Last sample</h2>"):
+        assert text.count(heading) == 1, heading
+    assert text.count("<table>") == 2 and "<style>" in text and "$" not in text
+    assert text.index("<h2>Summary</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Last sample</h2>")
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading metrics.jsonl
 

@@ -1,4 +1,4 @@
-"""See a run: draw its figures and write the HTML page. Nothing else.
+"""See a run: draw its figures and fill the HTML page from templates/report.html. Nothing else.
 
 The records come from gpt2train.runlog (which reads metrics.jsonl, merges relaunches and derives
 the summary numbers); this module only draws them and writes PNG figures, a one-file HTML page and
@@ -13,9 +13,11 @@ from __future__ import annotations
 import base64
 import datetime
 import html
+import importlib.resources
 import io
 import json
 import math
+import string
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,19 +304,6 @@ def _json_safe(summary: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 # HTML
 
-CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
-h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; }
-th, td { border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: left; vertical-align: top; }
-th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { max-width: 100%; display: block; margin: 0.5em 0; }
-.note { color: #8a5a00; background: #fff7e6; padding: 0.3em 0.6em; border-left: 3px solid #f0ad4e; }
-.muted { color: #777; }
-pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.8em; border: 1px solid #e4e4e4; }
-"""
-
 # (label, summary key, format): the rows of the summary table, one column per run.
 SUMMARY_ROWS = [
     ("status", "status", str),
@@ -346,29 +335,33 @@ SUMMARY_ROWS = [
 
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
-    names = ", ".join(html.escape(run.name) for run in runs)
+    """templates/report.html filled in: every value is HTML-escaped here, the template holds only markup."""
     generated = _when(datetime.datetime.now(datetime.timezone.utc).timestamp())
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>gpt2train report: {names}</title><style>{CSS}</style></head><body>",
-        "<h1>gpt2train report</h1>",
-        f'<p class="muted">{names} &middot; generated {generated} &middot; '
-        "a run in progress shows what its metrics.jsonl holds so far</p>",
-        *_read_notes(runs),
-        "<h2>Summary</h2>",
-        _summary_table(summaries),
-        "<h2>Figures</h2>",
-    ]
-    for chart in charts:
-        parts.append(f"<h3>{html.escape(chart.title)}</h3>")
-        if chart.name in images:
-            data = base64.b64encode(images[chart.name]).decode("ascii")
-            parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
-        parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
-    parts += ["<h2>Guard events and resumes</h2>", _events_table(runs), "<h2>Last sample</h2>", *_samples(runs)]
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return _template().substitute(
+        names=", ".join(html.escape(run.name) for run in runs),
+        generated=generated,
+        read_notes="\n".join(_read_notes(runs)),
+        summary=_summary_table(summaries),
+        figures="\n".join(_figure(chart, images.get(chart.name)) for chart in charts),
+        events=_events_table(runs),
+        samples="\n".join(_samples(runs)),
+    )
+
+
+def _template() -> string.Template:
+    # Read as package data, so it is found in a wheel install as well as in a source checkout.
+    text = importlib.resources.files("gpt2train").joinpath("templates").joinpath("report.html").read_text(encoding="utf-8")
+    return string.Template(text)
+
+
+def _figure(chart: Chart, png: bytes | None) -> str:
+    """A chart's heading, its embedded PNG (when drawn) and its notes."""
+    parts = [f"<h3>{html.escape(chart.title)}</h3>"]
+    if png is not None:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
+    parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
+    return "\n".join(parts)
 
 
 def _read_notes(runs: list[Run]) -> list[str]:
