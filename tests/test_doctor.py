@@ -17,7 +17,7 @@ from conftest import run_cli
 from gpt2train.bench.journey import JourneyResult, StageResult
 from gpt2train.config import Config, save_config
 from gpt2train.doctor import Diagnosis, check_records, diagnose, format_diagnosis
-from gpt2train.report import ReportError
+from gpt2train.runlog import RunLogError
 
 STEPS, INTERVAL, WARMUP, LR, TOKENS_PER_STEP = 1000, 10, 50, 6e-4, 4096
 
@@ -334,11 +334,11 @@ def test_config_falls_back_to_run_start(tmp_path):
 
 
 def test_missing_or_empty_metrics_is_an_error(tmp_path):
-    with pytest.raises(ReportError, match="does not exist"):
+    with pytest.raises(RunLogError, match="does not exist"):
         diagnose(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    with pytest.raises(ReportError, match="is empty"):
+    with pytest.raises(RunLogError, match="is empty"):
         diagnose(tmp_path / "empty")
 
 

@@ -9,8 +9,9 @@ import torch
 
 from conftest import tiny_config
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runlog import MetricsLogger
 from gpt2train.train.loop import Trainer
-from gpt2train.train.metrics import MetricsLogger, flops_per_token, peak_flops, peak_for_run
+from gpt2train.train.metrics import flops_per_token, peak_flops, peak_for_run
 
 
 def test_flops_per_token_gpt2_124m_by_hand():

@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 
-from gpt2train import cli, report  # noqa: E402
-from gpt2train.report import ReportError, build_report, find_spikes, load_metrics  # noqa: E402
+from gpt2train import cli, report, runlog  # noqa: E402
+from gpt2train.report import ReportError, build_report  # noqa: E402
+from gpt2train.runlog import RunLogError, find_spikes, load_metrics  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 IMG_TAG = '<img src="data:image/png;base64,'
@@ -159,7 +160,7 @@ def test_two_runs_overlay_on_the_same_axes(tmp_path, monkeypatch):
     runs = json.loads((tmp_path / "report" / "metrics.json").read_text())["runs"]
     assert [r["run"] for r in runs] == ["small", "wide"]
 
-    charts = report._charts([report.load_run(a), report.load_run(b)])
+    charts = report._charts([runlog.load_run(a), runlog.load_run(b)])
     assert {c.name for c in charts} == GPU_FIGURES
     for chart in charts:
         assert {"small", "wide"} <= set(legend_texts(chart)), chart.name
@@ -192,9 +193,34 @@ def test_hellaswag_gets_a_figure_when_logged(tmp_path):
 
 
 def test_log_y_puts_the_loss_on_a_log_scale(tmp_path):
-    run = report.load_run(write_run(tmp_path / "r", full_run()))
+    run = runlog.load_run(write_run(tmp_path / "r", full_run()))
     (loss,) = [c for c in report._charts([run], log_y=True) if c.name == "loss"]
     assert loss.figure.axes[0].get_yscale() == "log"
+
+
+def test_report_reads_only_through_runlog(tmp_path, monkeypatch):
+    """build_report gets its runs from runlog.load_run: no metrics.jsonl on disk, and still a full page."""
+    text = "\n".join(json.dumps(r) for r in full_run())
+    asked = []
+
+    def fake_load_run(run_dir, name=None):
+        asked.append(Path(run_dir))
+        return runlog.read_run(text, run_dir, name)
+
+    monkeypatch.setattr(runlog, "load_run", fake_load_run)
+    page = build_report([tmp_path / "nowhere"], tmp_path / "out")
+
+    assert asked == [tmp_path / "nowhere"] and not (tmp_path / "nowhere").exists()
+    assert pngs(tmp_path / "out") == GPU_FIGURES and f"{BEST_VAL:.4f}" in page.read_text()
+
+
+def test_page_has_every_section_and_no_unfilled_placeholder(tmp_path):
+    text = build_report([write_run(tmp_path / "r", full_run())], None).read_text()
+    for heading in ("<h1>gpt2train report</h1>", "<h2>Summary</h2>", "<h2>Figures</h2>",
+                    "<h2>Guard events and resumes</h2>", "<h2>Last sample</h2>"):
+        assert text.count(heading) == 1, heading
+    assert text.count("<table>") == 2 and "<style>" in text and "$" not in text
+    assert text.index("<h2>Summary</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Last sample</h2>")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,11 +317,11 @@ def test_non_finite_loss_does_not_break_the_report(tmp_path):
     ],
     ids=["missing-dir", "no-file", "empty", "garbage", "only-unknown-kinds"],
 )
-def test_bad_input_raises_a_one_line_report_error(tmp_path, setup, expected):
+def test_bad_input_raises_a_one_line_run_log_error(tmp_path, setup, expected):
     run_dir = tmp_path / "runs" / "x"
     run_dir.parent.mkdir()
     setup(run_dir)
-    with pytest.raises(ReportError, match=expected) as info:
+    with pytest.raises(RunLogError, match=expected) as info:
         build_report([run_dir], None)
     assert isinstance(info.value, ValueError)
     assert "\n" not in str(info.value) and str(run_dir) in str(info.value)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from conftest import REPO, run_cli, tiny_config
 from gpt2train.checkpoint import CheckpointError, newest_checkpoint
 from gpt2train.config import ConfigError, dump_toml
-from gpt2train.report import load_metrics
+from gpt2train.runlog import load_metrics
 from gpt2train.train.loop import Trainer, train
 
 

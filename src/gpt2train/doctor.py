@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpt2train.config import Config, config_from_resolved, load_config
-from gpt2train.report import find_spikes, load_metrics
+from gpt2train.runlog import find_spikes, load_metrics
 
 # Loss spikes
 SPIKE_WINDOW = 20  # logged losses a spike is judged against: short, so the fast early fall does not hide one

@@ -1,8 +1,8 @@
-"""See a run: read RUN_DIR/metrics.jsonl and write figures, a one-file HTML page and a JSON summary.
+"""See a run: draw its figures and fill the HTML page from templates/report.html. Nothing else.
 
-The flow is read -> merge relaunches -> summarize -> plot -> write. Reading is forgiving (a run in
-progress, a line cut short by a crash, kinds from a newer version), because a report is most wanted
-exactly when a run went wrong. The schema is docs/metrics.md; the page is described in docs/report.md.
+The records come from gpt2train.runlog (which reads metrics.jsonl, merges relaunches and derives
+the summary numbers); this module only draws them and writes PNG figures, a one-file HTML page and
+a JSON summary. The page is described in docs/report.md.
 
 matplotlib is imported only when figures are drawn, through its object-oriented API on the Agg
 canvas: no pyplot, so a report never changes the backend or global state of the caller's process.
@@ -13,269 +13,24 @@ from __future__ import annotations
 import base64
 import datetime
 import html
+import importlib.resources
 import io
 import json
-import logging
 import math
+import string
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-log = logging.getLogger(__name__)
-
-KNOWN_KINDS = ("run_start", "train", "val", "hellaswag", "sample", "guard", "checkpoint", "run_end")
-# Kinds that describe the state of training at a step. A resume or a rollback re-does steps, and
-# the re-done records replace these. The other kinds are events (a launch, a guard action, a save):
-# they stay, since they are the history the page lists.
-SERIES_KINDS = ("train", "val", "hellaswag", "sample")
-
-SPIKE_WINDOW = 50  # logged values in the trailing window
-SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
-SPIKE_MAD_FLOOR = 0.1  # the MAD counts as at least this fraction of the median
-SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
-
-TRAIN_HINT = "train first with `gpt2train train ...`"
+from gpt2train import runlog
+from gpt2train.runlog import Run
 
 
 class ReportError(ValueError):
-    """Input a report cannot be made from; the message is one line saying what to fix."""
+    """A report that cannot be made for a reason of its own (no run given, no matplotlib); one line.
 
-
-# ----------------------------------------------------------------------------------------------
-# Reading
-
-
-@dataclass
-class Run:
-    """One run directory's records, merged across its launches."""
-
-    name: str  # label in legends and tables
-    path: Path
-    records: list[dict]  # after merging relaunches, in file order
-    launches: list[list[dict]]  # raw records grouped by run_start, before merging: for wall time
-    malformed_lines: int = 0  # unreadable lines in the middle of the file, skipped
-    truncated_last_line: bool = False  # the last line did not parse: a crash cut it short, or a write in progress
-
-    def of(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r["kind"] == kind]
-
-
-def load_metrics(run_dir: str | Path) -> list[dict]:
-    """The known records of RUN_DIR/metrics.jsonl, with re-done steps replacing the earlier ones.
-
-    Raises ReportError when the directory or file is missing, empty, or holds no readable record.
+    A run log that cannot be read raises runlog.RunLogError instead.
     """
-    return load_run(run_dir).records
-
-
-def load_run(run_dir: str | Path, name: str | None = None) -> Run:
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not run_dir.exists():
-        raise ReportError(f"run directory {run_dir} does not exist: pass a folder written by `gpt2train train`")
-    if not run_dir.is_dir():
-        raise ReportError(f"{run_dir} is a file, not a run directory: pass the folder that holds metrics.jsonl")
-    if not path.is_file():
-        raise ReportError(f"{path} not found: is {run_dir} a run directory? {TRAIN_HINT}")
-    text = path.read_bytes().decode("utf-8", errors="replace")  # a crash can cut a character in two
-    if not text.strip():
-        raise ReportError(f"{path} is empty: {TRAIN_HINT}")
-
-    raw, malformed, truncated = _parse_lines(text)
-    if not raw:
-        raise ReportError(
-            f"{path} has no readable records: it is not a gpt2train metrics file, or every line is damaged"
-        )
-    if malformed:
-        log.warning("%s: skipped %d malformed line%s", path, malformed, "" if malformed == 1 else "s")
-    return Run(
-        name=name or run_dir.resolve().name,
-        path=run_dir,
-        records=merge_relaunches(raw),
-        launches=_split_launches(raw),
-        malformed_lines=malformed,
-        truncated_last_line=truncated,
-    )
-
-
-def _parse_lines(text: str) -> tuple[list[dict], int, bool]:
-    """(records of known kinds, malformed lines before the last, whether the last line failed)."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    records, malformed, truncated = [], 0, False
-    for i, line in enumerate(lines):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            rec = None
-        if not _is_record(rec):
-            if i == len(lines) - 1:
-                truncated = True  # expected after a crash: not worth a warning
-            else:
-                malformed += 1
-            continue
-        if rec["kind"] in KNOWN_KINDS:  # kinds from a newer version are skipped, as the schema asks
-            records.append(rec)
-    return records, malformed, truncated
-
-
-def _is_record(rec) -> bool:
-    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
-        return False
-    # A series record is only usable at a step; an event may lack one.
-    return rec["kind"] not in SERIES_KINDS or _is_int(rec.get("step"))
-
-
-def merge_relaunches(records: list[dict]) -> list[dict]:
-    """Drop series records that a later launch or rollback re-did; the later record for a step wins.
-
-    A `run_start` at step s (a resume) re-does steps s and on; a guard rollback to step t re-does t+1
-    and on. Series records from those steps, written before, describe training that was thrown away.
-    """
-    kept: list[dict] = []
-    for rec in records:
-        redo_from = None
-        if rec["kind"] == "run_start" and _is_int(rec.get("step")):
-            redo_from = rec["step"]
-        elif rec["kind"] == "guard" and rec.get("action") == "rollback" and _is_int(rec.get("to_step")):
-            redo_from = rec["to_step"] + 1
-        if redo_from is not None:
-            kept = [r for r in kept if not (r["kind"] in SERIES_KINDS and r["step"] >= redo_from)]
-        kept.append(rec)
-
-    # Two records of one kind at one step without a relaunch between them (a val at the last step
-    # that is also an eval step, say): the later one wins.
-    last = {(r["kind"], r["step"]): i for i, r in enumerate(kept) if r["kind"] in SERIES_KINDS}
-    return [r for i, r in enumerate(kept) if r["kind"] not in SERIES_KINDS or last[(r["kind"], r["step"])] == i]
-
-
-def _split_launches(records: list[dict]) -> list[list[dict]]:
-    launches: list[list[dict]] = []
-    for rec in records:
-        if rec["kind"] == "run_start" or not launches:
-            launches.append([])
-        launches[-1].append(rec)
-    return launches
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-# ----------------------------------------------------------------------------------------------
-# Summary
-
-
-def summarize(run: Run) -> dict:
-    """The per-run numbers of the page's table (and of metrics.json)."""
-    train, val = run.of("train"), run.of("val")
-    starts = run.of("run_start")
-    start = starts[-1] if starts else {}  # the latest launch has the config now in force
-    cfg, hw = start.get("config") or {}, start.get("hardware") or {}
-
-    best = min((r for r in val if _finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
-    # The first compiled step includes compilation: its speed says nothing about the run's.
-    timed = [r for r in train if not r.get("compile_ms")]
-    series = [r for r in run.records if r["kind"] in SERIES_KINDS]
-    with_tokens = [r for r in series if _is_int(r.get("tokens"))]
-    seq_len = _get(cfg, "train", "seq_len") or _get(cfg, "model", "block_size")
-
-    return {
-        "run": run.name,
-        "path": str(run.path),
-        "status": _status(run),
-        "steps": series[-1]["step"] if series else None,
-        "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
-        "wall_s": _wall_seconds(run),
-        "best_val_loss": best["val_loss"] if best else None,
-        "best_val_step": best["step"] if best else None,
-        "last_train_loss": train[-1].get("loss") if train else None,
-        "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),
-        "mean_mfu": _mean(r.get("mfu") for r in timed),
-        "peak_mem_mb": max((r["peak_mem_mb"] for r in train if _finite(r.get("peak_mem_mb"))), default=None),
-        "params": start.get("params"),
-        "n_layer": _get(cfg, "model", "n_layer"),
-        "n_head": _get(cfg, "model", "n_head"),
-        "n_embd": _get(cfg, "model", "n_embd"),
-        "micro_batch": _get(cfg, "train", "micro_batch"),
-        "seq_len": seq_len,
-        "lr": _get(cfg, "train", "lr"),
-        "schedule": _get(cfg, "train", "schedule"),
-        "dtype": _get(cfg, "train", "dtype"),
-        "compile": _get(cfg, "train", "compile"),
-        "device_name": hw.get("device_name") or hw.get("device"),
-        "torch": hw.get("torch"),
-        "world_size": hw.get("world_size"),
-        "git": start.get("git"),
-        "launches": len(starts),
-        "guard_events": len(run.of("guard")),
-        "malformed_lines": run.malformed_lines,
-    }
-
-
-def _status(run: Run) -> str:
-    last = run.launches[-1]
-    ends = [r for r in last if r["kind"] == "run_end"]
-    if not ends:
-        return "in progress (or stopped without a run_end record)"
-    return str(ends[-1].get("reason", "ended"))
-
-
-def _wall_seconds(run: Run) -> float | None:
-    """Wall time summed over launches; a launch without run_end counts up to its last record."""
-    total, known = 0.0, False
-    for launch in run.launches:
-        ends = [r for r in launch if r["kind"] == "run_end" and _finite(r.get("wall_s"))]
-        times = [r["time"] for r in launch if _finite(r.get("time"))]
-        if ends:
-            total += ends[-1]["wall_s"]
-        elif len(times) >= 2:
-            total += max(0.0, max(times) - times[0])  # clocks can step back; time spent cannot
-        else:
-            continue
-        known = True
-    return total if known else None
-
-
-def _mean(values) -> float | None:
-    vals = [v for v in values if _finite(v)]
-    return sum(vals) / len(vals) if vals else None
-
-
-def _get(d: dict, section: str, key: str):
-    sub = d.get(section)
-    return sub.get(key) if isinstance(sub, dict) else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Spikes
-
-
-def find_spikes(values: list[float], window: int = SPIKE_WINDOW, k: float = SPIKE_MADS) -> list[int]:
-    """Indices of values above median + k * MAD of the `window` finite values logged before them.
-
-    Median and MAD (median absolute deviation) are robust: one earlier spike in the window barely
-    moves them, unlike a mean and standard deviation. The MAD is floored at 10% of the median, so the
-    bar is never below 1.5x the median: on a very steady stretch (MAD near 0) ordinary noise is not a
-    spike. Non-finite values are not spikes here: the guard reports those.
-    """
-    spikes, history = [], []
-    for i, v in enumerate(values):
-        if not _finite(v):
-            continue
-        if len(history) >= SPIKE_MIN_HISTORY:
-            recent = np.asarray(history[-window:])
-            median = float(np.median(recent))
-            mad = float(np.median(np.abs(recent - median)))
-            if v > median + k * max(mad, SPIKE_MAD_FLOOR * abs(median)):
-                spikes.append(i)
-        history.append(v)
-    return spikes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +95,7 @@ def _colour(i: int) -> str:
 
 
 def _xy(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pairs = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
+    pairs = [(r["step"], r[key]) for r in records if runlog.is_finite(r.get(key))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -367,7 +122,7 @@ def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
         ax.plot(*_xy(run.of("train"), "loss"), color=_colour(i), lw=1, alpha=0.8)
         ax.plot(*_xy(run.of("val"), "val_loss"), color=_colour(i), lw=1.5, ls="--", marker="o", ms=4)
         for start in run.of("run_start")[1:]:  # resumes: where a new launch took over
-            if _is_int(start.get("step")):
+            if runlog.is_int(start.get("step")):
                 ax.axvline(start["step"], color=_colour(i), lw=1, ls="-.", alpha=0.6)
     ax.set_ylabel("loss")
     if log_y:
@@ -395,15 +150,16 @@ def _grad_norm_chart(runs: list[Run]) -> Chart:
         steps, norms = _xy(run.of("train"), "grad_norm")
         all_positive &= all(n > 0 for n in norms)
         ax.plot(steps, norms, color=_colour(i), lw=1)
-        spikes = find_spikes(norms)
+        spikes = runlog.find_spikes(norms)
         any_spike |= bool(spikes)
         ax.plot([steps[j] for j in spikes], [norms[j] for j in spikes], ls="none", marker="x", ms=9, mew=2, color="red")
         for g in run.of("guard"):
-            if _is_int(g.get("step")):
+            if runlog.is_int(g.get("step")):
                 actions.add(g.get("action"))
                 ax.axvline(g["step"], color=_colour(i), lw=1.2, ls=_guard_style(g.get("action")))
-    clips = {_get(start.get("config") or {}, "train", "grad_clip") for run in runs for start in run.of("run_start")}
-    clips = sorted(c for c in clips if _finite(c) and c > 0)
+    clips = {runlog.config_value(start.get("config") or {}, "train", "grad_clip")
+             for run in runs for start in run.of("run_start")}
+    clips = sorted(c for c in clips if runlog.is_finite(c) and c > 0)
     for clip in clips:
         ax.axhline(clip, color="black", lw=0.8, alpha=0.5)
     if all_positive:
@@ -412,7 +168,7 @@ def _grad_norm_chart(runs: list[Run]) -> Chart:
     extra = []  # legend entries only for what the figure shows
     if any_spike:
         extra.append(Line2D([], [], ls="none", marker="x", ms=9, mew=2, color="red",
-                            label=f"spike (> median + {SPIKE_MADS:g} MAD)"))
+                            label=f"spike (> median + {runlog.SPIKE_MADS:g} MAD)"))
     for action in sorted(actions, key=str):
         extra.append(Line2D([], [], color="grey", lw=1.2, ls=_guard_style(action), label=f"guard: {action}"))
     if clips:
@@ -510,7 +266,7 @@ def build_report(run_dirs: list[Path], out_dir: Path | None = None, *, log_y: bo
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ReportError("no run directory given: pass at least one RUN_DIR")
-    runs = [load_run(d, name) for d, name in zip(run_dirs, _run_names(run_dirs))]
+    runs = [runlog.load_run(d, name) for d, name in zip(run_dirs, _run_names(run_dirs))]
     if out_dir is None:
         out_dir = Path(run_dirs[0]) / "report" if len(runs) == 1 else Path("report")
     out_dir = Path(out_dir)
@@ -526,7 +282,7 @@ def build_report(run_dirs: list[Path], out_dir: Path | None = None, *, log_y: bo
         images[chart.name] = _png(chart.figure)
         png_path.write_bytes(images[chart.name])
 
-    summaries = [summarize(run) for run in runs]
+    summaries = [runlog.summarize(run) for run in runs]
     (out_dir / "metrics.json").write_text(json.dumps({"runs": [_json_safe(s) for s in summaries]}, indent=2) + "\n")
     html_path = out_dir / "report.html"
     html_path.write_text(_page(runs, summaries, charts, images))
@@ -547,19 +303,6 @@ def _json_safe(summary: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # HTML
-
-CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 1em; color: #222; }
-h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; font-size: 0.9em; }
-th, td { border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: left; vertical-align: top; }
-th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-img { max-width: 100%; display: block; margin: 0.5em 0; }
-.note { color: #8a5a00; background: #fff7e6; padding: 0.3em 0.6em; border-left: 3px solid #f0ad4e; }
-.muted { color: #777; }
-pre { white-space: pre-wrap; background: #f7f7f7; padding: 0.8em; border: 1px solid #e4e4e4; }
-"""
 
 # (label, summary key, format): the rows of the summary table, one column per run.
 SUMMARY_ROWS = [
@@ -592,38 +335,42 @@ SUMMARY_ROWS = [
 
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
-    names = ", ".join(html.escape(run.name) for run in runs)
+    """templates/report.html filled in: every value is HTML-escaped here, the template holds only markup."""
     generated = _when(datetime.datetime.now(datetime.timezone.utc).timestamp())
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>gpt2train report: {names}</title><style>{CSS}</style></head><body>",
-        "<h1>gpt2train report</h1>",
-        f'<p class="muted">{names} &middot; generated {generated} &middot; '
-        "a run in progress shows what its metrics.jsonl holds so far</p>",
-        *_read_notes(runs),
-        "<h2>Summary</h2>",
-        _summary_table(summaries),
-        "<h2>Figures</h2>",
-    ]
-    for chart in charts:
-        parts.append(f"<h3>{html.escape(chart.title)}</h3>")
-        if chart.name in images:
-            data = base64.b64encode(images[chart.name]).decode("ascii")
-            parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
-        parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
-    parts += ["<h2>Guard events and resumes</h2>", _events_table(runs), "<h2>Last sample</h2>", *_samples(runs)]
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return _template().substitute(
+        names=", ".join(html.escape(run.name) for run in runs),
+        generated=generated,
+        read_notes="\n".join(_read_notes(runs)),
+        summary=_summary_table(summaries),
+        figures="\n".join(_figure(chart, images.get(chart.name)) for chart in charts),
+        events=_events_table(runs),
+        samples="\n".join(_samples(runs)),
+    )
+
+
+def _template() -> string.Template:
+    # Read as package data, so it is found in a wheel install as well as in a source checkout.
+    text = importlib.resources.files("gpt2train").joinpath("templates").joinpath("report.html").read_text(encoding="utf-8")
+    return string.Template(text)
+
+
+def _figure(chart: Chart, png: bytes | None) -> str:
+    """A chart's heading, its embedded PNG (when drawn) and its notes."""
+    parts = [f"<h3>{html.escape(chart.title)}</h3>"]
+    if png is not None:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
+    parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
+    return "\n".join(parts)
 
 
 def _read_notes(runs: list[Run]) -> list[str]:
     notes = []
     for run in runs:
         if run.malformed_lines:
-            notes.append(f"{run.name}: skipped {run.malformed_lines} malformed line(s) in metrics.jsonl.")
+            notes.append(f"{run.name}: skipped {run.malformed_lines} malformed line(s) in {runlog.METRICS_FILE}.")
         if run.truncated_last_line:
-            notes.append(f"{run.name}: the last line of metrics.jsonl is incomplete "
+            notes.append(f"{run.name}: the last line of {runlog.METRICS_FILE} is incomplete "
                          "(a crash, or a write in progress).")
     return [f'<p class="note">{html.escape(n)}</p>' for n in notes]
 
@@ -667,7 +414,7 @@ def _events_table(runs: list[Run]) -> str:
             rows.append((run.name, rec.get("step"), f"guard: {rec.get('action', '?')}", detail, rec.get("time")))
     if not rows:
         return '<p class="muted">None: no guard actions and no resumes.</p>'
-    rows.sort(key=lambda r: (r[0], r[1] if _is_int(r[1]) else -1))
+    rows.sort(key=lambda r: (r[0], r[1] if runlog.is_int(r[1]) else -1))
     body = "".join(
         f"<tr><td>{html.escape(name)}</td><td class=\"num\">{html.escape(str(step))}</td><td>{html.escape(what)}</td>"
         f"<td>{html.escape(detail)}</td><td>{_when(t)}</td></tr>"
@@ -701,6 +448,6 @@ def _duration(seconds: float) -> str:
 
 
 def _when(t) -> str:
-    if not _finite(t):
+    if not runlog.is_finite(t):
         return ""
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -15,7 +15,7 @@ import torch
 
 import gpt2train
 from gpt2train.config import Config, to_dict
-from gpt2train.train.metrics import MetricsLogger
+from gpt2train.runlog import MetricsLogger
 
 
 def git_revision() -> str | None:

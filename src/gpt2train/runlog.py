@@ -1,0 +1,366 @@
+"""The run log, RUN_DIR/metrics.jsonl, and nothing else: its schema, its writer and its reader.
+
+The trainer writes through MetricsLogger; report and doctor read through load_run / load_metrics and
+share the numbers derived from the records (summarize, find_spikes). The schema, with what each field
+means and when each kind is written, is docs/metrics.md; the constants below name the same things.
+
+Reading is forgiving (a run in progress, a line cut short by a crash, kinds from a newer version),
+because the log is most wanted exactly when a run went wrong. This module sits low: the trainer
+imports it, so it imports nothing from train/, report, doctor, plan or bench.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------------------
+# Schema (docs/metrics.md)
+
+METRICS_FILE = "metrics.jsonl"
+
+RUN_START = "run_start"
+TRAIN = "train"
+VAL = "val"
+HELLASWAG = "hellaswag"
+SAMPLE = "sample"
+GUARD = "guard"
+CHECKPOINT = "checkpoint"
+RUN_END = "run_end"
+KNOWN_KINDS = (RUN_START, TRAIN, VAL, HELLASWAG, SAMPLE, GUARD, CHECKPOINT, RUN_END)
+# Kinds that describe the state of training at a step. A resume or a rollback re-does steps, and
+# the re-done records replace these. The other kinds are events (a launch, a guard action, a save):
+# they stay, since they are the history a reader lists.
+SERIES_KINDS = (TRAIN, VAL, HELLASWAG, SAMPLE)
+
+COMMON_FIELDS = ("kind", "time")  # on every record; time is Unix seconds
+# The other fields of each kind. Some are null or only sometimes there (docs/metrics.md says when).
+FIELDS: dict[str, tuple[str, ...]] = {
+    RUN_START: ("step", "config", "hardware", "git", "version", "params", "params_non_embedding",
+                "flops_per_token", "peak_flops", "resumed_from"),
+    TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
+            "compile_ms"),
+    VAL: ("step", "tokens", "val_loss", "val_ppl"),
+    HELLASWAG: ("step", "acc", "acc_norm", "n"),
+    SAMPLE: ("step", "prompt", "text"),
+    GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
+    CHECKPOINT: ("step", "path", "best"),
+    RUN_END: ("step", "tokens", "wall_s", "reason", "error"),
+}
+HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # run_start's "hardware"
+
+SPIKE_WINDOW = 50  # logged values in the trailing window
+SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
+SPIKE_MAD_FLOOR = 0.1  # the MAD counts as at least this fraction of the median
+SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
+
+TRAIN_HINT = "train first with `gpt2train train ...`"
+
+
+class RunLogError(ValueError):
+    """A run log that cannot be read; the message is one line saying what to fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+class MetricsLogger:
+    """Writes records to RUN_DIR/metrics.jsonl (one flushed line each) and mirrors scalars to TensorBoard
+    and W&B when enabled. Only rank 0 builds an active logger."""
+
+    def __init__(self, run_dir: Path | None, tensorboard: bool = False, wandb: bool = False,
+                 wandb_project: str = "gpt2train", wandb_mode: str = "offline", config: dict | None = None):
+        self.active = run_dir is not None
+        self.file = self.tb = self.wandb = None
+        if not self.active:
+            return
+        # Line-buffered: each record reaches the file as it is logged, so a run in progress can be read.
+        self.file = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("log.tensorboard = true needs TensorBoard: pip install tensorboard") from None
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if wandb and wandb_mode != "disabled":
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                raise ImportError("log.wandb = true needs Weights & Biases: pip install wandb") from None
+            self.wandb = wandb_lib.init(project=wandb_project, mode=wandb_mode, dir=str(run_dir),
+                                        name=Path(run_dir).name, config=config)
+
+    def log(self, kind: str, **fields):
+        if not self.active:
+            return
+        record = {"kind": kind, "time": time.time(), **fields}
+        self.file.write(json.dumps(record) + "\n")
+        step = fields.get("step")
+        scalars = {f"{kind}/{k}": v for k, v in fields.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.tb is not None and step is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None and step is not None and scalars:
+            self.wandb.log(scalars, step=step)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class Run:
+    """One run directory's records, merged across its launches."""
+
+    name: str  # label in legends and tables
+    path: Path
+    records: list[dict]  # after merging relaunches, in file order
+    launches: list[list[dict]]  # raw records grouped by run_start, before merging: for wall time
+    malformed_lines: int = 0  # unreadable lines in the middle of the file, skipped
+    truncated_last_line: bool = False  # the last line did not parse: a crash cut it short, or a write in progress
+
+    def of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["kind"] == kind]
+
+
+def load_metrics(run_dir: str | Path) -> list[dict]:
+    """The known records of RUN_DIR/metrics.jsonl, with re-done steps replacing the earlier ones.
+
+    Raises RunLogError when the directory or file is missing, empty, or holds no readable record.
+    """
+    return load_run(run_dir).records
+
+
+def load_run(run_dir: str | Path, name: str | None = None) -> Run:
+    """Read RUN_DIR/metrics.jsonl into a Run; RunLogError (one line) when there is nothing to read."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not run_dir.exists():
+        raise RunLogError(f"run directory {run_dir} does not exist: pass a folder written by `gpt2train train`")
+    if not run_dir.is_dir():
+        raise RunLogError(f"{run_dir} is a file, not a run directory: pass the folder that holds {METRICS_FILE}")
+    if not path.is_file():
+        raise RunLogError(f"{path} not found: is {run_dir} a run directory? {TRAIN_HINT}")
+    text = path.read_bytes().decode("utf-8", errors="replace")  # a crash can cut a character in two
+    if not text.strip():
+        raise RunLogError(f"{path} is empty: {TRAIN_HINT}")
+    return read_run(text, run_dir, name)
+
+
+def read_run(text: str, run_dir: str | Path, name: str | None = None) -> Run:
+    """A Run from the text of RUN_DIR's metrics.jsonl (load_run without the file checks)."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    raw, malformed, truncated = _parse_lines(text)
+    if not raw:
+        raise RunLogError(
+            f"{path} has no readable records: it is not a gpt2train metrics file, or every line is damaged"
+        )
+    if malformed:
+        log.warning("%s: skipped %d malformed line%s", path, malformed, "" if malformed == 1 else "s")
+    return Run(
+        name=name or run_dir.resolve().name,
+        path=run_dir,
+        records=merge_relaunches(raw),
+        launches=_split_launches(raw),
+        malformed_lines=malformed,
+        truncated_last_line=truncated,
+    )
+
+
+def _parse_lines(text: str) -> tuple[list[dict], int, bool]:
+    """(records of known kinds, malformed lines before the last, whether the last line failed)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records, malformed, truncated = [], 0, False
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if not _is_record(rec):
+            if i == len(lines) - 1:
+                truncated = True  # expected after a crash: not worth a warning
+            else:
+                malformed += 1
+            continue
+        if rec["kind"] in KNOWN_KINDS:  # kinds from a newer version are skipped, as the schema asks
+            records.append(rec)
+    return records, malformed, truncated
+
+
+def _is_record(rec) -> bool:
+    if not isinstance(rec, dict) or not isinstance(rec.get("kind"), str):
+        return False
+    # A series record is only usable at a step; an event may lack one.
+    return rec["kind"] not in SERIES_KINDS or is_int(rec.get("step"))
+
+
+def merge_relaunches(records: list[dict]) -> list[dict]:
+    """Drop series records that a later launch or rollback re-did; the later record for a step wins.
+
+    A `run_start` at step s (a resume) re-does steps s and on; a guard rollback to step t re-does t+1
+    and on. Series records from those steps, written before, describe training that was thrown away.
+    """
+    kept: list[dict] = []
+    for rec in records:
+        redo_from = None
+        if rec["kind"] == RUN_START and is_int(rec.get("step")):
+            redo_from = rec["step"]
+        elif rec["kind"] == GUARD and rec.get("action") == "rollback" and is_int(rec.get("to_step")):
+            redo_from = rec["to_step"] + 1
+        if redo_from is not None:
+            kept = [r for r in kept if not (r["kind"] in SERIES_KINDS and r["step"] >= redo_from)]
+        kept.append(rec)
+
+    # Two records of one kind at one step without a relaunch between them (a val at the last step
+    # that is also an eval step, say): the later one wins.
+    last = {(r["kind"], r["step"]): i for i, r in enumerate(kept) if r["kind"] in SERIES_KINDS}
+    return [r for i, r in enumerate(kept) if r["kind"] not in SERIES_KINDS or last[(r["kind"], r["step"])] == i]
+
+
+def _split_launches(records: list[dict]) -> list[list[dict]]:
+    launches: list[list[dict]] = []
+    for rec in records:
+        if rec["kind"] == RUN_START or not launches:
+            launches.append([])
+        launches[-1].append(rec)
+    return launches
+
+
+# Field values come from JSON written by any version, so readers check a value's type before use.
+
+
+def is_int(x) -> bool:
+    """An integer field (a step), not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_finite(x) -> bool:
+    """A number that can be plotted or averaged: not a bool, NaN or infinity (a diverged loss is NaN)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def config_value(config: dict, section: str, key: str):
+    """config[section][key] of a run_start's config, or None where either is absent."""
+    sub = config.get(section)
+    return sub.get(key) if isinstance(sub, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Derived numbers (report and doctor)
+
+
+def summarize(run: Run) -> dict:
+    """The per-run numbers of the report's table (and of its metrics.json)."""
+    train, val = run.of(TRAIN), run.of(VAL)
+    starts = run.of(RUN_START)
+    start = starts[-1] if starts else {}  # the latest launch has the config now in force
+    cfg, hw = start.get("config") or {}, start.get("hardware") or {}
+
+    best = min((r for r in val if is_finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
+    # The first compiled step includes compilation: its speed says nothing about the run's.
+    timed = [r for r in train if not r.get("compile_ms")]
+    series = [r for r in run.records if r["kind"] in SERIES_KINDS]
+    with_tokens = [r for r in series if is_int(r.get("tokens"))]
+    seq_len = config_value(cfg, "train", "seq_len") or config_value(cfg, "model", "block_size")
+
+    return {
+        "run": run.name,
+        "path": str(run.path),
+        "status": _status(run),
+        "steps": series[-1]["step"] if series else None,
+        "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
+        "wall_s": _wall_seconds(run),
+        "best_val_loss": best["val_loss"] if best else None,
+        "best_val_step": best["step"] if best else None,
+        "last_train_loss": train[-1].get("loss") if train else None,
+        "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),
+        "mean_mfu": _mean(r.get("mfu") for r in timed),
+        "peak_mem_mb": max((r["peak_mem_mb"] for r in train if is_finite(r.get("peak_mem_mb"))), default=None),
+        "params": start.get("params"),
+        "n_layer": config_value(cfg, "model", "n_layer"),
+        "n_head": config_value(cfg, "model", "n_head"),
+        "n_embd": config_value(cfg, "model", "n_embd"),
+        "micro_batch": config_value(cfg, "train", "micro_batch"),
+        "seq_len": seq_len,
+        "lr": config_value(cfg, "train", "lr"),
+        "schedule": config_value(cfg, "train", "schedule"),
+        "dtype": config_value(cfg, "train", "dtype"),
+        "compile": config_value(cfg, "train", "compile"),
+        "device_name": hw.get("device_name") or hw.get("device"),
+        "torch": hw.get("torch"),
+        "world_size": hw.get("world_size"),
+        "git": start.get("git"),
+        "launches": len(starts),
+        "guard_events": len(run.of(GUARD)),
+        "malformed_lines": run.malformed_lines,
+    }
+
+
+def _status(run: Run) -> str:
+    last = run.launches[-1]
+    ends = [r for r in last if r["kind"] == RUN_END]
+    if not ends:
+        return "in progress (or stopped without a run_end record)"
+    return str(ends[-1].get("reason", "ended"))
+
+
+def _wall_seconds(run: Run) -> float | None:
+    """Wall time summed over launches; a launch without run_end counts up to its last record."""
+    total, known = 0.0, False
+    for launch in run.launches:
+        ends = [r for r in launch if r["kind"] == RUN_END and is_finite(r.get("wall_s"))]
+        times = [r["time"] for r in launch if is_finite(r.get("time"))]
+        if ends:
+            total += ends[-1]["wall_s"]
+        elif len(times) >= 2:
+            total += max(0.0, max(times) - times[0])  # clocks can step back; time spent cannot
+        else:
+            continue
+        known = True
+    return total if known else None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if is_finite(v)]
+    return sum(vals) / len(vals) if vals else None
+
+
+def find_spikes(values: list[float], window: int = SPIKE_WINDOW, k: float = SPIKE_MADS) -> list[int]:
+    """Indices of values above median + k * MAD of the `window` finite values logged before them.
+
+    Median and MAD (median absolute deviation) are robust: one earlier spike in the window barely
+    moves them, unlike a mean and standard deviation. The MAD is floored at 10% of the median, so the
+    bar is never below 1.5x the median: on a very steady stretch (MAD near 0) ordinary noise is not a
+    spike. Non-finite values are not spikes here: the guard reports those.
+    """
+    spikes, history = [], []
+    for i, v in enumerate(values):
+        if not is_finite(v):
+            continue
+        if len(history) >= SPIKE_MIN_HISTORY:
+            recent = np.asarray(history[-window:])
+            median = float(np.median(recent))
+            mad = float(np.median(np.abs(recent - median)))
+            if v > median + k * max(mad, SPIKE_MAD_FLOOR * abs(median)):
+                spikes.append(i)
+        history.append(v)
+    return spikes
