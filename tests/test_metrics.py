@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from gpt2train.model import GPT, GPTConfig
+from gpt2train.model import GPT, GPTConfig, flops_per_token
 from gpt2train.runlog import MetricsLogger
 from gpt2train.train.loop import Trainer
-from gpt2train.train.metrics import flops_per_token, peak_flops, peak_for_run
 
 
 def test_flops_per_token_gpt2_124m_by_hand():
@@ -27,30 +26,6 @@ def test_flops_per_token_counts_every_parameter_but_position_embeddings(bias):
     model = GPT(cfg)
     n = model.num_params() - model.transformer.wpe.weight.numel()
     assert flops_per_token(cfg, 16) == 6 * n + 12 * 3 * 32 * 16
-
-
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12),
-    ("NVIDIA H100 80GB HBM3", 989e12),  # SXM
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA L4", 121e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA L40", 181e12),
-    ("NVIDIA GeForce RTX 4090", 165e12),
-    ("NVIDIA A10G", 70e12),
-])
-def test_peak_table_matches_device_names(name, peak):
-    assert peak_for_run(name, torch.bfloat16, tf32=True) == peak
-    assert peak_for_run(name, torch.float16, tf32=True) == peak
-
-
-def test_peak_depends_on_precision_and_unknown_devices_have_none():
-    assert peak_for_run("NVIDIA A100-SXM4-40GB", torch.float32, tf32=True) == 156e12
-    assert peak_for_run("NVIDIA A100-SXM4-40GB", torch.float32, tf32=False) == 19.5e12
-    assert peak_for_run("Some Future Accelerator", torch.bfloat16, tf32=True) is None
-    assert peak_flops(torch.device("cpu")) is None
 
 
 def test_mfu_is_tokens_per_second_times_flops_over_peak(char_data, tmp_path):
@@ -133,4 +108,4 @@ def test_progress_bar_or_plain_lines(char_data, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "step      3/3 | loss" in captured.out and "3/3 [" not in captured.err
     lines = [line for line in captured.out.splitlines() if line.startswith("step ") and " | " in line]
-    assert all(" | eta " in line for line in lines) and lines[-1].endswith("| eta 0m00s")  # nothing left at the end
+    assert all(" | eta " in line for line in lines) and lines[-1].endswith("| eta 0 s")  # nothing left at the end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -9,7 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from gpt2train.checkpoint import model_state
-from gpt2train.model import GPT, PRESETS, GPTConfig, KVCache, chunked_cross_entropy, preset_config
+from gpt2train.model import (
+    GPT,
+    PRESETS,
+    GPTConfig,
+    KVCache,
+    chunked_cross_entropy,
+    layer_parameter_count,
+    matmul_parameter_count,
+    parameter_count,
+    preset_config,
+)
 
 
 def tiny(**overrides) -> GPTConfig:
@@ -21,24 +32,50 @@ def built(cfg: GPTConfig, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
-def params_on_meta(cfg: GPTConfig) -> tuple[int, int]:
+def on_meta(cfg: GPTConfig) -> GPT:
     with torch.device("meta"):  # shapes only: no memory, no init cost
-        model = GPT(cfg)
-    return model.num_params(), model.num_params(non_embedding=True)
+        return GPT(cfg)
+
+
+def counts(cfg: GPTConfig) -> tuple[int, int]:
+    return parameter_count(cfg), parameter_count(cfg, non_embedding=True)
+
+
+def numel(params) -> int:
+    return sum(p.numel() for p in {id(p): p for p in params}.values())  # a tied matrix once
 
 
 # ---------------------------------------------------------------- shapes, presets, parameter counts
 
 
 def test_gpt2_124m_parameter_counts():
-    assert params_on_meta(preset_config("gpt2", pad_vocab_multiple=1)) == (124_439_808, 85_056_000)
-    assert params_on_meta(preset_config("gpt2")) == (124_475_904, 85_056_000)  # 50304 rows
+    assert counts(preset_config("gpt2", pad_vocab_multiple=1)) == (124_439_808, 85_056_000)
+    assert counts(preset_config("gpt2")) == (124_475_904, 85_056_000)  # 50304 rows
 
 
 @pytest.mark.parametrize("name, hf_count", [("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
                                             ("gpt2-xl", 1_557_611_200)])
 def test_larger_presets_match_hugging_face_counts(name, hf_count):
-    assert params_on_meta(preset_config(name, pad_vocab_multiple=1))[0] == hf_count
+    assert parameter_count(preset_config(name, pad_vocab_multiple=1)) == hf_count
+
+
+@pytest.mark.parametrize("name, bias, pad", list(itertools.product(PRESETS, [True, False], [64, 1])))
+def test_parameter_arithmetic_equals_the_modules(name, bias, pad):
+    cfg = preset_config(name, bias=bias, pad_vocab_multiple=pad)
+    model = on_meta(cfg)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields the tied lm_head once
+    embeddings = model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel()
+    assert parameter_count(cfg) == model.num_params() == total
+    assert parameter_count(cfg, non_embedding=True) == model.num_params(non_embedding=True) == total - embeddings
+    assert layer_parameter_count(cfg) == numel(model.transformer.h[0].parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert matmul_parameter_count(cfg) == numel(p for m in linears for p in m.parameters())
+
+
+@pytest.mark.parametrize("bias, pad", list(itertools.product([True, False], [64, 1])))
+def test_parameter_arithmetic_with_an_odd_vocab(bias, pad):
+    cfg = tiny(vocab_size=333, bias=bias, pad_vocab_multiple=pad)  # 333 rows, or 384 padded
+    assert parameter_count(cfg) == sum(p.numel() for p in on_meta(cfg).parameters())
 
 
 def test_presets_have_hf_shapes_and_cpu_sizes():

@@ -10,12 +10,12 @@ import os
 import pytest
 
 from conftest import REPO, run_cli
+from gpt2train import devices
 from gpt2train import plan as P
 from gpt2train.bench.journey import JourneyResult, StageResult
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, load_config
-from gpt2train.model import preset_config
-from gpt2train.train.metrics import flops_per_token
+from gpt2train.model import flops_per_token, parameter_count, preset_config
 
 GPT2_TOML = REPO / "configs" / "gpt2.toml"
 H100_BF16 = 989e12
@@ -32,8 +32,9 @@ def gpt2_config(**train) -> Config:
 
 
 def test_gpt2_124m_parameters():
-    assert P.count_params(preset_config("gpt2", pad_vocab_multiple=1)) == (124_439_808, 85_056_000)
-    assert P.count_params(preset_config("gpt2")) == (124_475_904, 85_056_000)  # vocab padded to 50304
+    assert parameter_count(preset_config("gpt2", pad_vocab_multiple=1)) == 124_439_808
+    assert parameter_count(preset_config("gpt2")) == 124_475_904  # vocab padded to 50304
+    assert parameter_count(preset_config("gpt2"), non_embedding=True) == 85_056_000
 
 
 def test_gpt2_124m_flops_per_token():
@@ -125,7 +126,7 @@ def test_device_table(name, expected, gib):
 def test_cpu_device_is_system_ram():
     cpu = P.find_device("CPU")
     assert cpu.memory_bytes == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and not cpu.is_gpu
-    assert cpu.peak_key is None
+    assert cpu.peaks is None
 
 
 def test_auto_device_on_this_machine():
@@ -184,7 +185,7 @@ def test_mfu_from_newest_bench(tmp_path):
 def test_bench_from_another_device_is_not_used(tmp_path):
     write_bench(tmp_path, "bench-1", 0.47, device_name="NVIDIA A100-SXM4-40GB")
     plan = P.make_plan(gpt2_config(), P.find_device("H100"), runs_dir=tmp_path)
-    assert plan.mfu == P.DEFAULT_GPU_MFU
+    assert plan.mfu == devices.ASSUMED_GPU_MFU
     assert any("measured on NVIDIA A100-SXM4-40GB, not H100 80GB" in n for n in plan.notes)
     with pytest.raises(P.PlanError, match="does not exist"):
         P.make_plan(gpt2_config(), P.find_device("H100"), bench_json=tmp_path / "none.json")
@@ -286,7 +287,7 @@ def test_cli_plan_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr
     for text in ("124,475,904", "85,056,000 without embeddings", "855,383,040", "524,288 tokens/step",
                  "9,999,745,024 tokens", "2,489,518,080 tokens", "8 x H100 80GB: 989 TFLOP/s", "MFU         0.40",
-                 "budget: 45.0 min, 6.0 GPU-hours", "memory "):
+                 "budget: 45m 03s, 6.0 GPU-hours", "memory "):
         assert text in out.stdout, text
 
     out = run_cli("plan", "--config", str(GPT2_TOML), "--device", "TPU", cwd=tmp_path)

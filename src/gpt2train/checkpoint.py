@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 import gpt2train
 from gpt2train.config import Config, ConfigError, config_from_resolved
 from gpt2train.model import GPT
+from gpt2train.units import format_bytes, format_count, format_duration
 
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
@@ -474,7 +475,7 @@ def describe_checkpoint(path: str | Path) -> str:
     val, best = meta.get("val_loss"), meta.get("best_val_loss")
     saved = meta.get("saved_at")
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(saved)) if isinstance(saved, (int, float)) else "?"
-    params = f", {meta['params'] / 1e6:.2f}M parameters" if isinstance(meta.get("params"), int) else ""
+    params = f", {format_count(meta['params'])} parameters" if isinstance(meta.get("params"), int) else ""
     wall = meta.get("train_wall_s")
     size = sum((meta.get("files") or {}).values())
     lines = [
@@ -484,7 +485,7 @@ def describe_checkpoint(path: str | Path) -> str:
         f"tokens      {meta.get('tokens', 0):,}",
         f"val loss    {_loss(val)} (best {_loss(best)})",
         f"saved       {when} by gpt2train {meta.get('version', '?')}"
-        + (f", after {_duration(wall)} of training" if isinstance(wall, (int, float)) else ""),
+        + (f", after {format_duration(wall)} of training" if isinstance(wall, (int, float)) else ""),
         f"model       {model.get('n_layer')} layers, {model.get('n_head')} heads, {model.get('n_embd')} wide, "
         f"block {model.get('block_size')}, vocab {model.get('vocab_size')}{params}",
         f"tokenizer   {tok.get('kind', '?')}" + (f" (vocab {len(tok['chars'])} chars)" if "chars" in tok else ""),
@@ -492,7 +493,7 @@ def describe_checkpoint(path: str | Path) -> str:
         f"{train.get('micro_batch')} x {train.get('seq_len')} tokens per micro-batch, "
         f"{train.get('total_batch_tokens') or 'one micro-batch'} per step, dtype {train.get('dtype')}, seed {train.get('seed')}",
         f"format      {'sharded (DCP, ' if meta.get('sharded') else 'plain (safetensors + state.pt, '}"
-        f"world size {meta.get('world_size', '?')}), {size / 2**20:.1f} MiB",
+        f"world size {meta.get('world_size', '?')}), {format_bytes(size)}",
     ]
     root = ckpt.parent
     ring = [p.name for _, p in ring_entries(root)]
@@ -513,8 +514,3 @@ def describe_checkpoint(path: str | Path) -> str:
 
 def _loss(x) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

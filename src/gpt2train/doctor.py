@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpt2train.config import Config, config_from_resolved, load_config
+from gpt2train.devices import ASSUMED_GPU_MFU
 from gpt2train.runlog import find_spikes, load_metrics
 
 # Loss spikes
@@ -46,7 +47,6 @@ RESUME_SETTLE_RECORDS = 5  # spikes this soon after a flagged resume belong to t
 THROUGHPUT_DROP = 0.20  # last quartile 20% below the first: more than run-to-run jitter
 THROUGHPUT_MIN_RECORDS = 8  # quartiles of fewer logged steps are single points
 # MFU
-EXPECTED_GPU_MFU = 0.40  # a tuned GPT-2 run on a modern GPU reaches about 0.35-0.45
 LOW_MFU_FRACTION = 0.5  # under half of that: something is starving the GPU
 # Divergence
 DIVERGE_WINDOW = 10  # rolling median over 10 logged losses, so one spike is not a divergence
@@ -115,7 +115,7 @@ def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
                 return mfu, f"this device's gpt2train bench figure ({found})"
         except ValueError:
             pass  # an unreadable bench file: fall back to the typical figure
-    return EXPECTED_GPU_MFU, "a tuned GPT-2 run's typical figure"
+    return ASSUMED_GPU_MFU, "a tuned GPT-2 run's typical figure"
 
 
 def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[str]]:
@@ -130,7 +130,7 @@ def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[s
 
 
 def check_records(records: list[dict], cfg: Config,
-                  expected: tuple[float, str] = (EXPECTED_GPU_MFU, "a tuned GPT-2 run's typical figure")) -> list[Finding]:
+                  expected: tuple[float, str] = (ASSUMED_GPU_MFU, "a tuned GPT-2 run's typical figure")) -> list[Finding]:
     """Every finding, serious ones first. `expected`: the MFU the device should reach, and where it comes from."""
     divergence = check_divergence(records)
     resume = check_resume_gap(records)
@@ -343,7 +343,7 @@ def check_throughput(records: list[dict]) -> Finding | None:
                    "(thermal or power throttling: nvidia-smi -q -d PERFORMANCE; other jobs on it)", [last[0]["step"]])
 
 
-def check_mfu(records: list[dict], expected: float = EXPECTED_GPU_MFU,
+def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
               source: str = "a tuned GPT-2 run's typical figure") -> Finding | None:
     timed = [r for r in _steady_train(records) if _finite(r.get("mfu"))]
     if not timed:

@@ -24,12 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE
 
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # not weights: the causal mask, kept by older checkpoints
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation our MLP uses
-GPT2_EOT_ID = 50256
-GPT2_VOCAB_SIZE = 50257
 
 
 class HFConversionError(ValueError):

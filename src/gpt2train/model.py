@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+
 
 @dataclass
 class GPTConfig:
@@ -27,7 +29,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     block_size: int = 1024  # longest sequence the position embedding covers
-    vocab_size: int = 50257  # the tokenizer's vocabulary; 0 means "take it from the prepared data"
+    vocab_size: int = GPT2_VOCAB_SIZE  # the tokenizer's vocabulary; 0 means "take it from the prepared data"
     pad_vocab_multiple: int = 64  # 50257 -> 50304: matmuls on multiples of 64 run faster
     dropout: float = 0.0
     bias: bool = True
@@ -57,6 +59,46 @@ def preset_config(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+# --- counting, from the config alone (no model is built: gpt2-xl costs nothing) --------------------------
+def layer_parameter_count(cfg: GPTConfig) -> int:
+    """One block: qkv (C x 3C), attention projection (C x C), MLP (C x 4C, 4C x C), two LayerNorms."""
+    C = cfg.n_embd
+    weights = 12 * C * C
+    biases = 9 * C if cfg.bias else 0  # 3C + C + 4C + C
+    return weights + biases + 2 * _layer_norm_count(cfg)
+
+
+def _layer_norm_count(cfg: GPTConfig) -> int:
+    return 2 * cfg.n_embd if cfg.bias else cfg.n_embd  # a gain (and a bias)
+
+
+def parameter_count(cfg: GPTConfig, non_embedding: bool = False) -> int:
+    """Every parameter once (the tied lm_head is the token embedding): GPT-2 124M padded is 124,475,904.
+    non_embedding leaves out both embeddings (85,056,000 for GPT-2 124M), as scaling laws count."""
+    n = cfg.n_layer * layer_parameter_count(cfg) + _layer_norm_count(cfg)  # blocks and ln_f
+    if non_embedding:
+        return n
+    return n + cfg.padded_vocab_size * cfg.n_embd + cfg.block_size * cfg.n_embd  # wte and wpe
+
+
+def matmul_parameter_count(cfg: GPTConfig) -> int:
+    """Parameters that enter a matmul (linear weights and biases, the tied lm_head): autocast casts these."""
+    C = cfg.n_embd
+    per_layer = 12 * C * C + (9 * C if cfg.bias else 0)
+    return cfg.n_layer * per_layer + cfg.padded_vocab_size * C
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
+    """Training FLOPs per token: 6 * N + 12 * n_layer * n_embd * seq_len.
+
+    N counts every parameter but the position embedding, a lookup (the token embedding counts once, as the
+    tied lm_head; the LayerNorms are a rounding error). 6 = 2 (multiply-add) * 3 (forward + two backward
+    matmuls). The second term is attention's QK^T and AV, which no parameter count sees.
+    """
+    n = parameter_count(cfg) - cfg.block_size * cfg.n_embd
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
 class KVCache:
@@ -178,12 +220,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters counted once (the tied lm_head is the token embedding). non_embedding leaves
-        out both embeddings, as FLOPs estimates and scaling laws count them."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
-        return n
+        """Parameters counted once (the tied lm_head is the token embedding); see parameter_count."""
+        return parameter_count(self.config, non_embedding)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None):
         """idx (B, T) token ids -> logits (B, T, vocab_size); with targets (B, T), (logits, mean cross-entropy).

@@ -2,36 +2,32 @@
 
 The flow is resolve the config (seq_len, vocab, batch) -> count (parameters, FLOPs per token, tokens)
 -> time (peak FLOP/s x MFU, measured or assumed) -> memory (does it fit; if not, what would). Nothing
-here touches a GPU: the model is built on the `meta` device, so even gpt2-xl costs no memory.
-The formulas and the device table are in docs/plan-and-doctor.md.
+here touches a GPU: the counts are arithmetic on the config (gpt2train.model), the device's memory and peak
+come from gpt2train.devices. The formulas and the device table are in docs/plan-and-doctor.md.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
-import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from gpt2train import runtime
+from gpt2train import devices, runtime
 from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, ConfigError
-from gpt2train.model import GPT, GPTConfig
+from gpt2train.devices import ASSUMED_GPU_MFU, Device
+from gpt2train.model import GPT, flops_per_token, parameter_count
 from gpt2train.runtime import accumulation_steps, resolve_runtime
-from gpt2train.train.metrics import flops_per_token, peak_for_run
+from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+from gpt2train.units import format_bytes, format_count, format_duration
 
-GiB = 2**30
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal training sees ~20 tokens per parameter
-DEFAULT_GPU_MFU = 0.40  # what a well-tuned GPT-2 run reaches on one modern GPU (llm.c, nanoGPT report 0.35-0.50)
 MEMORY_HEADROOM = 0.90  # share of a device's memory a run may plan on: CUDA context, allocator fragmentation
-DEFAULT_VOCAB = 50257  # GPT-2's BPE, when neither the config nor prepared data says otherwise
 SUGGESTED_LOSS_CHUNK = 1024  # rows per cross-entropy chunk: (1024, 50304) fp32 logits are ~200 MB
 BENCH_GLOB = "bench-*/journey.json"  # what `gpt2train bench` writes under runs/
 
@@ -44,94 +40,43 @@ class PlanError(ValueError):
 # Devices
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str  # as printed, e.g. "H100 80GB"
-    memory_bytes: int  # per device
-    peak_key: str | None  # name matched against metrics.PEAK_FLOPS; None: no peak known (CPU)
-    aliases: tuple[str, ...] = ()  # other names --device accepts (compared without case, spaces or dashes)
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.name != "CPU"
-
-
-def system_ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-# Memory is the marketed capacity; the first A100/H100/H200 alias is the family's default model.
-DEVICES: tuple[Device, ...] = (
-    Device("A100 40GB", 40 * GiB, "A100", ("a100-40gb", "a100-sxm4-40gb", "a100-pcie-40gb")),
-    Device("A100 80GB", 80 * GiB, "A100", ("a100", "a100-sxm4-80gb", "a100-pcie-80gb")),
-    Device("H100 80GB", 80 * GiB, "H100", ("h100", "h100-sxm", "h100-80gb-hbm3")),
-    Device("H200 141GB", 141 * GiB, "H200", ("h200",)),
-    Device("L4 24GB", 24 * GiB, "L4", ("l4",)),
-    Device("RTX 4090 24GB", 24 * GiB, "RTX 4090", ("rtx4090", "4090", "geforce-rtx-4090")),
-)
-
-
-def cpu_device() -> Device:
-    return Device("CPU", system_ram_bytes(), None, ("cpu",))
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
 def find_device(name: str) -> Device:
-    """A device of the table by name or alias ("H100", "a100-40gb", "RTX 4090", "cpu"), or the GPU
-    of this machine for "auto" / "cuda" / "cuda:N" (auto falls back to the CPU without CUDA)."""
-    key = _normalized(name)
+    """A device of gpt2train.devices' table by name or alias ("H100", "a100-40gb", "RTX 4090", "cpu"), or
+    the GPU of this machine for "auto" / "cuda" / "cuda:N" (auto falls back to the CPU without CUDA)."""
+    key = devices.normalized_name(name)
     if key in ("auto", "cuda") or key.startswith("cuda"):
         return detect_device(name)
-    for device in (*DEVICES, cpu_device()):
-        if key in {_normalized(n) for n in (device.name, *device.aliases)}:
-            return device
-    known = ", ".join(d.name for d in DEVICES)
-    raise PlanError(f"unknown device {name!r}; use one of: {known}, CPU, or auto (this machine)")
+    device = devices.find_device(name)
+    if device is None:
+        known = ", ".join(d.name for d in devices.plannable())
+        raise PlanError(f"unknown device {name!r}; use one of: {known}, CPU, or auto (this machine)")
+    return device
 
 
 def detect_device(name: str = "auto") -> Device:
     """This machine's accelerator (via gpt2train.distributed.resolve_device), with its real memory size."""
     from gpt2train.distributed import resolve_device
 
-    device = resolve_device(name.strip().lower())  # auto, cuda or cuda:N; raises when CUDA is missing
-    if device.type != "cuda":
-        return cpu_device()
-    gpu_name = torch.cuda.get_device_name(device)
-    known = peak_for_run(gpu_name, torch.bfloat16, True) is not None
-    return Device(gpu_name, torch.cuda.get_device_properties(device).total_memory, gpu_name if known else None)
+    return devices.describe(resolve_device(name.strip().lower()))  # auto, cuda or cuda:N; raises without CUDA
 
 
 def peak_flops_for(device: Device, cfg: Config) -> float | None:
     """Dense peak FLOP/s of the device in the run's precision (bf16 autocast on GPUs unless told otherwise)."""
-    if device.peak_key is None:
-        return None
-    dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.train.dtype, torch.bfloat16)
-    return peak_for_run(device.peak_key, dtype, cfg.train.tf32)
+    return devices.peak_flops(device, _dtype(cfg), cfg.train.tf32)
+
+
+def _dtype(cfg: Config) -> torch.dtype:
+    return {"float32": torch.float32, "float16": torch.float16}.get(cfg.train.dtype, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------
 # Counting
 
 
-def count_params(model_cfg: GPTConfig) -> tuple[int, int]:
-    """(parameters, parameters without the token and position embeddings), from a model on `meta`."""
-    return _count_params(tuple(sorted(dataclasses.asdict(model_cfg).items())))
-
-
-@functools.lru_cache(maxsize=32)  # the memory search asks again for every option it tries
-def _count_params(model_fields: tuple) -> tuple[int, int]:
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**dict(model_fields)))
-    return model.num_params(), model.num_params(non_embedding=True)
-
-
 def resolve_config(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
     """A copy with every "take it from elsewhere" value made concrete, by the trainer's own resolution."""
     try:
-        cfg = runtime.resolve_config(cfg, int(meta["vocab_size"]) if meta else None, default_vocab=DEFAULT_VOCAB)
+        cfg = runtime.resolve_config(cfg, int(meta["vocab_size"]) if meta else None, default_vocab=GPT2_VOCAB_SIZE)
     except ConfigError as e:
         raise PlanError(str(e)) from None
     if cfg.train.total_batch_tokens <= 0:  # the trainer's meaning of 0: one micro-batch on every rank
@@ -167,7 +112,7 @@ def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
         mfu, bench_device = read_final_mfu(path)
     except ValueError as e:
         return None, str(e)
-    if device.peak_key and _normalized(device.peak_key) not in _normalized(bench_device):
+    if device.match and devices.normalized_name(device.match) not in devices.normalized_name(bench_device):
         return None, f"{path} was measured on {bench_device}, not {device.name}"
     return mfu, f"measured by gpt2train bench ({path})"
 
@@ -325,7 +270,7 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
         notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
     cfg = resolve_config(cfg, gpus, meta, device)
 
-    params, params_non_embedding = count_params(cfg.model)
+    params, params_non_embedding = parameter_count(cfg.model), parameter_count(cfg.model, non_embedding=True)
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)
     accum = accumulation(cfg, gpus)
     tokens_per_step = cfg.train.micro_batch * cfg.train.seq_len * gpus * accum
@@ -367,12 +312,12 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
         notes.append(f"a step is too big to time here quickly (~{flops / CPU_FLOPS_FLOOR / (1 + steps):,.0f} s at "
                      f"{CPU_FLOPS_FLOOR / 1e9:.0f} GFLOP/s): wall time not estimated; pass --tokens-per-s")
         return None, ""
-    runtime = dataclasses.replace(resolve_runtime(cfg, "cpu"), grad_accum=1)
+    cpu_runtime = dataclasses.replace(resolve_runtime(cfg, "cpu"), grad_accum=1)
     torch.manual_seed(0)
     model = GPT(cfg.model)
     x = torch.randint(0, cfg.model.vocab_size, (B, T))
-    step = TrainStep(torch.compile(model) if runtime.compile else model, make_optimizer(model, cfg.train, "cpu"),
-                     lambda: (x, x), runtime, clip_params=model.parameters(), grad_clip=cfg.train.grad_clip, timed=True)
+    step = TrainStep(torch.compile(model) if cpu_runtime.compile else model, make_optimizer(model, cfg.train, "cpu"),
+                     lambda: (x, x), cpu_runtime, clip_params=model.parameters(), grad_clip=cfg.train.grad_clip, timed=True)
     step()  # warm-up (and compilation, when the config compiles)
     elapsed = sum(step().seconds for _ in range(steps))
     speed = B * T * steps / elapsed
@@ -407,7 +352,7 @@ def _choose_mfu(mfu: float | None, device: Device, bench_json, runs_dir, notes: 
         if measured is not None:
             return measured, why
         notes.append(f"bench figure not used: {why}")
-    return DEFAULT_GPU_MFU, "assumed (typical for a tuned GPU run; --mfu or gpt2train bench to refine)"
+    return ASSUMED_GPU_MFU, "assumed (typical for a tuned GPU run; --mfu or gpt2train bench to refine)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,31 +364,32 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"model       {m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, vocab {m.vocab_size:,} "
         f"(padded {m.padded_vocab_size:,}), seq_len {cfg.train.seq_len}",
-        f"parameters  {plan.params:,} ({_si(plan.params)}); {plan.params_non_embedding:,} without embeddings",
+        f"parameters  {plan.params:,} ({format_count(plan.params)}); {plan.params_non_embedding:,} without embeddings",
         f"FLOPs/token {plan.flops_per_token:,} (6N + 12*L*C*T, training)",
         f"batch       {plan.tokens_per_step:,} tokens/step = {cfg.train.micro_batch} x {cfg.train.seq_len} "
         f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation",
-        f"budget      {plan.budget_tokens:,} tokens ({_si(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
+        f"budget      {plan.budget_tokens:,} tokens ({format_count(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
         f"{plan.budget_tokens / plan.params:.1f} tokens/param",
-        f"chinchilla  {plan.chinchilla_tokens:,} tokens ({_si(plan.chinchilla_tokens)}) = 20 x params "
+        f"chinchilla  {plan.chinchilla_tokens:,} tokens ({format_count(plan.chinchilla_tokens)}) = 20 x params "
         f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
         f"{plan.budget_tokens / plan.chinchilla_tokens:.2f}x of it",
     ]
     if plan.train_tokens:
         lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {plan.steps_per_epoch:,.1f} "
                      f"steps/epoch; the budget is {plan.epochs:,.2f} epochs")
-    peak = f"{plan.peak_flops / 1e12:,.0f} TFLOP/s peak ({_precision(cfg)})" if plan.peak_flops else "peak unknown"
+    precision = devices.precision(_dtype(cfg), cfg.train.tf32)
+    peak = f"{plan.peak_flops / 1e12:,.0f} TFLOP/s peak ({precision})" if plan.peak_flops else "peak unknown"
     lines.append(f"device      {plan.gpus} x {plan.device.name}: {peak}, "
-                 f"{plan.device.memory_bytes / GiB:,.0f} GiB each")
+                 f"{format_bytes(plan.device.memory_bytes)} each")
     budget_s, chinchilla_s = plan.wall_s(plan.budget_tokens), plan.wall_s(plan.chinchilla_tokens)
     if budget_s is not None and plan.peak_flops is None:
         lines.append(f"speed       {plan.tokens_per_s:,.0f} tokens/s per device, {plan.tokens_per_s_source}")
-        lines.append(f"time        budget: {_duration(budget_s)}; chinchilla: {_duration(chinchilla_s)} "
+        lines.append(f"time        budget: {format_duration(budget_s)}; chinchilla: {format_duration(chinchilla_s)} "
                      "(steps only: evaluation and checkpoints add to it)")
     elif budget_s is not None:
         lines.append(f"MFU         {plan.mfu:.2f}, {plan.mfu_source}")
-        lines.append(f"time        budget: {_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
-                     f"chinchilla: {_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
+        lines.append(f"time        budget: {format_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
+                     f"chinchilla: {format_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
     lines += _memory_lines(plan)
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -452,43 +398,20 @@ def format_plan(plan: Plan) -> str:
 def _memory_lines(plan: Plan) -> list[str]:
     mem = plan.memory
     verdict = "fits" if mem.fits else "does NOT fit"
-    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem.breakdown.items())
-    lines = [f"memory      {mem.total_bytes / GiB:,.1f} GiB per device of {mem.usable_bytes / GiB:,.1f} usable: "
-             f"{verdict} ({mem.estimator}; GiB: {parts})"]
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.breakdown.items())
+    lines = [f"memory      {format_bytes(mem.total_bytes)} per device of {format_bytes(mem.usable_bytes)} usable: "
+             f"{verdict} ({mem.estimator}; {parts})"]
     if not mem.fits:
         s = mem.suggestion
         if s is None:
             lines.append("suggest     nothing tried fits: use a smaller model or seq_len, a larger device, "
                          "or more GPUs")
         else:
-            lines.append(f"suggest     {s.label}: {s.total_bytes / GiB:,.1f} GiB, micro_batch {s.micro_batch} "
+            lines.append(f"suggest     {s.label}: {format_bytes(s.total_bytes)}, micro_batch {s.micro_batch} "
                          f"x {s.grad_accum} accumulation: {set_flags(s.overrides)}")
     return lines
-
-
-def _precision(cfg: Config) -> str:
-    if cfg.train.dtype == "float32":
-        return "tf32" if cfg.train.tf32 else "fp32"
-    return "bf16"
-
-
-def _si(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:g}"
 
 
 def _gpu_hours(seconds: float, gpus: int) -> str:
     hours = seconds * gpus / 3600
     return f"{hours:,.1f} GPU-hours" if hours >= 1 else f"{hours:.2g} GPU-hours"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"

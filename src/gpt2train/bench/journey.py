@@ -35,14 +35,14 @@ import torch
 from gpt2train.config import Config, TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
+from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
-from gpt2train.model import GPT, preset_config
+from gpt2train.model import GPT, flops_per_token, preset_config
 from gpt2train.runtime import Runtime, resolve_runtime
-from gpt2train.train.metrics import flops_per_token, peak_for_run
+from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import make_optimizer
 from gpt2train.train.step import TrainStep
-
-GPT2_VOCAB = 50257
+from gpt2train.units import format_bytes
 
 
 # --- what a stage turns on -----------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def read_final_mfu(path: str | Path) -> tuple[float, str]:
 
 
 # --- data ----------------------------------------------------------------------------------------------
-def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB, seed: int = 0) -> Path:
+def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB_SIZE, seed: int = 0) -> Path:
     """A prepared dataset of uniformly random token ids (one train shard and meta.json)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,7 +197,7 @@ def cpu_has_native_bf16() -> bool:
 def stage_runtime(setup: Setup, options: JourneyOptions, device: torch.device) -> Runtime:
     """The runtime a stage trains under: the same resolution `gpt2train train` makes from a config."""
     cfg = Config()
-    cfg.model = preset_config(options.model, vocab_size=GPT2_VOCAB)
+    cfg.model = preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE)
     cfg.train = replace(cfg.train, micro_batch=options.micro_batch, seq_len=options.seq_len, seed=0,
                         dtype="bfloat16" if setup.bf16 else "float32", tf32=setup.tf32, compile=setup.compile)
     return resolve_runtime(cfg, device)
@@ -276,7 +276,7 @@ def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Pa
     result = StageResult(name=name, setup=dataclasses.asdict(setup))
     B, T = options.micro_batch, options.seq_len
     runtime = stage_runtime(setup, options, device)
-    model_cfg = preset_config(options.model, vocab_size=GPT2_VOCAB, pad_vocab_multiple=64 if setup.pad_vocab else 1,
+    model_cfg = preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=64 if setup.pad_vocab else 1,
                               attention="sdpa" if setup.sdpa else "naive",
                               loss_chunk=(options.loss_chunk or max(1, B * T // 4)) if setup.chunked_loss else 0)
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Pa
     result.step_ms = statistics.median(result.step_ms_all)
     result.tokens_per_s = B * T / (result.step_ms / 1000)
     result.final_loss = float(loss)
-    peak_flops = peak_for_run(device, runtime.dtype, setup.tf32)
+    peak_flops = device_peak_flops(device, runtime.dtype, setup.tf32)
     result.mfu = result.tokens_per_s * flops_per_token(model_cfg, T) / peak_flops if peak_flops else None
     model = optimizer = train_step = batches = None  # free them before measuring the next stage
     _release(device, setup.compile)
@@ -500,7 +500,7 @@ def _fmt(value, spec: str, none: str = "n/a") -> str:
 
 
 def _mem(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+    return "n/a" if n is None else format_bytes(n)
 
 
 def to_markdown(result: JourneyResult) -> str:

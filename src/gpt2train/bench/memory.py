@@ -25,36 +25,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from gpt2train.config import Config
-from gpt2train.model import GPTConfig
+from gpt2train.model import GPTConfig, layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
+from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+from gpt2train.units import format_bytes
 
 FP32 = 4
 INT64 = 8
-GPT2_VOCAB = 50257
-
-
-# --- parameter counts ------------------------------------------------------------------------------
-def layer_parameter_count(m: GPTConfig) -> int:
-    """One block: qkv (C x 3C), attention projection (C x C), MLP (C x 4C, 4C x C), two LayerNorms."""
-    C = m.n_embd
-    weights = 12 * C * C
-    if not m.bias:
-        return weights + 2 * C  # LayerNorm gains only
-    return weights + 3 * C + C + 4 * C + C + 4 * C  # linear biases (9C) and LayerNorm gain + bias (4C)
-
-
-def parameter_count(m: GPTConfig) -> int:
-    """Every parameter once (the lm_head is the token embedding): GPT-2 124M padded is 124,475,904."""
-    C = m.n_embd
-    final_ln = 2 * C if m.bias else C
-    return m.padded_vocab_size * C + m.block_size * C + m.n_layer * layer_parameter_count(m) + final_ln
-
-
-def matmul_parameter_count(m: GPTConfig) -> int:
-    """Parameters that enter a matmul (linear weights and biases, the tied lm_head): autocast casts these."""
-    C = m.n_embd
-    per_layer = 12 * C * C + (9 * C if m.bias else 0)
-    return m.n_layer * per_layer + m.padded_vocab_size * C
 
 
 # --- activations -----------------------------------------------------------------------------------
@@ -144,13 +121,6 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
 def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
     """The model config with vocab_size filled in as the trainer does (from the data's meta.json), else
     GPT-2's 50257."""
@@ -161,8 +131,8 @@ def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
         if meta.is_file():
             data_vocab = int(json.loads(meta.read_text())["vocab_size"])
         else:
-            notes.append(f"model.vocab_size = 0 and {meta} not found: assumed GPT-2's {GPT2_VOCAB}")
-    return resolve_config(cfg, data_vocab, default_vocab=GPT2_VOCAB).model, notes
+            notes.append(f"model.vocab_size = 0 and {meta} not found: assumed GPT-2's {GPT2_VOCAB_SIZE}")
+    return resolve_config(cfg, data_vocab, default_vocab=GPT2_VOCAB_SIZE).model, notes
 
 
 def compute_bytes(dtype: str, device_type: str) -> int:

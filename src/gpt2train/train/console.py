@@ -16,6 +16,7 @@ import torch
 import gpt2train
 from gpt2train.config import Config, to_dict
 from gpt2train.runlog import MetricsLogger
+from gpt2train.units import format_duration
 
 
 def git_revision() -> str | None:
@@ -25,13 +26,6 @@ def git_revision() -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def format_eta(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 class Console:
@@ -80,7 +74,7 @@ class Console:
             print(f"mfu: against {trainer.peak_flops / 1e12:.0f} TFLOP/s per device, "
                   f"{trainer.flops_per_token / 1e6:.1f} MFLOP per token")
         else:
-            print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.train.metrics.PEAK_FLOPS); "
+            print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.devices.DEVICES); "
                   "reporting tokens/s only")
         if trainer.state.resumed_from:
             print(f"resumed from {trainer.state.resumed_from} at step {step}")
@@ -125,7 +119,7 @@ class Console:
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         line = (f"step {step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"norm {grad_norm:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {seconds * 1000:.0f} ms | "
-                f"eta {format_eta(self.eta_seconds(step))}")
+                f"eta {format_duration(self.eta_seconds(step))}")
         if first_compiled:
             line += " (includes compilation)"
         if self.bar is not None:

@@ -19,13 +19,13 @@ from gpt2train import distributed as D
 from gpt2train.config import Config, save_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
+from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
-from gpt2train.model import GPT
+from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train.checkpointing import Checkpointer, RunState
 from gpt2train.train.console import Console
 from gpt2train.train.guard import TrainingGuard
-from gpt2train.train.metrics import flops_per_token, peak_for_run
 from gpt2train.train.optim import lr_at, make_optimizer
 from gpt2train.train.signals import StopSignal
 from gpt2train.train.step import TrainStep
@@ -81,7 +81,7 @@ class Trainer:
         if resume:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = peak_for_run(self.device, runtime.dtype, cfg.train.tf32)
+        self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
         self.console = Console(cfg, self.run_dir, self.is_main, self.device)
         self.evals = PeriodicEvals(cfg, self.raw_model, self.val_loader, self.data_meta["tokenizer"], runtime.autocast,
                                    self.console.log, self.console.print, self.is_main)
