@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpt2train import runlog
 from gpt2train.runlog import Run
-from gpt2train.units import format_duration
+from gpt2train.units import format_bytes, format_duration
 
 
 class ReportError(ValueError):
@@ -316,7 +316,7 @@ SUMMARY_ROWS = [
     ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
     ("mean tokens/s", "mean_tokens_per_s", lambda v: f"{v:,.0f}"),
     ("mean MFU", "mean_mfu", lambda v: f"{100 * v:.1f}%"),
-    ("peak memory", "peak_mem_mb", lambda v: f"{v / 1024:.2f} GiB"),
+    ("peak memory", "peak_mem_mb", lambda v: format_bytes(v * 2**20)),
     ("parameters", "params", lambda v: f"{v:,}"),
     ("n_layer / n_head / n_embd", None, None),  # filled from three keys in _summary_table
     ("micro_batch", "micro_batch", str),

@@ -73,6 +73,11 @@ def resolve_dtype(name: str, device_type: str, bf16_supported: bool | None = Non
     return torch.bfloat16 if bf16_supported else torch.float16
 
 
+def autocast_for(device_type: str, dtype: torch.dtype):
+    """Mixed precision for forwards in `dtype` (matmuls in bf16/fp16, reductions in fp32); fp32 runs as is."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+
+
 def resolve_compile(setting: bool | str, device_type: str) -> bool:
     """auto: compile on CUDA, where it pays; eager elsewhere."""
     return setting is True or (setting == "auto" and device_type == "cuda")
@@ -103,9 +108,7 @@ class Runtime:
 
     def autocast(self):
         """The context every forward of the run runs in (a fresh one each call)."""
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return autocast_for(self.device.type, self.dtype)
 
     def apply(self):
         """Set the process-wide switches this runtime asks for (TF32 matmuls on CUDA)."""

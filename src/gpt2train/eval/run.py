@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_model, resolve_checkpoint
 from gpt2train.data.prepare import load_meta
+from gpt2train.runtime import autocast_for, resolve_dtype
 
 TASKS = ("val", "hellaswag")
 
@@ -30,13 +29,6 @@ def parse_tasks(text: str | list[str]) -> list[str]:
         raise ValueError(f"unknown task {unknown[0] if unknown else '(none)'!r}; choose from {', '.join(TASKS)} "
                          "(comma-separated)")
     return tasks
-
-
-def autocast_for(device: torch.device, dtype: str):
-    from gpt2train.runtime import resolve_dtype
-
-    resolved = resolve_dtype(dtype, device.type)
-    return (torch.autocast(device.type, dtype=resolved) if resolved != torch.float32 else nullcontext()), resolved
 
 
 def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int = 0, batch_size: int = 16,
@@ -56,7 +48,8 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     info = D.init_distributed(device)
     try:
         model, cfg, meta = load_model(ckpt_dir, device=info.device)
-        autocast, resolved = autocast_for(info.device, dtype)
+        resolved = resolve_dtype(dtype, info.device.type)  # the trainer's own resolution of --dtype auto
+        autocast = autocast_for(info.device.type, resolved)
         # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
         jobs = {}
         if "val" in tasks:

@@ -16,7 +16,7 @@ import torch
 import gpt2train
 from gpt2train.config import Config, to_dict
 from gpt2train.runlog import MetricsLogger
-from gpt2train.units import format_duration
+from gpt2train.units import format_count, format_duration
 
 
 def git_revision() -> str | None:
@@ -66,8 +66,8 @@ class Console:
             return
         print(f"device: {name} ({device}), world size {runtime.world_size}, dtype {str(runtime.dtype).split('.')[-1]}, "
               f"compile {'on' if runtime.compile else 'off'}")
-        print(f"model: {model.num_params() / 1e6:.2f}M parameters "
-              f"({model.num_params(non_embedding=True) / 1e6:.2f}M without embeddings)")
+        print(f"model: {format_count(model.num_params())} parameters "
+              f"({format_count(model.num_params(non_embedding=True))} without embeddings)")
         print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
               f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
         if trainer.peak_flops:
