@@ -65,11 +65,13 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.runtime.device)
         for micro in range(self.grad_accum):
             x, y = self.batches()
-            with D.gradient_sync(self.model, sync=micro == self.grad_accum - 1), self.runtime.autocast():
-                _, loss = self.model(x, y)
-                loss = loss / self.grad_accum  # the sum over micro-batches is the mean over the full batch
-            loss_sum += loss.detach()
-            self.scaler.scale(loss).backward()
+            # Backward inside the no-sync window too: FSDP2 reduce-scatters in its backward hooks.
+            with D.gradient_sync(self.model, sync=micro == self.grad_accum - 1):
+                with self.runtime.autocast():
+                    _, loss = self.model(x, y)
+                    loss = loss / self.grad_accum  # the sum over micro-batches is the mean over the full batch
+                loss_sum += loss.detach()
+                self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         skipped = self.skip_nonfinite and not (math.isfinite(loss_sum.item()) and math.isfinite(grad_norm.item()))
