@@ -81,6 +81,7 @@ def test_steps_and_epochs_from_meta(tmp_path):
 def test_cpu_time_from_tokens_per_s_given_or_measured_here(tmp_path):
     cfg = Config()
     cfg.model = preset_config("gpt2-tiny", vocab_size=300)
+    cfg.data.dir = str(tmp_path / "not-prepared")  # not the repo's data/shakespeare (GPT-2 vocabulary), if prepared
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.max_steps, cfg.train.total_batch_tokens = 2, 32, 100, 0
     given = P.make_plan(cfg, P.find_device("cpu"), tokens_per_s=640.0, runs_dir=tmp_path)
     assert given.wall_s(given.budget_tokens) == 100 * 64 / 640.0

@@ -260,20 +260,63 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           vocab_size: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T)[:, :vocab_size] against targets, `chunk` rows at a time.
 
-    Each chunk's logits are recomputed in backward (activation checkpointing) instead of being kept, so
-    peak memory holds one (chunk, V) block instead of the full (B*T, V) fp32 logits. Equal to the plain
-    loss in value and gradients, up to float rounding. Targets of -1 are ignored.
+    The full (B*T, V) logits never exist: each chunk's logits are made, scored and dropped. When gradients
+    are wanted, the fused classifier below also computes them in the same pass. Equal to the plain loss in
+    value and gradients, up to float rounding. Targets of -1 are ignored.
     """
     hidden = hidden.reshape(-1, hidden.size(-1))  # (B*T, C)
     targets = targets.reshape(-1)  # (B*T,)
     vocab_size = vocab_size or weight.size(0)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return FusedClassifier.apply(hidden, weight, targets, vocab_size, chunk)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.size(0), chunk):
-        h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        total = total + checkpoint(_summed_cross_entropy, h, weight, t, vocab_size, use_reentrant=False)
+        logits = _masked_logits(hidden[start : start + chunk], weight, vocab_size)
+        total += F.cross_entropy(logits, targets[start : start + chunk], ignore_index=-1, reduction="sum")
     return total / (targets != -1).sum().clamp(min=1)
 
 
-def _summed_cross_entropy(h, weight, t, vocab_size: int):
-    logits = (h @ weight.t())[:, :vocab_size].float()  # (chunk, V)
-    return F.cross_entropy(logits, t, ignore_index=-1, reduction="sum")
+def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, padded V) fp32 logits whose padded columns are -inf: masked in place, not sliced and copied."""
+    logits = (h @ weight.t()).float()
+    if logits.size(1) > vocab_size:
+        logits[:, vocab_size:] = float("-inf")
+    return logits
+
+
+class FusedClassifier(torch.autograd.Function):
+    """The classifier and its loss in one pass per chunk: logits, log-sum-exp, loss, and the gradient of the
+    summed loss with respect to the logits (softmax - one-hot), turned at once into the gradients of hidden
+    and weight. Backward only scales them. Per chunk the logits are read a few times while they are still
+    in cache, instead of the several passes over (B*T, V) arrays that log_softmax and its backward make;
+    and nothing of size V is saved for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int):
+        valid = targets != -1
+        rows = torch.arange(min(chunk, hidden.size(0)), device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in range(0, hidden.size(0), chunk):
+            h, t, ok = hidden[start : start + chunk], targets[start : start + chunk].clamp(min=0), valid[start : start + chunk]
+            logits = _masked_logits(h, weight, vocab_size)  # (n, V) fp32, under autocast from a bf16 matmul
+            lse = torch.logsumexp(logits, dim=1)
+            total += ((lse - logits.gather(1, t[:, None]).squeeze(1)) * ok).sum()
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            grad[rows[: len(t)], t] -= 1.0
+            grad.mul_(ok[:, None])  # ignored targets contribute nothing
+            # Under autocast these matmuls run in bf16, like the plain path's backward; the weight's gradient
+            # is summed over chunks in fp32.
+            grad_hidden[start : start + chunk] = grad @ weight
+            grad_weight += grad.t() @ h
+        count = valid.sum().clamp(min=1)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.weight_dtype = weight.dtype
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_hidden * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None

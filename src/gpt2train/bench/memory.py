@@ -71,8 +71,8 @@ def top_activation_bytes(m: GPTConfig, B: int, T: int, act: int) -> int:
     BT, C = B * T, m.n_embd
     total = BT * INT64 + T * INT64  # ids kept by the two embeddings' backward
     total += B * T * C * FP32 + 2 * BT * FP32  # ln_f input (the last block's output) and its statistics
-    # ln_f output: the lm_head's input in the compute dtype, or fp32 kept by the chunked loss's checkpoints
-    total += B * T * C * (FP32 if m.loss_chunk > 0 else act)
+    # ln_f output: the lm_head's input in the compute dtype; the fused classifier (chunked loss) keeps none
+    total += 0 if m.loss_chunk > 0 else B * T * C * act
     total += BT * INT64  # targets, kept by cross-entropy
     if m.dropout > 0:
         total += B * T * C  # the embedding dropout's mask
@@ -84,18 +84,19 @@ def logits_bytes(m: GPTConfig, B: int, T: int, act: int) -> tuple[int, int]:
 
     Full loss: the (B*T, V) logits in the compute dtype (the caller holds them) and log_softmax's fp32
     output are kept; the loss's backward adds the fp32 gradients of both, 4 + 4 bytes per logit.
-    Chunked loss: nothing is kept; one chunk of rows is recomputed in backward (fp32 log_softmax output
-    and two fp32 gradients), while a chunk's weight and hidden gradients (full size) are accumulated.
+    Chunked loss (the fused classifier): the gradients of the hidden states and of the weight, fp32, are
+    made in forward and kept for backward, which scales them into new tensors (twice that at its peak).
+    In forward one chunk's fp32 logits (turned into their gradient in place), its copy in the compute
+    dtype, and one chunk's weight-gradient product exist on top.
     """
-    V = m.padded_vocab_size
+    V, C = m.padded_vocab_size, m.n_embd
     if m.loss_chunk <= 0:
         kept = B * T * V * (act + FP32)
         return kept, kept + 2 * B * T * V * FP32
     rows = min(m.loss_chunk, B * T)
-    several = rows < B * T  # from the second chunk on, the weight's gradient is already accumulating
-    # slicing's backward builds a zero (B*T, C) gradient per chunk, added into the hidden's gradient
-    peak = 3 * rows * V * FP32 + several * V * m.n_embd * FP32 + 2 * B * T * m.n_embd * FP32
-    return 0, peak
+    kept = B * T * C * FP32 + V * C * FP32
+    forward_peak = kept + rows * V * FP32 + (rows * V * act if act != FP32 else 0) + V * C * FP32
+    return kept, max(forward_peak, 2 * kept)
 
 
 # --- the estimate ------------------------------------------------------------------------------------
