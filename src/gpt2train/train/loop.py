@@ -84,8 +84,8 @@ class Trainer:
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
         self.state = RunState()
         self.guard = TrainingGuard(cfg.guard)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, self.raw_model, self.optimizer, self.scaler,
-                                         self.train_loader, self.guard, self.state,
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, runtime, self.raw_model, self.optimizer,
+                                         self.scaler, self.train_loader, self.guard, self.state,
                                          {"tokenizer": self.data_meta["tokenizer"], "params": self.raw_model.num_params()})
         if resume:
             self.checkpointer.resume(resume)
