@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import REPO, tiny_config
+from conftest import REPO, one_line, tiny_config
 from distributed_worker import worker_config
 from gpt2train import distributed as D
 from gpt2train.config import dump_toml, load_config
@@ -79,6 +79,19 @@ def test_single_process_without_torchrun(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     info = D.init_distributed("cpu")
     assert (info.rank, info.world_size, info.is_main, info.enabled) == (0, 1, True, False)
+    assert not dist.is_initialized()
+
+
+def test_more_ranks_than_gpus_is_one_line_before_any_process_group(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device on a missing GPU"))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    message = one_line(ValueError, D.init_distributed, "auto")
+    assert "LOCAL_RANK 3" in message and "2 GPU(s)" in message
+    assert "--nproc_per_node=2" in message and "train.device=cpu" in message
     assert not dist.is_initialized()
 
 
