@@ -119,6 +119,24 @@ def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_
 
 
 @pytest.mark.slow
+def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_data, tmp_path):
+    """2 ranks x B=2 x 2 micro-steps saved at step 3, resumed by one process with B=4 x 2 micro-steps: the
+    same windows per step, so steps 4..6 log the losses the 2-rank run logged."""
+    cfg = tiny_config(char_data, micro_batch=2, max_steps=6, total_batch_tokens=2 * 32 * 2 * 2)
+    cfg.eval.interval = 0
+    cfg.checkpoint.every_steps = 3
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg))
+    two = tmp_path / "two"
+    r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+    one = tmp_path / "one"
+    train(load_config(config, ["train.micro_batch=4"]), one, resume=str(two / "checkpoints" / "step_00000003"))
+    np.testing.assert_allclose(train_losses(one), train_losses(two)[3:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     """FSDP2 (fully_shard) runs on CPU with gloo in this torch: same weights as one process with 2B."""
     out = tmp_path / "fsdp.pt"
