@@ -7,6 +7,7 @@ import sys
 
 from conftest import REPO, run_cli
 from gpt2train import cli
+from gpt2train.distributed import resolve_device
 
 
 def test_prepare_train_sample_smoke(tmp_path):
@@ -30,7 +31,8 @@ def test_prepare_train_sample_smoke(tmp_path):
     r = run_cli("sample", "--ckpt", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "20", "--seed", "1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ROMEO:") and len(r.stdout) > len("ROMEO:")
-    assert "tok/s" in r.stderr and r.stderr.startswith("device: cpu")  # auto picks the CPU here, and says so
+    expected = resolve_device("auto")  # cuda on a GPU machine, else mps or cpu
+    assert "tok/s" in r.stderr and r.stderr.startswith(f"device: {expected}")  # auto picks a device, and says so
 
 
 def test_help_lists_commands():

@@ -132,6 +132,27 @@ def test_resume_mid_epoch_gives_identical_batches(data, order):
     assert all(np.array_equal(a, resumed.next_batch_numpy()) for a in expected)
 
 
+@pytest.mark.parametrize("order", ["random", "sequential"])
+def test_resume_with_another_micro_batch_or_world_size_takes_the_same_windows(data, order):
+    """Steps of 4 windows as 1 rank x 4, saved after 2 steps, resumed as 1 rank x 2 x 2 micro-batches and as
+    2 ranks x 1 x 2 micro-batches: every step takes the same 4 windows, across epoch ends too."""
+    saved = TokenLoader(data, "train", 4, T, order=order, seed=5)
+    for _ in range(2):
+        saved.next_batch_numpy()
+    state = json.loads(json.dumps(saved.state_dict()))
+    steps = [saved.next_batch_numpy() for _ in range(8)]  # 14 sequential windows: three epoch ends
+    half = TokenLoader(data, "train", 2, T, order=order)
+    half.load_state_dict(state)
+    ranks = [TokenLoader(data, "train", 1, T, order=order, rank=r, world_size=2) for r in range(2)]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    for step in steps:
+        assert np.array_equal(np.concatenate([half.next_batch_numpy() for _ in range(2)]), step)
+        passes = [[loader.next_batch_numpy() for loader in ranks] for _ in range(2)]  # each pass: rank 0's, rank 1's
+        assert np.array_equal(np.concatenate([rows for p in passes for rows in p]), step)
+    assert half.state_dict()["pending"] == [] and half.state_dict()["draw"] == 4
+
+
 def test_seed_determinism_and_reset(data):
     a = TokenLoader(data, "train", 4, T, seed=1)
     b = TokenLoader(data, "train", 4, T, seed=1)
@@ -243,7 +264,9 @@ def test_bad_data_is_one_line(tmp_path, data):
 
     loader = TokenLoader(data, "train", 2, T)
     state = loader.state_dict()
-    assert "micro_batch" in one_line(DataError, TokenLoader(data, "train", 3, T).load_state_dict, state)
+    assert "train.seq_len = 8" in one_line(DataError, TokenLoader(data, "train", 2, T + 1).load_state_dict, state)
+    assert "data.order = 'random'" in one_line(DataError, TokenLoader(data, "train", 2, T, order="sequential")
+                                               .load_state_dict, state)
     assert "one of random" in one_line(DataError, TokenLoader, data, "train", 2, T, order="shuffled")
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import REPO, tiny_config
+from conftest import REPO, one_line, tiny_config
 from distributed_worker import worker_config
 from gpt2train import distributed as D
 from gpt2train.config import dump_toml, load_config
@@ -82,6 +82,19 @@ def test_single_process_without_torchrun(monkeypatch):
     assert not dist.is_initialized()
 
 
+def test_more_ranks_than_gpus_is_one_line_before_any_process_group(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device on a missing GPU"))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    message = one_line(ValueError, D.init_distributed, "auto")
+    assert "LOCAL_RANK 3" in message and "2 GPU(s)" in message
+    assert "--nproc_per_node=2" in message and "train.device=cpu" in message
+    assert not dist.is_initialized()
+
+
 @pytest.mark.slow
 def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_data, tmp_path):
     """The documented launch, end to end: torchrun -m gpt2train train with 2 ranks x B=2, two micro-batches
@@ -103,6 +116,24 @@ def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_
 
     assert_close(latest_weights(two), latest_weights(one))
     np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=0, atol=TOL)
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_data, tmp_path):
+    """2 ranks x B=2 x 2 micro-steps saved at step 3, resumed by one process with B=4 x 2 micro-steps: the
+    same windows per step, so steps 4..6 log the losses the 2-rank run logged."""
+    cfg = tiny_config(char_data, micro_batch=2, max_steps=6, total_batch_tokens=2 * 32 * 2 * 2)
+    cfg.eval.interval = 0
+    cfg.checkpoint.every_steps = 3
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg))
+    two = tmp_path / "two"
+    r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+    one = tmp_path / "one"
+    train(load_config(config, ["train.micro_batch=4"]), one, resume=str(two / "checkpoints" / "step_00000003"))
+    np.testing.assert_allclose(train_losses(one), train_losses(two)[3:], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -59,11 +59,20 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
     if device.type == "cuda":
+        check_gpu_for_rank(local_rank, torch.cuda.device_count())
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistInfo(rank, local_rank, world_size, device)
+
+
+def check_gpu_for_rank(local_rank: int, gpus: int):
+    """One GPU per rank: a LOCAL_RANK with no GPU of its own is a launch error, said before NCCL fails obscurely."""
+    if local_rank >= gpus:
+        raise ValueError(f"torchrun started LOCAL_RANK {local_rank} but this node has {gpus} GPU(s); launch with "
+                         f"--nproc_per_node={gpus} (one process per GPU), or --set train.device=cpu to run the ranks "
+                         "on CPU with gloo")
 
 
 def shutdown_distributed(clean: bool = True):

@@ -8,7 +8,10 @@ B * world_size window ids:
   sequential: non-overlapping windows (start = k * T); each epoch is a permutation of all of them seeded
               by (seed, epoch), so every window is seen exactly once per epoch.
 Every rank draws the same ids for a step (same seed, same state) and keeps ids[rank::world_size], so
-ranks never read the same window in a step and the loader state is identical on all ranks. A batch is
+ranks never read the same window in a step and the loader state is identical on all ranks.
+The ids form one stream, drawn `draw` ids at a time (B * world_size of the run that started it). A run resumed
+with another micro-batch or world size keeps drawing in the saved unit and cuts the stream into its own
+batches, so an optimizer step of the same tokens takes the same windows as it would have (load_state_dict). A batch is
 gathered with one index per shard into a (n_starts, T + 1) strided view of the shard, so numpy copies whole
 rows with no Python loop per row. (At GPT-2 shapes a loop of B contiguous row copies is about as fast; the
 view wins for many short rows, and both far outrun a GPU's appetite: benchmarks/bench_data.py.)
@@ -102,16 +105,21 @@ class TokenLoader:
         self.rng = np.random.default_rng(self.seed)
         self.epoch, self.position = 0, 0
         self._permutation = None
+        self.draw = self.B * self.world_size  # ids taken from the stream at a time
+        self._pending = np.empty(0, dtype=np.int64)  # drawn, not yet handed out (empty at step boundaries)
 
     def state_dict(self) -> dict:
         return {"rng": self.rng.bit_generator.state, "epoch": self.epoch, "position": self.position,
                 "order": self.order, "seed": self.seed, "batch": [self.B, self.T, self.world_size],
-                "windows": int(self.cum_starts[-1])}
+                "windows": int(self.cum_starts[-1]), "draw": self.draw, "pending": self._pending.tolist()}
 
     def load_state_dict(self, state: dict):
-        if list(state["batch"]) != [self.B, self.T, self.world_size] or state["order"] != self.order:
-            raise DataError("loader state was saved with another batch shape, world size or order; "
-                            "resume with the same train.micro_batch, seq_len, world size and data.order")
+        """Continue a saved stream. Another micro-batch or world size is fine (the stream is drawn in the saved
+        unit); another seq_len or order is not: windows would mean other tokens."""
+        saved_b, saved_t, saved_ranks = state["batch"]
+        if saved_t != self.T or state["order"] != self.order:
+            raise DataError(f"loader state was saved with seq_len {saved_t} and order {state['order']}; resume "
+                            f"with train.seq_len = {saved_t} and data.order = {state['order']!r}")
         if state.get("windows", int(self.cum_starts[-1])) != int(self.cum_starts[-1]):
             raise DataError(f"loader state was saved for {state['windows']} windows but this data has "
                             f"{int(self.cum_starts[-1])}; resume with the same data.dir")
@@ -120,19 +128,30 @@ class TokenLoader:
         self.rng.bit_generator.state = state["rng"]
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._permutation = None
+        self.draw = int(state.get("draw", saved_b * saved_ranks))  # older states: the saved batch was the unit
+        self._pending = np.asarray(state.get("pending", []), dtype=np.int64)
 
     # --- batches -----------------------------------------------------------------------------------
     def _window_ids(self) -> np.ndarray:
         """Global window ids for this step, all ranks together (B * world_size of them)."""
         n = self.B * self.world_size
-        total = int(self.cum_starts[-1])
+        if n == self.draw and not len(self._pending):
+            return self._draw()  # the stream's unit is this run's batch: the usual case
+        while len(self._pending) < n:
+            self._pending = np.concatenate([self._pending, self._draw()])
+        ids, self._pending = self._pending[:n], self._pending[n:]
+        return ids
+
+    def _draw(self) -> np.ndarray:
+        """The stream's next `draw` ids."""
+        n, total = self.draw, int(self.cum_starts[-1])
         if self.order == "random":
             return self.rng.choice(total, size=n, replace=False)  # Floyd's sampling: O(n), not O(total)
         if self._permutation is None:  # each epoch a fresh permutation, derived from seed and epoch
             self._permutation = np.random.default_rng([self.seed, self.epoch]).permutation(total)
         ids = self._permutation[self.position : self.position + n]
         self.position += n
-        if self.position + n > total:  # the epoch's last partial step is dropped: a step never mixes two
+        if self.position + n > total:  # the epoch's last partial draw is dropped: a draw never mixes two
             self.epoch, self.position, self._permutation = self.epoch + 1, 0, None  # epochs, so no window twice
         return ids
 

@@ -31,8 +31,9 @@ from gpt2train.checkpoint import (
     set_aside_newer,
     set_rng_state,
 )
-from gpt2train.config import Config, to_dict
+from gpt2train.config import Config, ConfigError, to_dict
 from gpt2train.data.loader import TokenLoader
+from gpt2train.runtime import Runtime
 from gpt2train.train.guard import GuardError, TrainingGuard
 
 
@@ -52,11 +53,46 @@ class RunState:
         return self.wall_before + (time.time() - self.launch_start)
 
 
+def batch_layout(runtime: Runtime) -> dict:
+    """How a run splits its optimizer step: recorded in meta.json, compared on resume."""
+    return {"tokens_per_step": runtime.tokens_per_step, "seq_len": runtime.seq_len,
+            "micro_batch": runtime.micro_batch, "grad_accum": runtime.grad_accum, "world_size": runtime.world_size}
+
+
+def saved_layout(meta: dict) -> dict:
+    """A checkpoint's batch layout; checkpoints from before it was recorded have it in their config."""
+    if "batch" in meta:
+        return meta["batch"]
+    train, world_size = meta["config"]["train"], int(meta.get("world_size", 1))
+    per_pass = train["micro_batch"] * train["seq_len"] * world_size
+    accum = train["total_batch_tokens"] // per_pass if train["total_batch_tokens"] > 0 else 1
+    return {"tokens_per_step": per_pass * accum, "seq_len": train["seq_len"], "micro_batch": train["micro_batch"],
+            "grad_accum": accum, "world_size": world_size}
+
+
+def check_same_batch(saved: dict, now: dict) -> bool:
+    """Refuse a resume whose optimizer step holds other tokens (the LR schedule and the data position would
+    mean another run); True when only the split into micro-batches, accumulation and ranks changed."""
+    if saved["seq_len"] != now["seq_len"]:
+        raise ConfigError(f"cannot resume: train.seq_len changed ({saved['seq_len']} -> {now['seq_len']}); the data "
+                          f"position counts windows of seq_len tokens: set train.seq_len = {saved['seq_len']}")
+    if saved["tokens_per_step"] != now["tokens_per_step"]:
+        raise ConfigError(f"cannot resume: tokens per step changed ({saved['tokens_per_step']} -> "
+                          f"{now['tokens_per_step']}); set train.total_batch_tokens = {saved['tokens_per_step']} "
+                          "(accumulation makes up a smaller micro_batch or world size)")
+    return any(saved[k] != now[k] for k in ("micro_batch", "grad_accum", "world_size"))
+
+
+def describe_layout(layout: dict) -> str:
+    return (f"{layout['world_size']} rank(s) x {layout['micro_batch']} sequences x {layout['grad_accum']} "
+            f"micro-step(s)")
+
+
 class Checkpointer:
-    def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, model: torch.nn.Module,
+    def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, runtime: Runtime, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: TokenLoader,
                  guard: TrainingGuard, state: RunState, extra_meta: dict):
-        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        self.cfg, self.run_dir, self.dist, self.runtime = cfg, run_dir, dist, runtime
         self.model, self.optimizer, self.scaler, self.loader, self.guard = model, optimizer, scaler, loader, guard
         self.state = state
         self.extra_meta = extra_meta  # tokenizer, parameter count: facts of the run saved with every checkpoint
@@ -106,24 +142,35 @@ class Checkpointer:
         """Load a checkpoint into the live run. `restore_data` (resume): also every rank's RNG and loader state,
         the guard and the counters of the run; a rollback leaves those moving forward so that the bad batches
         are not replayed."""
-        check_same_shape(read_meta(ckpt)["config"]["model"], to_dict(self.cfg)["model"])
+        meta = read_meta(ckpt)
+        check_same_shape(meta["config"]["model"], to_dict(self.cfg)["model"])
+        if restore_data:  # before any tensor is loaded: a refused resume changes nothing
+            saved_batch, now_batch = saved_layout(meta), batch_layout(self.runtime)
+            if check_same_batch(saved_batch, now_batch) and self.dist.is_main:
+                print(f"note: resuming {describe_layout(saved_batch)} as {describe_layout(now_batch)}: the same "
+                      f"{now_batch['tokens_per_step']:,} tokens per step, the data continues where it stopped",
+                      file=sys.stderr)
         saved, meta = load_training_checkpoint(ckpt, self.model, self.optimizer, sharded=self.sharded)
         self.scaler.load_state_dict(saved["scaler"])
         state = self.state
         if restore_data:
-            ranks = saved["ranks"]
-            if len(ranks) == self.dist.world_size:
-                set_rng_state(ranks[self.dist.rank]["rng"])
-                self.loader.load_state_dict(ranks[self.dist.rank]["loader"])
-            elif self.dist.is_main:
-                print(f"warning: checkpoint saved with {len(ranks)} ranks, resuming with {self.dist.world_size}; "
-                      "data order and RNG restart from the seed", file=sys.stderr)
+            self._restore_ranks(saved["ranks"])
             self.guard.load_state_dict(saved.get("guard", {}))
             state.best_val = float(meta.get("best_val_loss") or math.inf)
             state.val_loss = meta.get("val_loss")
             state.wall_before = float(meta.get("train_wall_s") or 0.0)
         state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
         return meta
+
+    def _restore_ranks(self, ranks: list[dict]):
+        """This rank's RNG and loader position. Every rank's loader holds the same stream position (ranks slice
+        each draw), so under another world size any saved rank's will do, and the loader maps it onto this
+        run's micro-batch (TokenLoader.load_state_dict). The RNG of a rank the checkpoint did not have stays
+        seeded from seed + rank."""
+        mine = ranks[self.dist.rank] if self.dist.rank < len(ranks) else None
+        if mine is not None:
+            set_rng_state(mine["rng"])
+        self.loader.load_state_dict((mine or ranks[0])["loader"])
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, ring: bool = True, best: bool = False) -> Path | None:
@@ -139,7 +186,8 @@ class Checkpointer:
         meta = {"tokens": state.tokens, "val_loss": state.val_loss,
                 "best_val_loss": None if math.isinf(state.best_val) else state.best_val,
                 "train_wall_s": state.wall_seconds(), "config": to_dict(self.cfg),
-                "world_size": self.dist.world_size, "torch": torch.__version__, **self.extra_meta}
+                "world_size": self.dist.world_size, "batch": batch_layout(self.runtime), "torch": torch.__version__,
+                **self.extra_meta}
         path = save_training_checkpoint(self.run_dir, state.step, self.model, self.optimizer, saved, meta,
                                         is_main=self.dist.is_main, sharded=self.sharded,
                                         keep_last=self.cfg.checkpoint.keep_last, ring=ring, best=best)

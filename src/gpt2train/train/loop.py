@@ -23,6 +23,7 @@ from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
+from gpt2train.train import runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState
 from gpt2train.train.console import Console
 from gpt2train.train.guard import TrainingGuard
@@ -44,7 +45,15 @@ class Trainer:
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device)
         self.device, self.is_main = self.dist.device, self.dist.is_main
+        # One live run per run directory: locked before anything in it is read or written; close() unlocks.
+        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main) if self.run_dir else None
+        try:
+            self._build(cfg, resume)
+        except BaseException:
+            self.close()
+            raise
 
+    def _build(self, cfg: Config, resume: str | None):
         # Data first: the tokenizer's vocabulary sizes the model. Then what the config means on this device.
         self.data_meta = load_meta(cfg.data.dir)
         self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))
@@ -75,8 +84,8 @@ class Trainer:
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
         self.state = RunState()
         self.guard = TrainingGuard(cfg.guard)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, self.raw_model, self.optimizer, self.scaler,
-                                         self.train_loader, self.guard, self.state,
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, runtime, self.raw_model, self.optimizer,
+                                         self.scaler, self.train_loader, self.guard, self.state,
                                          {"tokenizer": self.data_meta["tokenizer"], "params": self.raw_model.num_params()})
         if resume:
             self.checkpointer.resume(resume)
@@ -167,6 +176,11 @@ class Trainer:
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
                                 self.runtime.tokens_per_step, mfu, first_compiled)
 
+    def close(self):
+        """Give the run directory back to the next run (the kernel would too, when this process ends)."""
+        runlock.release(self.lock)
+        self.lock = None
+
     def log_failure(self, error: BaseException):
         """A `run_end` record for a launch that ended in an exception (the checkpoints before it stand)."""
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -192,4 +206,6 @@ def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) ->
             trainer.log_failure(e)  # a run_end record with reason "error"
         raise
     finally:
+        if trainer is not None:
+            trainer.close()
         D.shutdown_distributed(clean)  # even after an error, so that every rank's process can exit
