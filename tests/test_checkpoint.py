@@ -208,7 +208,9 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
 
     model, _, _ = C.load_model(tmp_path / "a")  # full weights sit beside the shards, for sampling
     # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
-    single = Trainer(tiny_config(char_data, max_steps=6), tmp_path / "single", resume=str(tmp_path / "a"))
+    # The same 256 tokens per step: 2 micro-batches in one process for 1 on each of 2 ranks.
+    single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32), tmp_path / "single",
+                     resume=str(tmp_path / "a"))
     assert single.state.step == 4
     for key, value in C.model_state(single.raw_model).items():
         assert torch.equal(value, final_a[key]), key
