@@ -263,3 +263,47 @@ def test_model_state_of_a_ddp_model_has_no_module_prefix(tmp_path):
         assert list(model_state(wrapped)) == list(model_state(model))
     finally:
         dist.destroy_process_group()
+
+
+def test_fused_classifier_never_scores_padded_columns_and_scales_with_the_incoming_gradient():
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 16, requires_grad=True)
+    weight = torch.randn(64, 16, requires_grad=True)  # rows 50..63 are padding
+    targets = torch.randint(0, 50, (10,))
+    loss = chunked_cross_entropy(hidden, weight, targets, 4, vocab_size=50)
+    (3 * loss).backward()
+    assert torch.equal(weight.grad[50:], torch.zeros(14, 16))  # padded ids take no probability, get no gradient
+    plain_h, plain_w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    (3 * F.cross_entropy(plain_h @ plain_w[:50].t(), targets)).backward()
+    torch.testing.assert_close(hidden.grad, plain_h.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weight.grad[:50], plain_w.grad[:50], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_classifier_under_bf16_autocast_matches_the_plain_bf16_loss():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(96, 32), torch.randn(128, 32) * 0.1
+    targets = torch.randint(0, 100, (96,))
+    results = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                loss = chunked_cross_entropy(h, w, targets, 32, vocab_size=100)
+            else:
+                loss = F.cross_entropy((h @ w.t())[:, :100].float(), targets)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    (loss_a, gh_a, gw_a), (loss_b, gh_b, gw_b) = results
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)  # the same bf16 logits, scored in fp32
+    torch.testing.assert_close(gh_b, gh_a, atol=1e-3, rtol=2e-2)  # bf16 backward matmuls on both sides
+    torch.testing.assert_close(gw_b, gw_a, atol=1e-3, rtol=2e-2)
+
+
+def test_fused_classifier_without_gradients_is_the_same_loss():
+    torch.manual_seed(0)
+    hidden, weight, targets = torch.randn(12, 8), torch.randn(16, 8), torch.randint(0, 10, (12,))
+    targets[3] = -1
+    with torch.no_grad():
+        scored = chunked_cross_entropy(hidden, weight, targets, 5, vocab_size=10)
+    plain = F.cross_entropy(hidden @ weight[:10].t(), targets, ignore_index=-1)
+    torch.testing.assert_close(scored, plain, atol=1e-6, rtol=1e-6)

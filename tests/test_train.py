@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, tiny_config
-from gpt2train import cli
+from gpt2train import cli, runtime
 from gpt2train.config import ConfigError, TrainConfig, dump_toml, load_config
 from gpt2train.runtime import accumulation_steps
 from gpt2train.train.loop import Trainer, seed_everything, train
@@ -154,9 +154,20 @@ def test_fp16_with_grad_scaler_on_cpu(char_data):
     assert all(math.isfinite(x) for x in losses) and losses[-1] < out["loss"]
 
 
-def test_dtype_auto_is_fp32_on_cpu(char_data):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_dtype_auto_on_cpu_is_bf16_only_where_native(char_data, monkeypatch, native_bf16):
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native_bf16)
     trainer = Trainer(tiny_config(char_data, dtype="auto"), None)
-    assert trainer.runtime.dtype == torch.float32 and not trainer.scaler.is_enabled()
+    assert trainer.runtime.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert not trainer.scaler.is_enabled()  # bf16 needs no loss scaling
+
+
+@pytest.mark.parametrize("compiler", [True, False])
+def test_compile_auto_on_cpu_needs_a_compiler(monkeypatch, compiler):
+    monkeypatch.setattr(runtime, "cpu_has_compiler", lambda: compiler)
+    assert runtime.resolve_compile("auto", "cpu") is compiler
+    assert runtime.resolve_compile("auto", "cuda") and not runtime.resolve_compile("auto", "mps")
+    assert not runtime.resolve_compile(False, "cuda") and runtime.resolve_compile(True, "cpu")
 
 
 @pytest.mark.slow
@@ -245,3 +256,16 @@ def test_quickstart_config_val_loss_falls(char_data, tmp_path, one_thread):
     out = trainer.fit()
     assert start > 4.0  # about ln(66): an untrained model guesses uniformly
     assert out["val_loss"] < start - 1.2, (start, out["val_loss"])
+
+
+@pytest.mark.slow
+def test_the_default_fast_step_trains_like_a_plain_eager_fp32_step(char_data):
+    """dtype and compile "auto" (bf16 and torch.compile where this CPU has them) with the fused classifier
+    give the losses of fp32, eager, plain cross-entropy, within bf16's rounding."""
+    plain = Trainer(tiny_config(char_data, max_steps=6), None)
+    fast_cfg = tiny_config(char_data, max_steps=6, dtype="auto", compile="auto")
+    fast_cfg.model.loss_chunk = 64
+    fast = Trainer(fast_cfg, None)
+    plain_losses = [plain.train_step()["loss"] for _ in range(6)]
+    fast_losses = [fast.train_step()["loss"] for _ in range(6)]
+    np.testing.assert_allclose(fast_losses, plain_losses, rtol=0, atol=0.02)

@@ -51,8 +51,8 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
-    dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones, fp32 on CPU
-    compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
+    dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones; on a CPU bf16 where native, else fp32
+    compile: bool | str = "auto"  # true | false | "auto" (on for CUDA, and for a CPU with a C++ compiler)
     tf32: bool = True
     distributed: str = "ddp"  # ddp | fsdp (under torchrun)
 

@@ -276,40 +276,41 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     return total / (targets != -1).sum().clamp(min=1)
 
 
-def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, padded V) fp32 logits whose padded columns are -inf: masked in place, not sliced and copied."""
-    logits = (h @ weight.t()).float()
-    if logits.size(1) > vocab_size:
-        logits[:, vocab_size:] = float("-inf")
-    return logits
-
-
 class FusedClassifier(torch.autograd.Function):
-    """The classifier and its loss in one pass per chunk: logits, log-sum-exp, loss, and the gradient of the
+    """The classifier and its loss in one pass per chunk: logits, log-softmax, loss, and the gradient of the
     summed loss with respect to the logits (softmax - one-hot), turned at once into the gradients of hidden
-    and weight. Backward only scales them. Per chunk the logits are read a few times while they are still
-    in cache, instead of the several passes over (B*T, V) arrays that log_softmax and its backward make;
-    and nothing of size V is saved for backward."""
+    and weight; backward only scales them. Per chunk the logits are read a few times while they are still
+    in cache, instead of the passes over (B*T, V) arrays that cross_entropy and its backward make, and
+    nothing of size V is saved for backward.
+
+    The matmuls run in the autocast dtype (bf16 under autocast, as the plain path's would), the softmax in
+    fp32, the weight's gradient is summed in fp32.
+    Padded vocabulary columns are set to -inf in place: never scored, zero gradient.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int):
-        valid = targets != -1
-        rows = torch.arange(min(chunk, hidden.size(0)), device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        for start in range(0, hidden.size(0), chunk):
-            h, t, ok = hidden[start : start + chunk], targets[start : start + chunk].clamp(min=0), valid[start : start + chunk]
-            logits = _masked_logits(h, weight, vocab_size)  # (n, V) fp32, under autocast from a bf16 matmul
-            lse = torch.logsumexp(logits, dim=1)
-            total += ((lse - logits.gather(1, t[:, None]).squeeze(1)) * ok).sum()
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-            grad[rows[: len(t)], t] -= 1.0
-            grad.mul_(ok[:, None])  # ignored targets contribute nothing
-            # Under autocast these matmuls run in bf16, like the plain path's backward; the weight's gradient
-            # is summed over chunks in fp32.
-            grad_hidden[start : start + chunk] = grad @ weight
-            grad_weight += grad.t() @ h
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            w, hid = weight.to(dtype), hidden.to(dtype)
+            valid = targets != -1
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+            for start in range(0, hidden.size(0), chunk):
+                h, t = hid[start : start + chunk], targets[start : start + chunk].clamp(min=0)
+                ok = valid[start : start + chunk, None]  # (n, 1): rows whose target counts
+                logits = (h @ w.t()).float()  # (n, padded V); a copy then fp32 log_softmax beats its dtype=
+                if logits.size(1) > vocab_size:
+                    logits[:, vocab_size:] = float("-inf")
+                log_probs = torch.log_softmax(logits, dim=1)
+                total -= (log_probs.gather(1, t[:, None]) * ok).sum()
+                grad = log_probs.exp_()  # softmax, in place
+                grad[torch.arange(len(t), device=t.device), t] -= 1.0
+                grad = grad.to(dtype)
+                grad_hidden[start : start + chunk] = (grad @ w) * ok
+                grad_weight += grad.t() @ (h * ok)
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(grad_hidden, grad_weight, count)
         ctx.weight_dtype = weight.dtype
@@ -320,3 +321,11 @@ class FusedClassifier(torch.autograd.Function):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
         return grad_hidden * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None
+
+
+def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, padded V) fp32 logits whose padded columns are -inf: masked in place, not sliced and copied."""
+    logits = (h @ weight.t()).float()
+    if logits.size(1) > vocab_size:
+        logits[:, vocab_size:] = float("-inf")
+    return logits

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -61,11 +62,28 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     return cfg.train.total_batch_tokens // per_pass
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls in hardware on this CPU (AVX-512 BF16 or AMX). Without it autocast
+    would emulate bf16, many times slower than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return "AVX512" in torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_has_compiler() -> bool:
+    """torch.compile on a CPU writes C++ and needs a compiler to build it."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+
+
 def resolve_dtype(name: str, device_type: str, bf16_supported: bool | None = None) -> torch.dtype:
-    """auto: bf16 on GPUs that have it, fp16 (with a GradScaler) on older GPUs, fp32 elsewhere.
-    `bf16_supported` answers for a GPU that is not this machine's (a plan); None asks this machine's."""
+    """auto: bf16 on GPUs that have it, fp16 (with a GradScaler) on older GPUs; bf16 on a CPU that computes it
+    natively (measured 1.5-2x fp32's tokens/s, docs/benchmarks.md), fp32 elsewhere. `bf16_supported` answers
+    for a GPU that is not this machine's (a plan); None asks this machine's."""
     if name != "auto":
         return DTYPES[name]
+    if device_type == "cpu":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if device_type != "cuda":
         return torch.float32
     if bf16_supported is None:
@@ -79,8 +97,11 @@ def autocast_for(device_type: str, dtype: torch.dtype):
 
 
 def resolve_compile(setting: bool | str, device_type: str) -> bool:
-    """auto: compile on CUDA, where it pays; eager elsewhere."""
-    return setting is True or (setting == "auto" and device_type == "cuda")
+    """auto: compile on CUDA, and on a CPU that has a C++ compiler (it fuses the elementwise work between
+    the matmuls; measured 1.25x on the quickstart, docs/benchmarks.md); eager elsewhere (MPS)."""
+    if setting != "auto":
+        return setting is True
+    return device_type == "cuda" or (device_type == "cpu" and cpu_has_compiler())
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.model import GPT, flops_per_token, preset_config
-from gpt2train.runtime import Runtime, resolve_runtime
+from gpt2train.runtime import Runtime, cpu_has_native_bf16, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import make_optimizer
 from gpt2train.train.step import TrainStep
@@ -185,14 +185,6 @@ def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -
     return None
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls in hardware on this CPU (AVX-512 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return "AVX512" in torch.backends.cpu.get_cpu_capability()
-
-
 # --- one stage -----------------------------------------------------------------------------------------------
 def stage_runtime(setup: Setup, options: JourneyOptions, device: torch.device) -> Runtime:
     """The runtime a stage trains under: the same resolution `gpt2train train` makes from a config."""
@@ -303,8 +295,6 @@ def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Pa
     result.step_ms = statistics.median(result.step_ms_all)
     result.tokens_per_s = B * T / (result.step_ms / 1000)
     result.final_loss = float(loss)
-    peak_flops = device_peak_flops(device, runtime.dtype, setup.tf32)
-    result.mfu = result.tokens_per_s * flops_per_token(model_cfg, T) / peak_flops if peak_flops else None
     model = optimizer = train_step = batches = None  # free them before measuring the next stage
     _release(device, setup.compile)
     if device.type == "cuda":
@@ -374,6 +364,10 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     planned = [("naive", None)] + journey_stages(options)
     if options.ablate:
         planned += [("all on", "ablate")] + [(k, "ablate") for k, _ in TECHNIQUES]
+    peak, basis = mfu_basis(device)
+    # The model's FLOPs, the same for every row (vocab 50257: padding adds work, not model FLOPs).
+    model_flops = flops_per_token(preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=1),
+                                  options.seq_len)
     bar = _progress(len(planned), progress)
     with tempfile.TemporaryDirectory(prefix="gpt2train-bench-") as tmp:
         needed = 4 * options.micro_batch * (options.seq_len + 1) * (options.steps + options.warmup)
@@ -384,6 +378,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                 bar.set_description(name)
             try:
                 result = measure_stage(name, setup, options, data_dir, device, memory)
+                if peak:  # one basis for every row: the column rises as tokens/s rises
+                    result.mfu = result.tokens_per_s * model_flops / peak
             except Exception as e:  # a stage that breaks (no compiler, out of memory) is reported, not hidden
                 _release(device, setup.compile)
                 result = StageResult(name=name, setup=dataclasses.asdict(setup), status="failed",
@@ -431,7 +427,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     if bar is not None:
         bar.close()
 
-    result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory),
+    result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
                            stages=stages, ablation=ablation)
     result.markdown = to_markdown(result)
     (out / "journey.md").write_text(result.markdown)
@@ -468,12 +464,38 @@ def _ablation_ratios(rows: list[StageResult]):
             s.speedup_vs_first = s.tokens_per_s / base.tokens_per_s
 
 
-def environment(device: torch.device, memory: ProcessMemory) -> dict:
+def mfu_basis(device: torch.device) -> tuple[float | None, str]:
+    """(FLOP/s, what it is) that every row's MFU divides by: the GPU's dense bf16 peak from the device table,
+    or on a CPU the matmul ceiling measured here (its peak is on no data sheet we hold)."""
+    if device.type == "cuda":
+        peak = device_peak_flops(device, torch.bfloat16)
+        name = torch.cuda.get_device_name(device)
+        if peak is None:
+            return None, f"no bf16 peak known for {name}: MFU not computed"
+        return peak, f"the dense bf16 peak of {name}, {peak / 1e12:,.0f} TFLOP/s"
+    flops, what = cpu_matmul_ceiling()
+    return flops, f"this CPU's matmul ceiling, measured: {flops / 1e9:,.0f} GFLOP/s ({what})"
+
+
+def cpu_matmul_ceiling(n: int = 1024, repeats: int = 5) -> tuple[float, str]:
+    """The best FLOP/s of an n x n x n matmul on this CPU, in bf16 where it is native, else fp32."""
+    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best, f"{str(dtype).removeprefix('torch.')} {n}x{n}x{n}, {torch.get_num_threads()} threads"
+
+
+def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "") -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or _cpu_name())
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "device": str(device),
             "device_name": name, "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
             "timing": "CUDA events per step" if device.type == "cuda" else "time.perf_counter per step",
-            "memory": memory.method}
+            "memory": memory.method, "mfu_basis": mfu_basis}
 
 
 def _cpu_name() -> str:
@@ -513,6 +535,7 @@ def to_markdown(result: JourneyResult) -> str:
         f"- {o['warmup']} warm-up steps (compilation included; the warm-up column), then {o['steps']} timed "
         f"steps: ms/step is their median ({env['timing']})",
         f"- peak memory: {env['memory']}",
+        f"- MFU: model FLOPs (vocab 50257) x tokens/s over {env.get('mfu_basis') or 'n/a'}, the same for every row",
         "- each stage keeps everything above it; skipped and failed stages (reasons below) stay off after them",
         "",
         "| stage | ms/step | tokens/s | MFU | peak memory | vs naive | vs previous | warm-up s | loss |",

@@ -86,8 +86,9 @@ def logits_bytes(m: GPTConfig, B: int, T: int, act: int) -> tuple[int, int]:
     output are kept; the loss's backward adds the fp32 gradients of both, 4 + 4 bytes per logit.
     Chunked loss (the fused classifier): the gradients of the hidden states and of the weight, fp32, are
     made in forward and kept for backward, which scales them into new tensors (twice that at its peak).
-    In forward one chunk's fp32 logits (turned into their gradient in place), its copy in the compute
-    dtype, and one chunk's weight-gradient product exist on top.
+    In forward one chunk's fp32 log-probabilities (turned into their gradient in place) and one chunk's
+    weight-gradient product exist on top; under autocast also the chunk's logits and gradient in the
+    compute dtype, and a cast of the weight.
     """
     V, C = m.padded_vocab_size, m.n_embd
     if m.loss_chunk <= 0:
@@ -95,7 +96,8 @@ def logits_bytes(m: GPTConfig, B: int, T: int, act: int) -> tuple[int, int]:
         return kept, kept + 2 * B * T * V * FP32
     rows = min(m.loss_chunk, B * T)
     kept = B * T * C * FP32 + V * C * FP32
-    forward_peak = kept + rows * V * FP32 + (rows * V * act if act != FP32 else 0) + V * C * FP32
+    casts = 2 * rows * V * act + V * C * act if act != FP32 else 0
+    forward_peak = kept + rows * V * FP32 + casts + V * C * FP32
     return kept, max(forward_peak, 2 * kept)
 
 
