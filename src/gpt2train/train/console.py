@@ -37,7 +37,8 @@ class Console:
                                     cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg))
         self.bar = None
         self.launch_start = time.time()
-        self.first_step = 1  # of this launch: the ETA counts from here
+        self.first_step = 1  # of this launch
+        self.pace_from = None  # (step, time) the ETA counts from: after the first step, which may compile
 
     def log(self, kind: str, **fields):
         self.logger.log(kind, **fields)
@@ -61,7 +62,7 @@ class Console:
                  version=gpt2train.__version__, params=model.num_params(),
                  params_non_embedding=model.num_params(non_embedding=True), flops_per_token=trainer.flops_per_token,
                  peak_flops=trainer.peak_flops, resumed_from=trainer.state.resumed_from)
-        self.launch_start, self.first_step = time.time(), step + 1
+        self.launch_start, self.first_step, self.pace_from = time.time(), step + 1, None
         if not self.is_main:
             return
         print(f"device: {name} ({device}), world size {runtime.world_size}, dtype {str(runtime.dtype).split('.')[-1]}, "
@@ -119,7 +120,7 @@ class Console:
         mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
         line = (f"step {step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"norm {grad_norm:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {seconds * 1000:.0f} ms | "
-                f"eta {format_duration(self.eta_seconds(step))}")
+                f"eta {self.eta(step)}")
         if first_compiled:
             line += " (includes compilation)"
         if self.bar is not None:
@@ -128,7 +129,14 @@ class Console:
                 return
         self.print(line)
 
-    def eta_seconds(self, step: int) -> float:
-        """Seconds to max_steps at this launch's pace so far (evaluations and saves included)."""
-        done = step - self.first_step + 1
-        return (time.time() - self.launch_start) / max(done, 1) * (self.cfg.train.max_steps - step)
+    def eta(self, step: int) -> str:
+        """Time to max_steps at this launch's pace after its first step (evaluations and saves included);
+        "?" until there is a pace: the first step's time may be mostly compilation."""
+        now = time.time()
+        if self.pace_from is None:
+            self.pace_from = (step, now)
+            return "?"
+        done = step - self.pace_from[0]
+        if done <= 0:
+            return "?"
+        return format_duration((now - self.pace_from[1]) / done * (self.cfg.train.max_steps - step))
