@@ -1,7 +1,7 @@
 """Diagnose a run from its RUN_DIR/metrics.jsonl: each symptom found, with the steps and values that
 show it and the fix to try. A healthy run says so.
 
-The flow is read (report.load_metrics, which merges resumes) -> one small check per symptom -> print.
+The flow is read (runlog.load_metrics, which merges resumes) -> one small check per symptom -> print.
 Every check is a function of the records and the config that returns a Finding or nothing, and every
 threshold is a named constant below with the reason for its value. The rules are listed with their
 fixes in docs/plan-and-doctor.md.
@@ -91,7 +91,7 @@ class Diagnosis:
 
 def diagnose(run_dir: str | Path) -> Diagnosis:
     """Read a run directory and check it for every symptom below."""
-    records = load_metrics(run_dir)  # ReportError (one line) when missing, empty or unreadable
+    records = load_metrics(run_dir)  # RunLogError (one line) when missing, empty or unreadable
     cfg, notes = run_config(run_dir, records)
     train = _of(records, "train")
     expected = expected_mfu(Path(run_dir).parent, records)
