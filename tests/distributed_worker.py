@@ -8,8 +8,10 @@ writes the losses, the val loss and the full (gathered) weights to OUT with torc
 from __future__ import annotations
 
 import argparse
+import collections
 
 import torch
+import torch.distributed as dist
 
 from conftest import tiny_config  # this script's folder (tests/) is first on sys.path
 from gpt2train import distributed as D
@@ -24,19 +26,52 @@ def main():
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args()
     trainer = None
     try:
         cfg = worker_config(args.data_dir, args.strategy, args.micro_batch, args.accum, args.steps, world_size=2)
+        cfg.train.dtype = args.dtype
         trainer = Trainer(cfg, None)
-        losses = [float(D.all_reduce_mean(torch.tensor(trainer.train_step()["loss"]))) for _ in range(args.steps)]
+        reductions = count_gradient_reductions()
+        seen_dtypes = record_weight_dtype_in_forward(trainer.raw_model.transformer.h[0].attn.c_attn)
+        losses, per_step = [], []
+        for _ in range(args.steps):
+            reductions.clear()
+            loss = trainer.train_step()["loss"]
+            per_step.append(reductions["reduce_scatter_single"])
+            losses.append(float(D.all_reduce_mean(torch.tensor(loss))))
         val_loss = trainer.evaluate()
         weights = D.full_state_dict(trainer.model)  # a collective under FSDP: every rank calls it
         if trainer.is_main:
+            master = trainer.raw_model.transformer.h[0].attn.c_attn.weight  # the sharded master weight
             torch.save({"losses": losses, "val_loss": val_loss, "weights": weights,
-                        "model_type": type(D.unwrap(trainer.model)).__name__}, args.out)
+                        "model_type": type(D.unwrap(trainer.model)).__name__, "reduce_scatters": per_step,
+                        "forward_weight_dtypes": sorted(seen_dtypes), "master_dtype": str(master.dtype),
+                        "optimizer_dtypes": sorted({str(v.dtype) for state in trainer.optimizer.state.values()
+                                                    for v in state.values() if v.dim() > 0})}, args.out)
     finally:
         D.shutdown_distributed(clean=trainer is not None)
+
+
+def count_gradient_reductions() -> collections.Counter:
+    """Count FSDP2's reduce-scatters (its gradient reductions go through dist.reduce_scatter_single)."""
+    counts = collections.Counter()
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        counts["reduce_scatter_single"] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    return counts
+
+
+def record_weight_dtype_in_forward(linear: torch.nn.Linear) -> set:
+    """The dtypes a Linear's weight has while its forward runs (FSDP2 gathers it in param_dtype)."""
+    seen = set()
+    linear.register_forward_pre_hook(lambda module, inputs: seen.add(str(module.weight.dtype)))
+    return seen
 
 
 def worker_config(data_dir, strategy: str, micro_batch: int, accum: int, steps: int, world_size: int):

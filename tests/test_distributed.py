@@ -149,12 +149,33 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     fsdp = torch.load(out, weights_only=False)
     assert fsdp["model_type"].startswith("FSDP")  # fully_shard really wrapped the model
+    # One gradient reduction per step for each of the 3 sharded units (2 blocks + the root), not one per
+    # micro-batch: backward of the first micro-batch runs inside the no-sync window too.
+    assert fsdp["reduce_scatters"] == [3, 3, 3]
+    assert fsdp["forward_weight_dtypes"] == ["torch.float32"] and fsdp["master_dtype"] == "torch.float32"
 
     ref = Trainer(worker_config(char_data, "fsdp", micro_batch=4, accum=2, steps=3, world_size=1), None)
     losses = [ref.train_step()["loss"] for _ in range(3)]
     np.testing.assert_allclose(fsdp["losses"], losses, rtol=0, atol=TOL)
     assert abs(fsdp["val_loss"] - ref.evaluate()) <= TOL
     assert_close(fsdp["weights"], D.full_state_dict(ref.raw_model))
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_gathers_and_reduces_in_bf16_keeps_fp32_masters(char_data, tmp_path):
+    """A bf16 FSDP2 run: weights gathered in bf16 for forward, gradients reduce-scattered once per step,
+    master weights and AdamW state fp32; losses within bf16 rounding of one process in bf16 autocast."""
+    out = tmp_path / "fsdp-bf16.pt"
+    r = torchrun(str(REPO / "tests" / "distributed_worker.py"), str(char_data), str(out), "--strategy", "fsdp",
+                 "--micro-batch", "2", "--accum", "2", "--steps", "3", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    fsdp = torch.load(out, weights_only=False)
+    assert fsdp["forward_weight_dtypes"] == ["torch.bfloat16"] and fsdp["master_dtype"] == "torch.float32"
+    assert fsdp["optimizer_dtypes"] == ["torch.float32"] and fsdp["reduce_scatters"] == [3, 3, 3]
+    cfg = worker_config(char_data, "fsdp", micro_batch=4, accum=2, steps=3, world_size=1)
+    cfg.train.dtype = "bfloat16"
+    ref = Trainer(cfg, None)
+    np.testing.assert_allclose(fsdp["losses"], [ref.train_step()["loss"] for _ in range(3)], rtol=0, atol=2e-2)
 
 
 @pytest.fixture

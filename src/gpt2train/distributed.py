@@ -84,16 +84,23 @@ def shutdown_distributed(clean: bool = True):
         dist.destroy_process_group()
 
 
-def wrap_model(model: torch.nn.Module, info: DistInfo, strategy: str) -> torch.nn.Module:
-    """DDP (replicate, all-reduce grads) or FSDP2 (shard params, grads and optimizer state per block)."""
+def wrap_model(model: torch.nn.Module, info: DistInfo, strategy: str,
+               compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """DDP (replicate, all-reduce grads) or FSDP2 (shard params, grads and optimizer state per block).
+
+    Under FSDP2 a bf16/fp16 run gathers its parameters and reduce-scatters its gradients in that dtype
+    (half the bytes on the wire), while the sharded master weights and the optimizer state stay fp32."""
     if not info.enabled:
         return model
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy()  # fp32 throughout
+        if compute_dtype != torch.float32:
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
         for block in model.transformer.h:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 

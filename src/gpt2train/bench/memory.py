@@ -186,10 +186,11 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         extra = P * FP32  # DDP's gradient buckets, a second copy of the gradients
         breakdown["DDP gradient buckets"] = extra
     if fsdp:
-        # FSDP gathers the full fp32 weights of a block while it runs and prefetches the next one; the root
-        # (embeddings, final LayerNorm) stays gathered through forward and backward.
+        # FSDP gathers the full weights of a block while it runs and prefetches the next one, in the compute
+        # dtype (its MixedPrecisionPolicy: bf16 for a bf16 run); the root (embeddings, final LayerNorm)
+        # stays gathered through forward and backward.
         root = P - L * layer_parameter_count(m)
-        extra = (2 * layer_parameter_count(m) + root) * FP32
+        extra = (2 * layer_parameter_count(m) + root) * act
         breakdown["FSDP gathered weights"] = extra
     # The optimizer step: fused AdamW (CUDA) works in place; the foreach path (CPU) makes a temporary per state.
     step_temp = 0 if device_type == "cuda" else math.ceil(P * FP32 / shards)

@@ -66,7 +66,7 @@ class Trainer:
         # (sharded in place under FSDP): evaluation and sampling call it, so they never trigger a recompile.
         seed_everything(cfg.train.seed)
         self.raw_model = GPT(cfg.model).to(self.device)
-        model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed)
+        model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed, runtime.dtype)
         self.model = torch.compile(model) if runtime.compile else model
         self.optimizer = make_optimizer(self.raw_model, cfg.train, self.device.type)
         seed_everything(cfg.train.seed + self.dist.rank)  # from here on each rank draws its own numbers
