@@ -269,3 +269,34 @@ def test_the_default_fast_step_trains_like_a_plain_eager_fp32_step(char_data):
     plain_losses = [plain.train_step()["loss"] for _ in range(6)]
     fast_losses = [fast.train_step()["loss"] for _ in range(6)]
     np.testing.assert_allclose(fast_losses, plain_losses, rtol=0, atol=0.02)
+
+
+@pytest.fixture
+def keep_determinism():
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_mode_sets_its_switches_and_reruns_and_resumes_bit_for_bit(char_data, tmp_path, monkeypatch,
+                                                                                  keep_determinism):
+    from safetensors.torch import load_file
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+
+    def run(name, resume=None):
+        cfg = tiny_config(char_data, max_steps=6, deterministic=True)
+        cfg.checkpoint.every_steps = 3
+        train(cfg, tmp_path / name, resume=resume)
+        return load_file(tmp_path / name / "checkpoints" / "step_00000006" / "model.safetensors")
+
+    first = run("first")
+    assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    again = run("again")
+    resumed = run("resumed", resume=str(tmp_path / "first" / "checkpoints" / "step_00000003"))
+    for key in first:
+        assert torch.equal(first[key], again[key]) and torch.equal(first[key], resumed[key]), key
+    cfg = tiny_config(char_data, max_steps=1)
+    Trainer(cfg, None)  # a run without it switches it off again
+    assert not torch.are_deterministic_algorithms_enabled()

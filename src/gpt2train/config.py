@@ -54,6 +54,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones; on a CPU bf16 where native, else fp32
     compile: bool | str = "auto"  # true | false | "auto" (on for CUDA, and for a CPU with a C++ compiler)
     tf32: bool = True
+    deterministic: bool = False  # bitwise-repeatable runs: deterministic kernels only (docs/training.md)
     distributed: str = "ddp"  # ddp | fsdp (under torchrun)
 
 

@@ -117,6 +117,7 @@ class Runtime:
     world_size: int
     grad_accum: int  # micro-batches per optimizer step on each rank
     seed: int
+    deterministic: bool = False  # only deterministic kernels: a rerun (or a resume) repeats bit for bit
 
     @property
     def tokens_per_step(self) -> int:
@@ -132,10 +133,19 @@ class Runtime:
         return autocast_for(self.device.type, self.dtype)
 
     def apply(self):
-        """Set the process-wide switches this runtime asks for (TF32 matmuls on CUDA)."""
+        """Set the process-wide switches this runtime asks for: TF32 matmuls on CUDA, deterministic kernels."""
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
+        if self.deterministic:
+            # cuBLAS reduces in a fixed order only with a fixed workspace; read when its handle is created,
+            # which happens at the first matmul, after this.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel run to run
+            torch.backends.cudnn.deterministic = True
+        # Ops with no deterministic implementation raise instead of silently varying (e.g. CUDA index_add_
+        # in the embedding's backward is replaced by a sorted, deterministic accumulation).
+        torch.use_deterministic_algorithms(self.deterministic)
 
 
 def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1,
@@ -146,4 +156,5 @@ def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1
     return Runtime(device=device, dtype=resolve_dtype(cfg.train.dtype, device.type, bf16_supported),
                    tf32=cfg.train.tf32, compile=resolve_compile(cfg.train.compile, device.type),
                    micro_batch=cfg.train.micro_batch, seq_len=seq_len, world_size=world_size,
-                   grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed)
+                   grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed,
+                   deterministic=cfg.train.deterministic)

@@ -197,13 +197,15 @@ def stage_runtime(setup: Setup, options: JourneyOptions, device: torch.device) -
 
 @contextmanager
 def applied(runtime: Runtime):
-    """The runtime's process-wide switches (TF32) for one stage, put back afterwards."""
+    """The runtime's process-wide switches (TF32, deterministic kernels) for one stage, put back afterwards."""
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    deterministic = torch.are_deterministic_algorithms_enabled()
     runtime.apply()
     try:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        torch.use_deterministic_algorithms(deterministic)
 
 
 class ProcessMemory:
