@@ -29,8 +29,15 @@ setup-dev: setup
 
 quickstart: setup
 	$(BIN)/gpt2train prepare shakespeare --out data/shakespeare
-	$(BIN)/gpt2train train --config configs/shakespeare-cpu.toml --out $(RUN) --resume auto
+	$(BIN)/gpt2train train --config shakespeare-cpu --out $(RUN) --resume auto
 	$(BIN)/gpt2train sample --ckpt $(RUN) --prompt "ROMEO:" --max-new-tokens 120
+	@# What to try next, so the quickstart does not end at a sample with no way forward.
+	@echo ""
+	@echo "Next:"
+	@echo "  $(BIN)/gpt2train sample --ckpt $(RUN) --prompt \"JULIET:\" --num-samples 3   # more samples"
+	@echo "  $(BIN)/gpt2train report $(RUN)                                 # loss curves: $(RUN)/report/report.html"
+	@echo "  $(BIN)/gpt2train eval --ckpt $(RUN) --tasks val                # validation loss into eval.json"
+	@echo "  $(BIN)/gpt2train config list                                   # presets for --config"
 
 test: setup-dev
 	$(BIN)/python -m pytest -q

@@ -191,6 +191,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_config_show(args) -> int:
+    from gpt2train.config import dump_toml, load_config
+
+    print(dump_toml(load_config(args.config, args.set or [])), end="")
+    return 0
+
+
+def cmd_config_list(args) -> int:
+    from gpt2train.config import preset_descriptions
+
+    presets = preset_descriptions()
+    width = max(len(name) for name in presets)
+    for name, description in presets.items():
+        print(f"{name:<{width}}  {description}")
+    return 0
+
+
 def cmd_memory(args) -> int:
     from gpt2train.bench.memory import estimate_memory, find_batch_report
     from gpt2train.config import load_config
@@ -202,6 +219,9 @@ def cmd_memory(args) -> int:
     if args.find_batch:
         print(find_batch_report(cfg, args.headroom, args.world_size, args.gpu_memory_gib))
     return 0
+
+
+CONFIG_HELP = "TOML config file, or a preset name (`gpt2train config list`)"
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -250,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tokenizer_train)
 
     p = sub.add_parser("train", help="train a model from a TOML config")
-    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
                    "(default runs/<config file name>)")
@@ -297,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autocast dtype (auto: bf16/fp16 on GPUs, fp32 on CPU)")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plan", help="parameters, FLOPs, tokens, time and memory of a config before training it")
-    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: data.dir of the config)")
     p.add_argument("--device", default="auto", help="H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, CPU, "
@@ -340,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
-    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--world-size", type=int, default=1, help="ranks: FSDP divides weights, gradients, optimizer")
     p.add_argument("--find-batch", action="store_true", help="search the largest micro_batch that fits (CUDA)")
@@ -348,6 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0,
                    help="without CUDA, the GPU memory the estimate-based suggestion plans for (default 80)")
     p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("config", help="the presets, and the config a run would use")
+    conf = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    c = conf.add_parser("show", help="the resolved config as TOML: defaults <- --config <- --set")
+    c.add_argument("--config", help=CONFIG_HELP)
+    c.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    c.set_defaults(func=cmd_config_show)
+    c = conf.add_parser("list", help="the presets shipped with gpt2train, with what each is for")
+    c.set_defaults(func=cmd_config_list)
     return parser
 
 

@@ -8,6 +8,7 @@ as TOML into the run directory, which makes every run reproducible from its own 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import sys
 import types
 import typing
@@ -123,20 +124,51 @@ CHOICES: dict[str, tuple] = {
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- TOML file <- `section.key=value` overrides, each checked against its type."""
+    """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type.
+
+    `path` is a file, or the name of a preset shipped in the package (`gpt2`, `shakespeare-cpu`, ...);
+    a file that exists wins over a preset of the same name."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        name, text = read_config_text(path)
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+            raise ConfigError(f"{name}: invalid TOML: {e}") from None
     cfg = from_dict(data)
     for item in overrides:
         apply_override(cfg, item)
     return cfg
+
+
+def read_config_text(path: str | Path) -> tuple[str, str]:
+    """(a name for messages, the TOML text) of a config file, else of the preset with that name."""
+    if Path(path).is_file():
+        return str(path), Path(path).read_text()
+    presets = preset_files()
+    if str(path) in presets:
+        return f"preset {path}", presets[str(path)].read_text()
+    raise ConfigError(f"config {path} is neither a file nor a preset; presets are {', '.join(presets)} "
+                      f"(see `gpt2train config list`)")
+
+
+def preset_files() -> dict:
+    """Preset name -> its TOML inside the installed package (importlib.resources: works from a wheel too)."""
+    folder = importlib.resources.files("gpt2train") / "configs"
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name.removesuffix(".toml"))
+    return {f.name.removesuffix(".toml"): f for f in files}
+
+
+def preset_descriptions() -> dict[str, str]:
+    """Preset name -> the first comment line of its file, which says what the preset is for."""
+    return {name: _first_comment(f.read_text()) for name, f in preset_files().items()}
+
+
+def _first_comment(text: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("#"):
+            return line.lstrip("#").strip()
+    return ""
 
 
 def from_dict(data: dict) -> Config:

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE
+from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, tokenizer_from_spec
 
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # not weights: the causal mask, kept by older checkpoints
@@ -173,6 +173,33 @@ def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
     meta = {"config": to_dict(run_config), "tokens": 0, "best_val_loss": None, "tokenizer": {"kind": "gpt2"},
             "imported_from": str(hf_dir_or_name)}
     return save_checkpoint(Path(run_dir), step=0, weights=model_state(model), state={}, meta=meta)
+
+
+# ----------------------------------------------------------------------------------------- any source
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder has config.json; our run directories and checkpoints never do."""
+    return (Path(path) / "config.json").is_file()
+
+
+def load_pretrained(path: str | Path, device="cpu") -> GPT:
+    """`gpt2train.load_model`: a model (eval mode) from a run directory, a checkpoint or a HF GPT-2 folder."""
+    if is_hf_folder(path):
+        model, _ = import_hf(path)
+        return model.to(device)
+    from gpt2train.checkpoint import load_model
+
+    return load_model(path, device=device)[0]
+
+
+def load_pretrained_tokenizer(path: str | Path):
+    """`gpt2train.load_tokenizer`: the tokenizer a run directory or checkpoint records; GPT-2's for a HF folder."""
+    if is_hf_folder(path):
+        return tokenizer_from_spec({"kind": "gpt2"})
+    from gpt2train.checkpoint import read_meta, resolve_checkpoint
+
+    return tokenizer_from_spec(read_meta(resolve_checkpoint(path))["tokenizer"])
 
 
 # ----------------------------------------------------------------------------------------- export
