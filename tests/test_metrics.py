@@ -215,3 +215,50 @@ def test_a_resumed_run_continues_the_same_wandb_run(char_data, tmp_path, monkeyp
     folders = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
     named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
     assert len(folders) == 2 and all(named.fullmatch(name) for name in folders), folders
+
+
+class FakeWandbRun:
+    """What MetricsLogger uses of a wandb run, recorded: W&B's own rule (no step below the last) is the
+    logger's to respect, and this checks it without starting W&B."""
+
+    def __init__(self, **init_args):
+        self.init_args, self.step, self.logged, self.configs = init_args, 0, [], []
+        self.id = init_args["id"]
+        self.config = self  # run.config.update(...)
+
+    def update(self, config: dict, allow_val_change: bool = False):
+        self.configs.append(config)
+
+    def log(self, values: dict, step: int):
+        assert step >= self.step, f"W&B would drop step {step} after {self.step}"
+        self.step = step
+        self.logged.append((step, values))
+
+    def finish(self):
+        pass
+
+
+def test_wandb_gets_the_stored_run_id_no_lower_step_and_a_samples_table(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="log.wandb needs the wandb package")
+    runs = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: runs.append(FakeWandbRun(**kw)) or runs[-1])
+
+    logger = MetricsLogger(tmp_path, wandb=True, wandb_run_id="abc123", start_step=6, config={"train": {"lr": 1}})
+    assert runs[0].init_args["id"] == "abc123" and runs[0].init_args["resume"] == "allow"
+    assert runs[0].configs == [{"train": {"lr": 1}}]
+    logger.log("train", step=8, loss=3.0)
+    logger.redo_from(6)  # a rollback: TensorBoard is off here, and W&B is left alone
+    logger.log("train", step=6, loss=3.1)  # a re-done step below W&B's last one: not sent
+    logger.log("sample", step=8, prompt="Hi", text=" there")
+    logger.log("sample", step=10, prompt="Hi", text=" you")
+    logger.close()
+    assert [(step, sorted(values)) for step, values in runs[0].logged] == [
+        (8, ["train/loss"]), (8, ["samples"]), (10, ["samples"])]
+    table = runs[0].logged[-1][1]["samples"]
+    assert table.columns == ["step", "prompt", "text"] and table.data == [[8, "Hi", " there"], [10, "Hi", " you"]]
+    assert [r["step"] for r in load_metrics(tmp_path) if r["kind"] == "train"] == [8, 6]  # the JSONL has them all
+
+    (tmp_path / "new").mkdir()
+    fresh = MetricsLogger(tmp_path / "new", wandb=True)
+    assert fresh.wandb_run_id and runs[1].init_args["id"] == fresh.wandb_run_id  # made once, for the checkpoints
+    fresh.close()
