@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from conftest import tiny_config
+from gpt2train.checkpoint import read_meta
 from gpt2train.model import GPT, GPTConfig, flops_per_token
-from gpt2train.runlog import MetricsLogger
-from gpt2train.train.loop import Trainer
+from gpt2train.runlog import MetricsLogger, load_metrics
+from gpt2train.train.loop import Trainer, train
 
 
 def test_flops_per_token_gpt2_124m_by_hand():
@@ -109,3 +111,154 @@ def test_progress_bar_or_plain_lines(char_data, tmp_path, capsys):
     assert "step      3/3 | loss" in captured.out and "3/3 [" not in captured.err
     lines = [line for line in captured.out.splitlines() if line.startswith("step ") and " | " in line]
     assert all(" | eta " in line for line in lines) and lines[-1].endswith("| eta 0 s")  # nothing left at the end
+
+
+# --- TensorBoard and W&B across resume and rollback (docs/metrics.md) ----------------------------------------
+def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of the run's event files as TensorBoard shows it: (step, value) pairs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_each_step_once(scalars: dict[str, list[tuple[int, float]]]):
+    for tag, points in scalars.items():
+        steps = [s for s, _ in points]
+        assert steps == sorted(set(steps)), f"{tag}: steps {steps}"
+
+
+def assert_redo_values_shown(scalars: dict, run_dir):
+    """TensorBoard shows, for each step, the values metrics.jsonl's reader keeps (the redo's)."""
+    kept = {r["step"]: r["step_ms"] for r in load_metrics(run_dir) if r["kind"] == "train"}
+    shown = dict(scalars["train/step_ms"])
+    assert shown.keys() == kept.keys()
+    for step in kept:  # step_ms is a wall time: a launch's own, not the same for a redone step
+        assert shown[step] == pytest.approx(kept[step], rel=1e-6)
+
+
+def test_tensorboard_after_a_resume_holds_each_step_once(char_data, tmp_path):
+    pytest.importorskip("tensorboard", reason="log.tensorboard needs the tensorboard package")
+    cfg = tiny_config(char_data, max_steps=8)
+    cfg.log.tensorboard = True
+    cfg.checkpoint.save_final = False  # the newest checkpoint is step 5: the resume re-does 6-8
+    train(cfg, tmp_path)
+    cfg = tiny_config(char_data, max_steps=10)
+    cfg.log.tensorboard = True
+    train(cfg, tmp_path, resume="auto")
+
+    scalars = tensorboard_scalars(tmp_path)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 11))
+    assert_each_step_once(scalars)
+    assert_redo_values_shown(scalars, tmp_path)
+
+
+def test_tensorboard_after_a_rollback_holds_each_step_once(char_data, tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard", reason="log.tensorboard needs the tensorboard package")
+    from test_faults import guarded_config, inject_loss_faults  # the fault injection of the guard's tests
+
+    inject_loss_faults(monkeypatch, {8: 20.0})  # a spike at step 8: back to step 5, steps 6-8 again
+    cfg = guarded_config(char_data, spike_factor=3.0)
+    cfg.log.tensorboard = True
+    train(cfg, tmp_path)
+
+    scalars = tensorboard_scalars(tmp_path)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 13))
+    assert [s for s, _ in scalars["guard/to_step"]] == [8]  # the guard's own record stays
+    assert_each_step_once(scalars)
+    assert_redo_values_shown(scalars, tmp_path)
+
+
+def test_tensorboard_holds_the_config_and_samples_as_text(tmp_path):
+    pytest.importorskip("tensorboard", reason="log.tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, tensorboard=True, config={"train": {"lr": 1e-3}})
+    logger.log("sample", step=5, prompt="Once upon", text=" a time")
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["tensors"]) >= {"config/text_summary", "sample/Once_upon/text_summary"}
+    (sample,) = acc.Tensors("sample/Once_upon/text_summary")
+    assert sample.step == 5 and b"Once upon a time" in sample.tensor_proto.string_val[0]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_same_wandb_run(char_data, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="log.wandb needs the wandb package")
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+
+    def config(max_steps):
+        cfg = tiny_config(char_data, max_steps=max_steps)
+        cfg.log.wandb, cfg.log.wandb_mode = True, "offline"
+        cfg.eval.interval = 0
+        return cfg
+
+    train(config(5), run_dir)
+    run_id = read_meta(run_dir / "checkpoints" / "step_00000005")["wandb_run_id"]
+    assert run_id
+
+    trainer = Trainer(config(6), run_dir, resume="auto")
+    try:
+        assert trainer.console.logger.wandb.id == run_id  # wandb.init was handed the stored id
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert read_meta(run_dir / "checkpoints" / "step_00000006")["wandb_run_id"] == run_id
+    # Offline, each launch writes its own folder, named with the run id (and -1 for a second launch in the
+    # same second): `wandb sync` puts both in one run.
+    folders = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(folders) == 2 and all(named.fullmatch(name) for name in folders), folders
+
+
+class FakeWandbRun:
+    """What MetricsLogger uses of a wandb run, recorded: W&B's own rule (no step below the last) is the
+    logger's to respect, and this checks it without starting W&B."""
+
+    def __init__(self, **init_args):
+        self.init_args, self.step, self.logged, self.configs = init_args, 0, [], []
+        self.id = init_args["id"]
+        self.config = self  # run.config.update(...)
+
+    def update(self, config: dict, allow_val_change: bool = False):
+        self.configs.append(config)
+
+    def log(self, values: dict, step: int):
+        assert step >= self.step, f"W&B would drop step {step} after {self.step}"
+        self.step = step
+        self.logged.append((step, values))
+
+    def finish(self):
+        pass
+
+
+def test_wandb_gets_the_stored_run_id_no_lower_step_and_a_samples_table(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="log.wandb needs the wandb package")
+    runs = []
+    monkeypatch.setattr(wandb, "init", lambda **kw: runs.append(FakeWandbRun(**kw)) or runs[-1])
+
+    logger = MetricsLogger(tmp_path, wandb=True, wandb_run_id="abc123", start_step=6, config={"train": {"lr": 1}})
+    assert runs[0].init_args["id"] == "abc123" and runs[0].init_args["resume"] == "allow"
+    assert runs[0].configs == [{"train": {"lr": 1}}]
+    logger.log("train", step=8, loss=3.0)
+    logger.redo_from(6)  # a rollback: TensorBoard is off here, and W&B is left alone
+    logger.log("train", step=6, loss=3.1)  # a re-done step below W&B's last one: not sent
+    logger.log("sample", step=8, prompt="Hi", text=" there")
+    logger.log("sample", step=10, prompt="Hi", text=" you")
+    logger.close()
+    assert [(step, sorted(values)) for step, values in runs[0].logged] == [
+        (8, ["train/loss"]), (8, ["samples"]), (10, ["samples"])]
+    table = runs[0].logged[-1][1]["samples"]
+    assert table.columns == ["step", "prompt", "text"] and table.data == [[8, "Hi", " there"], [10, "Hi", " you"]]
+    assert [r["step"] for r in load_metrics(tmp_path) if r["kind"] == "train"] == [8, 6]  # the JSONL has them all
+
+    (tmp_path / "new").mkdir()
+    fresh = MetricsLogger(tmp_path / "new", wandb=True)
+    assert fresh.wandb_run_id and runs[1].init_args["id"] == fresh.wandb_run_id  # made once, for the checkpoints
+    fresh.close()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,29 +77,55 @@ class RunLogError(ValueError):
 
 class MetricsLogger:
     """Writes records to RUN_DIR/metrics.jsonl (one flushed line each) and mirrors scalars to TensorBoard
-    and W&B when enabled. Only rank 0 builds an active logger."""
+    and W&B when enabled. Only rank 0 builds an active logger.
+
+    A launch that resumes re-does the steps from `start_step` on, as does a rollback (redo_from). The
+    JSONL file keeps every line and its reader merges them; the mirrors are told instead: TensorBoard
+    hides its events from the re-done step on (purge_step), and W&B, whose history only moves forward,
+    is sent no step below the highest it has (docs/metrics.md, "Across resume and rollback")."""
 
     def __init__(self, run_dir: Path | None, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "gpt2train", wandb_mode: str = "offline", config: dict | None = None):
+                 wandb_project: str = "gpt2train", wandb_mode: str = "offline", config: dict | None = None,
+                 start_step: int = 1, wandb_run_id: str | None = None):
         self.active = run_dir is not None
         self.file = self.tb = self.wandb = None
+        self.wandb_run_id = wandb_run_id  # kept for the checkpoints even when W&B is off in this launch
         if not self.active:
             return
+        self.run_dir = Path(run_dir)
         # Line-buffered: each record reaches the file as it is logged, so a run in progress can be read.
-        self.file = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)
+        self.file = open(self.run_dir / METRICS_FILE, "a", buffering=1)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError("log.tensorboard = true needs TensorBoard: pip install tensorboard") from None
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._open_tensorboard(start_step)
+            if config is not None:
+                # At the launch's first step, so that a relaunch from the same step replaces it.
+                self.tb.add_text("config", _as_markdown_code(json.dumps(config, indent=2)), start_step)
         if wandb and wandb_mode != "disabled":
-            try:
-                import wandb as wandb_lib
-            except ImportError:
-                raise ImportError("log.wandb = true needs Weights & Biases: pip install wandb") from None
-            self.wandb = wandb_lib.init(project=wandb_project, mode=wandb_mode, dir=str(run_dir),
-                                        name=Path(run_dir).name, config=config)
+            self._open_wandb(wandb_project, wandb_mode, config)
+
+    def _open_tensorboard(self, purge_step: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError("log.tensorboard = true needs TensorBoard: pip install tensorboard") from None
+        # purge_step writes a restart marker: TensorBoard then hides the events of earlier writers at
+        # that step and after, so re-done steps are shown once, with the values of the redo.
+        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+
+    def _open_wandb(self, project: str, mode: str, config: dict | None):
+        try:
+            import wandb as wandb_lib
+        except ImportError:
+            raise ImportError("log.wandb = true needs Weights & Biases: pip install wandb") from None
+        # One W&B run per run directory: the id is made once, saved in every checkpoint, and a resumed
+        # launch passes it back, so W&B continues that run instead of starting another.
+        self.wandb_run_id = self.wandb_run_id or secrets.token_hex(8)
+        self.wandb = wandb_lib.init(project=project, mode=mode, dir=str(self.run_dir), name=self.run_dir.name,
+                                    id=self.wandb_run_id, resume="allow")
+        if config is not None:
+            self.wandb.config.update(config, allow_val_change=True)  # a resume may change e.g. micro_batch
+        self._wandb_step = self.wandb.step  # online, after a resume: the last step W&B already holds
+        self._wandb_samples: list[list] = []
 
     def log(self, kind: str, **fields):
         if not self.active:
@@ -105,13 +133,42 @@ class MetricsLogger:
         record = {"kind": kind, "time": time.time(), **fields}
         self.file.write(json.dumps(record) + "\n")
         step = fields.get("step")
+        if step is None:
+            return
         scalars = {f"{kind}/{k}": v for k, v in fields.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        if self.tb is not None and step is not None:
+        if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
-        if self.wandb is not None and step is not None and scalars:
+            if kind == SAMPLE:
+                self.tb.add_text(f"sample/{_tag(fields.get('prompt', ''))}",
+                                 _as_markdown_code(f"{fields.get('prompt', '')}{fields.get('text', '')}"), step)
+        if self.wandb is not None:
+            self._log_wandb(kind, step, scalars, fields)
+
+    def _log_wandb(self, kind: str, step: int, scalars: dict, fields: dict):
+        # W&B refuses a step below its last one (with a warning each time); a re-done step keeps the
+        # values W&B got first. metrics.jsonl and TensorBoard hold the redo's.
+        if step < self._wandb_step:
+            return
+        self._wandb_step = step
+        if kind == SAMPLE:
+            import wandb as wandb_lib
+
+            # A table is logged whole: each sample step logs all the samples so far.
+            self._wandb_samples.append([step, fields.get("prompt"), fields.get("text")])
+            scalars = {**scalars, "samples": wandb_lib.Table(columns=["step", "prompt", "text"],
+                                                             data=list(self._wandb_samples))}
+        if scalars:
             self.wandb.log(scalars, step=step)
+
+    def redo_from(self, step: int):
+        """Training continues at `step` again (a guard rollback): TensorBoard hides what it holds from
+        `step` on. W&B is left alone; it drops the lower steps itself (see _log_wandb)."""
+        if not self.active or self.tb is None:
+            return
+        self.tb.close()
+        self._open_tensorboard(step)
 
     def close(self):
         if self.file:
@@ -120,6 +177,16 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def _as_markdown_code(text: str) -> str:
+    """TensorBoard renders text as Markdown: indented, it shows as written (line breaks and all)."""
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _tag(text: str) -> str:
+    """A short TensorBoard tag from a sample's prompt: word characters only."""
+    return re.sub(r"\W+", "_", text).strip("_")[:40] or "empty"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class RunState:
     wall_before: float = 0.0  # training wall seconds of earlier launches
     launch_start: float = field(default_factory=time.time)
     resumed_from: str | None = None
+    wandb_run_id: str | None = None  # the run's one W&B run, which a resume continues
 
     def wall_seconds(self) -> float:
         return self.wall_before + (time.time() - self.launch_start)
@@ -159,6 +160,7 @@ class Checkpointer:
             state.best_val = float(meta.get("best_val_loss") or math.inf)
             state.val_loss = meta.get("val_loss")
             state.wall_before = float(meta.get("train_wall_s") or 0.0)
+            state.wandb_run_id = meta.get("wandb_run_id")
         state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
         return meta
 
@@ -187,7 +189,7 @@ class Checkpointer:
                 "best_val_loss": None if math.isinf(state.best_val) else state.best_val,
                 "train_wall_s": state.wall_seconds(), "config": to_dict(self.cfg),
                 "world_size": self.dist.world_size, "batch": batch_layout(self.runtime), "torch": torch.__version__,
-                **self.extra_meta}
+                "wandb_run_id": state.wandb_run_id, **self.extra_meta}
         path = save_training_checkpoint(self.run_dir, state.step, self.model, self.optimizer, saved, meta,
                                         is_main=self.dist.is_main, sharded=self.sharded,
                                         keep_last=self.cfg.checkpoint.keep_last, ring=ring, best=best)

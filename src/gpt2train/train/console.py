@@ -29,12 +29,16 @@ def git_revision() -> str | None:
 
 
 class Console:
-    def __init__(self, cfg: Config, run_dir: Path | None, is_main: bool, device: torch.device):
+    def __init__(self, cfg: Config, run_dir: Path | None, is_main: bool, device: torch.device, start_step: int = 1,
+                 wandb_run_id: str | None = None):
+        """`start_step`: the first step this launch trains (after a resume, the checkpoint's step + 1);
+        `wandb_run_id`: the W&B run a resumed launch continues (from the checkpoint's meta.json)."""
         self.cfg, self.is_main, self.device = cfg, is_main, device
         if is_main and run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
         self.logger = MetricsLogger(run_dir if is_main else None, cfg.log.tensorboard, cfg.log.wandb,
-                                    cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg))
+                                    cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg),
+                                    start_step=start_step, wandb_run_id=wandb_run_id)
         self.bar = None
         self.launch_start = time.time()
         self.first_step = 1  # of this launch
@@ -88,6 +92,10 @@ class Console:
         from tqdm import tqdm
 
         self.bar = tqdm(total=self.cfg.train.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    def redo_from(self, step: int):
+        """Training goes back to redo `step` and on (a rollback): the TensorBoard mirror hides those steps."""
+        self.logger.redo_from(step)
 
     def advance(self, step: int):
         """Move the bar to `step` (one forward after a step, back after a rollback)."""

@@ -91,7 +91,10 @@ class Trainer:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
-        self.console = Console(cfg, self.run_dir, self.is_main, self.device)
+        # After the resume: the loggers learn where this launch starts and which W&B run it continues.
+        self.console = Console(cfg, self.run_dir, self.is_main, self.device, start_step=self.state.step + 1,
+                               wandb_run_id=self.state.wandb_run_id)
+        self.state.wandb_run_id = self.console.logger.wandb_run_id  # made by the logger on a first W&B launch
         self.evals = PeriodicEvals(cfg, self.raw_model, self.val_loader, self.data_meta["tokenizer"], runtime.autocast,
                                    self.console.log, self.console.print, self.is_main)
 
@@ -164,6 +167,7 @@ class Trainer:
     def _rollback(self, reason: str, out: dict, loss: float):
         step = self.state.step
         to_step = self.checkpointer.rollback(reason)
+        self.console.redo_from(to_step + 1)  # before the guard record, so that the mirrors keep it
         self.console.log("guard", step=step, action="rollback", reason=reason, loss=_finite_or_none(loss),
                          grad_norm=_finite_or_none(out["grad_norm"]), to_step=to_step)
         self.console.print(f"guard: {reason} at step {step}; rolled back to step {to_step}")
