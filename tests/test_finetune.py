@@ -4,13 +4,17 @@ resume winning over init_from, and the one-line errors around it. Tiny random mo
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import one_line, run_cli, tiny_config
+from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.checkpoint import CheckpointError, load_model
-from gpt2train.config import ConfigError
+from gpt2train.config import ConfigError, dump_toml
 from gpt2train.hf import import_hf_to_run
 from gpt2train.train.loop import Trainer, train
 
@@ -41,6 +45,16 @@ def val_losses(run_dir):
     return [r["val_loss"] for r in records if r["kind"] == "val"]
 
 
+def assert_same_weights(source, model):
+    """Equal weights, the embedding's padded rows aside (never read; the run pads with zeros)."""
+    vocab = source.config.vocab_size
+    for (name, a), (_, b) in zip(source.state_dict().items(), model.state_dict().items()):
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            a, b = a[:vocab], b[:vocab]
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
 def test_finetune_from_hf_starts_at_the_imported_loss_and_falls(gpt2_data, hf_dir, tmp_path):
     import_hf_to_run(hf_dir, tmp_path / "imported")
     r = run_cli("eval", "--ckpt", str(tmp_path / "imported"), "--tasks", "val", "--data", str(gpt2_data),
@@ -86,17 +100,15 @@ def test_init_from_a_run_of_ours_then_resume_auto_continues_the_finetune(char_da
     trainer = Trainer(cfg, tmp_path / "ft")
     try:
         assert trainer.state.step == 0 and trainer.optimizer.state_dict()["state"] == {}
-        vocab = source.config.vocab_size
-        for (name, a), (_, b) in zip(source.state_dict().items(), trainer.raw_model.state_dict().items()):
-            if "wte" in name or "lm_head" in name:
-                a, b = a[:vocab], b[:vocab]
-            assert torch.equal(a, b), name
+        assert_same_weights(source, trainer.raw_model)
         trainer.fit()
     finally:
         trainer.close()
     finetuned, _, _ = load_model(tmp_path / "ft")
 
-    # Resume wins: the fine-tune continues from its own step 3, not from the base run's weights again.
+    # Resume wins: the fine-tune continues from its own step 3, not from the base run's weights again (the
+    # source is not even read: it is gone).
+    shutil.rmtree(tmp_path / "base")
     cfg.train.max_steps = 4
     trainer = Trainer(cfg, tmp_path / "ft", resume="auto")
     try:
@@ -117,3 +129,37 @@ def test_resume_from_an_import_hf_checkpoint_says_to_use_init_from(gpt2_data, hf
                 str(tmp_path / "imported"), "--set", f"data.dir={gpt2_data}", "--set", "train.device=cpu")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "train.init_from" in r.stderr
+
+
+def test_a_hub_name_offline_without_a_cache_is_one_line(gpt2_data, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(tiny_config(gpt2_data, max_steps=1)))
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    r = run_cli("train", "--config", str(config), "--out", str(tmp_path / "run"), "--set",
+                "train.init_from=someone/not-cached", env=offline)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: someone/not-cached is not a local folder"), r.stderr
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_start_from_the_full_source_weights(char_data, tmp_path):
+    """Under FSDP each rank holds a shard: the source must be loaded into the plain model before wrapping.
+    With lr 0 the saved (gathered) weights after one step are exactly the source's."""
+    train(tiny_config(char_data, max_steps=2), tmp_path / "base")
+    cfg = tiny_config(char_data, max_steps=1, micro_batch=2, lr=0.0, warmup_steps=0, schedule="constant")
+    cfg.train.init_from, cfg.train.distributed = str(tmp_path / "base"), "fsdp"
+    cfg.eval.interval = 0
+    config = tmp_path / "ft.toml"
+    config.write_text(dump_toml(cfg))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "gpt2train", "train", "--config", str(config), "--out", str(tmp_path / "ft")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "fully_shard" in r.stderr and "cpu" in r.stderr.lower():
+        pytest.skip("FSDP2 does not support CPU/gloo in this torch")
+    assert r.returncode == 0, r.stderr[-3000:]
+    source, _, _ = load_model(tmp_path / "base")
+    finetuned, _, meta = load_model(tmp_path / "ft")
+    assert meta["step"] == 1 and meta["sharded"]
+    assert_same_weights(source, finetuned)
