@@ -16,7 +16,7 @@ from gpt2train.generate import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer
-from gpt2train.train.loop import train
+from gpt2train.train.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip
@@ -214,3 +214,61 @@ def test_import_by_name_uses_the_hf_cache_offline_and_fails_in_one_line_without_
     missing = run_cli("import-hf", "someone/not-cached", "--out", str(tmp_path / "run2"), env=offline)
     assert missing.returncode == 2
     assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: someone/not-cached is not a local")
+
+
+# ---------------------------------------------------------------- dtypes and shards
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_export_writes_the_asked_dtype(tmp_path, dtype):
+    ours = random_gpt(vocab_size=70)
+    export_hf(ours, tmp_path, dtype=dtype)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert {str(t.dtype) for t in saved.values()} == {f"torch.{dtype}"}
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == dtype
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path, local_files_only=True, torch_dtype=torch.float32).eval()
+    if dtype == "float32":  # lossless, as before
+        assert_same_logits(ours, theirs, lengths=[1, 16])
+    else:
+        idx = torch.randint(0, 70, (2, 16))
+        with torch.no_grad():
+            torch.testing.assert_close(ours(idx), hf_logits(theirs, idx), atol=0.1, rtol=0.05)
+
+
+def test_export_hf_cli_takes_a_dtype(tmp_path):
+    random_hf_model(vocab_size=50257, n_positions=16).save_pretrained(tmp_path / "hf")
+    import_hf_to_run(tmp_path / "hf", tmp_path / "run")
+    r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors"))["transformer.wte.weight"].dtype == torch.bfloat16
+
+
+def split_into_shards(folder):
+    """model.safetensors -> two shards and model.safetensors.index.json, as save_pretrained writes big models."""
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    keys = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in halves.items():
+        save_file({k: state[k] for k in part}, str(folder / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, part in halves.items() for k in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_import_and_init_from_read_sharded_safetensors(tmp_path, gpt2_data):
+    theirs = random_hf_model(n_positions=32)
+    theirs.save_pretrained(tmp_path / "hf")
+    split_into_shards(tmp_path / "hf")
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    ours, _ = import_hf(tmp_path / "hf")
+    assert_same_logits(ours, theirs, lengths=[4, 32])
+
+    cfg = tiny_config(gpt2_data, max_steps=1)
+    cfg.train.init_from = str(tmp_path / "hf")
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        for (name, a), (_, b) in zip(ours.state_dict().items(), trainer.raw_model.state_dict().items()):
+            assert torch.equal(a, b), name
+    finally:
+        trainer.close()

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("storage", {"checkpoint", "hf"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.run", "eval.periodic"}),
     ("train", {"train", "train.optim", "train.guard", "train.step", "train.signals", "train.console",
-               "train.checkpointing", "train.runlock", "train.loop"}),
+               "train.checkpointing", "train.runlock", "train.init_from", "train.loop"}),
     ("tools", {"bench", "bench.journey", "bench.memory", "plan", "doctor", "report"}),
     ("cli", {"cli", "__main__"}),
 ]

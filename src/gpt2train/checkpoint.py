@@ -457,9 +457,16 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
         raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
     from gpt2train.distributed import unwrap
 
+    if "optimizer" not in state:
+        raise CheckpointError(weights_only_message(ckpt))
     load_model_state(unwrap(model), weights)
     optimizer.load_state_dict(state["optimizer"])
     return state, meta
+
+
+def weights_only_message(ckpt: Path) -> str:
+    return (f"{ckpt} holds weights only (an import-hf checkpoint: no optimizer state to resume); to fine-tune "
+            f"from it, start a new run with --set train.init_from={ckpt} instead of --resume")
 
 
 # --- inspection ---------------------------------------------------------------------------------------

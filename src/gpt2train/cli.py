@@ -127,7 +127,7 @@ def cmd_export_hf(args) -> int:
     from gpt2train.hf import export_hf
 
     model, _, meta = load_model(args.ckpt)
-    out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"))
+    out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
@@ -297,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 folder (transformers loads it)")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--out", required=True, help="folder for config.json, model.safetensors and tokenizer files")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved tensors (default float32: lossless)")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")

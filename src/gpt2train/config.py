@@ -37,6 +37,10 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     device: str = "auto"  # auto (cuda, then mps, then cpu), cpu, cuda, cuda:N, mps
+    # Weights to start from: "scratch"; a Hugging Face GPT-2 (gpt2 ... gpt2-xl, downloaded once, or a folder with
+    # config.json + safetensors); or a run directory / checkpoint of ours. Step 0, fresh optimizer; the model
+    # shape comes from the source. A run that resumes its own checkpoint continues from that instead.
+    init_from: str = "scratch"
     seed: int = 1337
     micro_batch: int = 8  # sequences per forward/backward on one device
     seq_len: int = 0  # 0: the model's block_size

@@ -30,6 +30,7 @@ from gpt2train.checkpoint import (
     save_training_checkpoint,
     set_aside_newer,
     set_rng_state,
+    weights_only_message,
 )
 from gpt2train.config import Config, ConfigError, to_dict
 from gpt2train.data.loader import TokenLoader
@@ -144,6 +145,8 @@ class Checkpointer:
         the guard and the counters of the run; a rollback leaves those moving forward so that the bad batches
         are not replayed."""
         meta = read_meta(ckpt)
+        if "imported_from" in meta:  # weights only: no optimizer, scaler or data position to continue from
+            raise CheckpointError(weights_only_message(ckpt))
         check_same_shape(meta["config"]["model"], to_dict(self.cfg)["model"])
         if restore_data:  # before any tensor is loaded: a refused resume changes nothing
             saved_batch, now_batch = saved_layout(meta), batch_layout(self.runtime)

@@ -7,6 +7,7 @@ the loss guard (guard.py) and the evaluations during training (eval/periodic.py)
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -23,7 +24,7 @@ from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
-from gpt2train.train import runlock
+from gpt2train.train import init_from, runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState
 from gpt2train.train.console import Console
 from gpt2train.train.guard import TrainingGuard
@@ -56,6 +57,8 @@ class Trainer:
     def _build(self, cfg: Config, resume: str | None):
         # Data first: the tokenizer's vocabulary sizes the model. Then what the config means on this device.
         self.data_meta = load_meta(cfg.data.dir)
+        cfg = copy.deepcopy(cfg)
+        init_weights = init_from.prepare(cfg, self.run_dir, resume)  # the source's shape goes into cfg.model
         self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))
         self.runtime = runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
         runtime.apply()  # TF32
@@ -66,6 +69,9 @@ class Trainer:
         # (sharded in place under FSDP): evaluation and sampling call it, so they never trigger a recompile.
         seed_everything(cfg.train.seed)
         self.raw_model = GPT(cfg.model).to(self.device)
+        if init_weights is not None:  # the full weights into the plain model, before DDP/FSDP wraps it
+            init_from.load_into(self.raw_model, init_weights, cfg.train.init_from)
+            del init_weights
         model = D.wrap_model(self.raw_model, self.dist, cfg.train.distributed, runtime.dtype)
         self.model = torch.compile(model) if runtime.compile else model
         self.optimizer = make_optimizer(self.raw_model, cfg.train, self.device.type)

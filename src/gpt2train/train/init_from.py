@@ -1,0 +1,96 @@
+"""train.init_from: start a run from existing weights (a Hugging Face GPT-2 or a checkpoint of ours).
+
+Weights only: the run still starts at step 0 with a fresh optimizer and schedule. The model's shape comes
+from the source, so an explicit conflicting [model] setting is an error; settings that do not change the
+weights (dropout, attention, grad_checkpointing, loss_chunk, pad_vocab_multiple) are the run's own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from gpt2train.checkpoint import load_checkpoint, newest_checkpoint, read_meta, resolve_checkpoint
+from gpt2train.config import Config, ConfigError, config_from_resolved
+from gpt2train.hf import gpt_config_from_hf, gpt_state_from_hf, read_hf_weights, resolve_hf_folder
+from gpt2train.model import GPTConfig
+
+SOURCE_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+
+
+def is_scratch(init_from: str) -> bool:
+    return init_from.strip() in ("", "scratch")
+
+
+def is_ours(path: Path) -> bool:
+    """A run directory, its checkpoints/ folder, or one checkpoint folder of ours (not a HF folder)."""
+    return (path / "meta.json").is_file() or (path / "checkpoints").is_dir() or path.name == "checkpoints"
+
+
+def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """The source's model shape and its weights in our layout, with the token embedding cut to vocab_size
+    rows: the source may have been padded to another multiple than this run's."""
+    path = Path(init_from)
+    if path.is_dir() and is_ours(path):
+        weights, _, meta = load_checkpoint(resolve_checkpoint(path), with_state=False)
+        shape = config_from_resolved(meta["config"]).model
+    else:  # a HF folder or a Hub name; resolve_hf_folder fails in one line offline
+        folder = resolve_hf_folder(init_from)
+        try:
+            shape = gpt_config_from_hf(json.loads((folder / "config.json").read_text()), pad_vocab_multiple=1)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"train.init_from = {init_from!r}: {folder}/config.json is missing or unreadable "
+                              f"({type(e).__name__})") from None
+        weights = gpt_state_from_hf(read_hf_weights(folder), shape)  # a multiple of 1 pads nothing
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:shape.vocab_size]
+    return shape, weights
+
+
+def adopt_shape(cfg: Config, shape: GPTConfig, source: str) -> None:
+    """Give cfg.model the source's shape. A key still at its default (or vocab_size 0, "from the data")
+    takes the source's value; any other value must equal it."""
+    default = GPTConfig()
+    for key in SOURCE_SHAPE:
+        mine, theirs = getattr(cfg.model, key), getattr(shape, key)
+        unset = mine == getattr(default, key) or (key == "vocab_size" and mine <= 0)
+        if not unset and mine != theirs:
+            raise ConfigError(f"model.{key} = {mine!r} conflicts with train.init_from = {source!r}, which has "
+                              f"{key} = {theirs!r}; remove model.{key} (the shape comes from the source)")
+        setattr(cfg.model, key, theirs)
+
+
+def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy the source's weights into the plain model, padding the embedding to this model's rows."""
+    wte = weights["transformer.wte.weight"]
+    rows = model.transformer.wte.weight.size(0)
+    weights = {**weights, "transformer.wte.weight": torch.cat([wte, wte.new_zeros(rows - wte.size(0), wte.size(1))])}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to transformer.wte.weight
+    if missing or unexpected:
+        raise ConfigError(f"train.init_from = {source!r}: weights do not match the model: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+
+
+def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> dict[str, torch.Tensor] | None:
+    """Apply train.init_from to cfg.model's shape and return the weights to load, or None. A run that resumes
+    a checkpoint continues from it, not from the source again: the shape is then the checkpoint's."""
+    source = cfg.train.init_from
+    if is_scratch(source):
+        return None
+    resumed = _checkpoint_to_resume(run_dir, resume)
+    if resumed is not None:
+        adopt_shape(cfg, config_from_resolved(read_meta(resumed)["config"]).model, str(resumed))
+        return None
+    shape, weights = load_source(source)
+    adopt_shape(cfg, shape, source)
+    return weights
+
+
+def _checkpoint_to_resume(run_dir: Path | None, resume: str | None) -> Path | None:
+    if not resume:
+        return None
+    if resume != "auto":
+        return resolve_checkpoint(resume)
+    return newest_checkpoint(run_dir, warn=False) if run_dir is not None else None
