@@ -17,7 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "shakespeare-cpu")
+PRESETS = ("finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "shakespeare-cpu")
 
 
 def test_the_presets_are_the_repository_configs():
@@ -38,7 +38,7 @@ def test_a_file_that_exists_wins_over_a_preset(tmp_path, monkeypatch):
 
 def test_an_unknown_name_is_one_line_listing_the_presets():
     message = one_line(ConfigError, load_config, "gpt3")
-    assert message.startswith("config gpt3 is neither a file nor a preset; presets are gpt2, gpt2-large")
+    assert message.startswith("config gpt3 is neither a file nor a preset; presets are finetune-shakespeare, gpt2,")
     assert all(name in message for name in PRESETS)
 
 
