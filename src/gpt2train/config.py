@@ -57,7 +57,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
     dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones; on a CPU bf16 where native, else fp32
-    compile: bool | str = "auto"  # true | false | "auto" (on for CUDA, and for a CPU with a C++ compiler)
+    compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
     tf32: bool = True
     deterministic: bool = False  # bitwise-repeatable runs: deterministic kernels only (docs/training.md)
     distributed: str = "ddp"  # ddp | fsdp (under torchrun)
