@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runtime import DTYPES
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, tokenizer_from_spec
 
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
@@ -205,16 +206,13 @@ def load_pretrained_tokenizer(path: str | Path):
 # ----------------------------------------------------------------------------------------- export
 
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None,
               dtype: str = "float32") -> Path:
     """Write config.json + model.safetensors (+ tokenizer files for the GPT-2 tokenizer) into out_dir,
     loadable with transformers' GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline. `dtype`:
     the stored tensors' (bfloat16 / float16 halve the files, as the Hub's larger checkpoints are shared)."""
-    if dtype not in EXPORT_DTYPES:
-        raise HFConversionError(f"export dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    if dtype not in DTYPES:
+        raise HFConversionError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     from gpt2train.distributed import unwrap
 
     cfg: GPTConfig = unwrap(model).config
@@ -223,7 +221,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     eot_id = _eot_id(cfg, tokenizer_spec)
-    state = {k: v.to(EXPORT_DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
+    state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")

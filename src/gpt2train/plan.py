@@ -66,7 +66,7 @@ def peak_flops_for(device: Device, cfg: Config) -> float | None:
 
 
 def _dtype(cfg: Config) -> torch.dtype:
-    return {"float32": torch.float32, "float16": torch.float16}.get(cfg.train.dtype, torch.bfloat16)
+    return runtime.DTYPES.get(cfg.train.dtype, torch.bfloat16)  # "auto": what a GPU of the table runs
 
 
 # ----------------------------------------------------------------------------------------------
