@@ -213,3 +213,18 @@ def test_ddp_all_reduces_only_on_the_last_micro_batch(char_data, gloo_group):
     trainer.step_fn.grad_accum = 4
     trainer.train_step()
     assert len(calls) == per_step  # three micro-batches under no_sync, one all-reduce round at the end
+
+
+def test_gloo_shutdown_pauses_after_the_last_collective(tmp_path, monkeypatch):
+    """Bug (CI, torch 2.13): a rank finished its run, then aborted at interpreter exit ("terminate called without
+    an active exception") because a gloo worker thread was still freeing the last collective's tensors and
+    needed the GIL. shutdown_distributed must release the GIL after the barrier and the group's destruction."""
+    events = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: events.append("barrier"))
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: (events.append("destroy"), destroy())[1])
+    monkeypatch.setattr(D.time, "sleep", lambda s: events.append(f"sleep {s}"))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    D.shutdown_distributed(clean=True)
+    assert not dist.is_initialized()
+    assert events[:2] == ["barrier", "destroy"] and events[2].startswith("sleep ") and float(events[2][6:]) >= 0.1

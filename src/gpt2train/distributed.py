@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,23 @@ def shutdown_distributed(clean: bool = True):
     """Leave the process group. After an error skip the barrier: the other ranks may never reach it,
     and destroying the group is what lets every process exit instead of hanging."""
     if dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+        if gloo:
+            let_gloo_threads_finish()
+
+
+def let_gloo_threads_finish(seconds: float = 0.2):
+    """Give gloo's worker threads the GIL for a moment before the interpreter shuts down.
+
+    A gloo worker wakes the waiting rank as soon as a collective completes, then drops its own reference
+    to the finished work, which frees tensors that Python created and so needs the GIL. If the interpreter
+    is already finalizing by then, that thread is torn down mid-destructor and the process aborts
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded. Sleeping here
+    releases the GIL, so those pending frees run while the interpreter is still alive."""
+    time.sleep(seconds)
 
 
 def wrap_model(model: torch.nn.Module, info: DistInfo, strategy: str,
