@@ -27,6 +27,17 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# Adam moves a weight by lr * g / (|g| + eps), whose slope at g = 0 is lr / eps: with the default eps 1e-8,
+# a rounding difference of 1e-12 in a near-zero gradient becomes 1e-7 in the weight after one step. The
+# attention key bias has such a gradient everywhere (softmax ignores a shift shared by all keys, so it is
+# zero in exact arithmetic and rounding noise in float32): it differed by up to 3e-7 between a 2-rank
+# launch and one process here, near-cancelling MLP elements by up to 4.8e-7 (6 seeds), and a CPU with
+# other kernels crossed 1e-6 once in about ten CI runs. Tests that compare weights across runs that sum
+# in another order train with eps 1e-6: there the same rounding moves weights by at most 1.5e-7, mostly
+# one ulp of a LayerNorm gain near 1.0.
+WELL_CONDITIONED_EPS = 1e-6
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """Tiny Shakespeare with the char tokenizer (vocab 66): small embeddings, fast steps."""
