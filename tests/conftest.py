@@ -17,6 +17,20 @@ from gpt2train.model import GPTConfig
 torch.set_num_threads(min(2, torch.get_num_threads()))
 REPO = Path(__file__).resolve().parents[1]
 
+# A test parametrized over DEVICES runs its body on the CPU in CI and on CUDA as a `gpu` test, so the logic
+# of every GPU check is exercised even where no GPU is at hand (`pytest -m gpu` runs only the CUDA cases).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip, saying why, on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="a gpu test: needs CUDA (`pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture
 def one_thread():

@@ -173,7 +173,7 @@ def test_auto_mode_follows_free_memory(data, monkeypatch):
     assert all(np.array_equal(memmapped.next_batch_numpy(), in_ram.next_batch_numpy()) for _ in range(5))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_batches_match_cpu(data):
     gpu = TokenLoader(data, "train", 4, T, seed=2, device="cuda")
     cpu = TokenLoader(data, "train", 4, T, seed=2)

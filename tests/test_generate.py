@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.generate import TextStream, filter_logits, generate, generate_batch, generate_stream
@@ -123,8 +123,10 @@ def test_long_prompt_is_cropped_with_a_warning():
     assert out == generate(model, prompt[-16:], 5, temperature=0)
 
 
-def test_batch_of_prompts_of_different_lengths():
-    model = tiny_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_of_prompts_of_different_lengths(device):
+    """Batched generation (left-padded prompts, one KV cache) gives each prompt's own greedy continuation."""
+    model = tiny_model().to(device)
     prompts = [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10]]
     assert generate_batch(model, prompts, 8, temperature=0) == [generate(model, p, 8, temperature=0) for p in prompts]
     sampled = generate_batch(model, prompts, 8, temperature=1.0, seed=11)

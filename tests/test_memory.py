@@ -212,7 +212,7 @@ def test_cli_memory_bad_world_size_is_one_line():
     assert r.returncode == 2 and r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("micro_batch", [4, 8, 16])
 def test_gpu_gpt2_peak_matches_max_memory_allocated(micro_batch):
     """GPT-2 124M, bf16 autocast, eager, fused AdamW: the estimate within 10% of max_memory_allocated."""

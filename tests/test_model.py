@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import DEVICES
 from gpt2train.checkpoint import model_state
 from gpt2train.model import (
     GPT,
@@ -199,11 +200,12 @@ def test_grad_checkpointing_changes_nothing_but_memory(dropout):
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_chunked_cross_entropy_equals_plain_in_loss_and_gradients():
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_cross_entropy_equals_plain_in_loss_and_gradients(device):
     torch.manual_seed(0)
-    hidden = torch.randn(3, 7, 16, requires_grad=True)
-    weight = torch.randn(64, 16, requires_grad=True)  # 64 padded rows, 50 real tokens
-    targets = torch.randint(0, 50, (3, 7))
+    hidden = torch.randn(3, 7, 16, device=device, requires_grad=True)
+    weight = torch.randn(64, 16, device=device, requires_grad=True)  # 64 padded rows, 50 real tokens
+    targets = torch.randint(0, 50, (3, 7), device=device)
     targets[0, 2:5] = -1
     targets[2] = -1  # a whole row ignored
 

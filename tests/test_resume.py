@@ -82,7 +82,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
     assert starts[1]["resumed_from"].endswith("step_00000006")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_bf16_resume_matches_within_bf16_noise(char_data, tmp_path):
     """On a GPU kernels may be non-deterministic, so a resumed bf16 run equals an uninterrupted one only
     within bf16 noise; compiled, as GPU runs are."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, WELL_CONDITIONED_EPS, tiny_config
+from conftest import DEVICES, REPO, WELL_CONDITIONED_EPS, tiny_config
 from gpt2train import cli, runtime
 from gpt2train.config import ConfigError, TrainConfig, dump_toml, load_config
 from gpt2train.runtime import accumulation_steps
@@ -258,11 +258,12 @@ def test_quickstart_config_val_loss_falls(char_data, tmp_path, one_thread):
 
 
 @pytest.mark.slow
-def test_the_default_fast_step_trains_like_a_plain_eager_fp32_step(char_data):
-    """dtype and compile "auto" (bf16 where this CPU has it natively, compile on CUDA) with the fused
-    classifier give the losses of fp32, eager, plain cross-entropy, within bf16's rounding."""
-    plain = Trainer(tiny_config(char_data, max_steps=6), None)
-    fast_cfg = tiny_config(char_data, max_steps=6, dtype="auto", compile="auto")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_default_fast_step_trains_like_a_plain_eager_fp32_step(char_data, device):
+    """dtype and compile "auto" (bf16 where this CPU has it natively; bf16 and torch.compile on CUDA) with the
+    fused classifier give the losses of fp32 (no TF32), eager, plain cross-entropy, within bf16's rounding."""
+    plain = Trainer(tiny_config(char_data, max_steps=6, device=device, tf32=False), None)
+    fast_cfg = tiny_config(char_data, max_steps=6, device=device, dtype="auto", compile="auto")
     fast_cfg.model.loss_chunk = 64
     fast = Trainer(fast_cfg, None)
     plain_losses = [plain.train_step()["loss"] for _ in range(6)]
@@ -277,15 +278,16 @@ def keep_determinism():
     torch.use_deterministic_algorithms(before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_deterministic_mode_sets_its_switches_and_reruns_and_resumes_bit_for_bit(char_data, tmp_path, monkeypatch,
-                                                                                  keep_determinism):
+                                                                                  keep_determinism, device):
     from safetensors.torch import load_file
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     torch.use_deterministic_algorithms(False)
 
     def run(name, resume=None):
-        cfg = tiny_config(char_data, max_steps=6, deterministic=True)
+        cfg = tiny_config(char_data, max_steps=6, deterministic=True, device=device)
         cfg.checkpoint.every_steps = 3
         train(cfg, tmp_path / name, resume=resume)
         return load_file(tmp_path / name / "checkpoints" / "step_00000006" / "model.safetensors")
