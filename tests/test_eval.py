@@ -211,6 +211,14 @@ def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
     assert out["windows"] == n_windows and out["tokens"] == n_windows * T
     assert out["loss"] == pytest.approx(expected, rel=1e-6)
     assert out["ppl"] == pytest.approx(np.exp(expected), rel=1e-6)
+    assert out["bpb"] is None and out["bytes"] is None  # no byte table given
+
+    # Bits per byte: the same summed loss in bits over the UTF-8 bytes the targets stand for.
+    token_bytes = np.arange(66) % 3 + 1  # a made-up table: 1 to 3 bytes per id
+    with_bytes = validation_loss(model, char_data, batch_size=7, seq_len=T, token_bytes=token_bytes)
+    n_bytes = int(token_bytes[windows[:, 1:].numpy()].sum())
+    assert with_bytes["bytes"] == n_bytes
+    assert with_bytes["bpb"] == pytest.approx(expected * n_windows * T / (np.log(2) * n_bytes), rel=1e-6)
 
     few = validation_loss(model, char_data, batch_size=3, seq_len=T, windows=10)
     assert few == validation_loss(model, char_data, batch_size=3, seq_len=T, windows=10)  # same windows each run
@@ -286,6 +294,7 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     val, hs = saved["tasks"]["val"], saved["tasks"]["hellaswag"]
     assert saved["step"] == 4 and val["windows"] == 8 and val["seq_len"] == 32 and hs["n"] == 8
     assert f"{val['loss']:.4f}" in r.stdout and f"{hs['acc_norm']:.4f}" in r.stdout and "acc_norm" in r.stdout
+    assert f"{val['bpb']:.4f}" in r.stdout and val["bytes"] > val["tokens"]  # GPT-2 tokens average several bytes
     model, _, _ = load_model(ckpt)  # the CLI's val number is the library's
     assert val["loss"] == pytest.approx(validation_loss(model, gpt2_data, batch_size=5, seq_len=32, windows=8)["loss"],
                                         rel=1e-6)

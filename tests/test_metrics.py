@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -64,7 +65,10 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
     assert start["hardware"] == {"device": "cpu", "device_name": "cpu", "torch": torch.__version__, "world_size": 1,
                                  "cuda": torch.version.cuda}
     assert "git" in start and start["version"]
-    assert any(r["kind"] == "val" and r["step"] == 4 for r in records)
+    val = next(r for r in records if r["kind"] == "val" and r["step"] == 4)
+    # Tiny Shakespeare in chars: one byte per character, so bits per byte is the loss in bits (the
+    # end-of-text id, 0 bytes, never appears in one play)
+    assert val["val_bpb"] == pytest.approx(val["val_loss"] / math.log(2), rel=1e-6)
 
 
 def test_tensorboard_writes_event_files(tmp_path):

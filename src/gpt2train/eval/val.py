@@ -1,4 +1,6 @@
-"""Validation loss and perplexity: the mean next-token cross-entropy over a data folder's val shards.
+"""Validation loss, perplexity and bits per byte: the mean next-token cross-entropy over a data folder's
+val shards, and the same sum in bits divided by the UTF-8 bytes of the predicted text, which compares
+models with different tokenizers (a bigger vocabulary has fewer, longer tokens and a higher loss per token).
 
 From a data folder the windows are fixed: every non-overlapping window of seq_len + 1 tokens, in file
 order, or a number of them spread evenly over the split. The same checkpoint therefore gets the same
@@ -69,16 +71,20 @@ def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autoca
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, batches: int = 0, autocast=None, *,
-                    batch_size: int = 8, seq_len: int = 0, windows: int = 0, progress: bool = False) -> dict:
+                    batch_size: int = 8, seq_len: int = 0, windows: int = 0, progress: bool = False,
+                    token_bytes: np.ndarray | None = None) -> dict:
     """Mean loss and perplexity of `model` (plain, unwrapped; put it in eval mode) on the val split.
 
     source: a data folder, whose windows are fixed (see ValWindows): `windows` of them spread evenly over
         the split, else `batches` * batch_size, else all; each rank takes every world_size-th.
         Or a TokenLoader (reset first), from which `batches` batches are drawn (0: about one pass).
-    Returns {"loss", "ppl", "tokens", "windows", "seq_len"}, summed over all ranks.
+    token_bytes: the tokenizer's bytes per id (its `token_bytes()`); with it the result has "bpb".
+    Returns {"loss", "ppl", "bpb", "tokens", "bytes", "windows", "seq_len"}, summed over all ranks.
     """
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
+    n_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    bytes_of = torch.as_tensor(token_bytes, device=device) if token_bytes is not None else None
     n_windows = 0
     if isinstance(source, TokenLoader):
         source.reset()
@@ -87,6 +93,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
         for _ in tqdm(range(n), desc="val", unit="batch", disable=not progress or rank_and_world()[0] != 0):
             x, y = source.next_batch()
             total += summed_loss(model, x, y, autocast)
+            n_bytes += bytes_of[y].sum() if bytes_of is not None else 0
             n_windows += x.size(0)
     else:
         seq_len = seq_len or model.config.block_size
@@ -99,9 +106,11 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
                 continue
             buf = torch.from_numpy(data.gather(ids[rows])).to(device)
             total += summed_loss(model, buf[:, :-1], buf[:, 1:], autocast)
+            n_bytes += bytes_of[buf[:, 1:]].sum() if bytes_of is not None else 0
             n_windows += len(rows)
-    loss_sum, n_windows = sum_across_ranks([float(total), n_windows], device)
+    loss_sum, n_windows, n_bytes = sum_across_ranks([float(total), n_windows, int(n_bytes)], device)
     tokens = int(n_windows) * seq_len
     loss = loss_sum / tokens
-    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "tokens": tokens,
-            "windows": int(n_windows), "seq_len": seq_len}
+    bpb = loss_sum / (math.log(2) * n_bytes) if n_bytes > 0 else None
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "bpb": bpb, "tokens": tokens,
+            "bytes": int(n_bytes) if bytes_of is not None else None, "windows": int(n_windows), "seq_len": seq_len}

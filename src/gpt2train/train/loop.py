@@ -113,7 +113,7 @@ class Trainer:
                 "skipped": result.skipped, "seconds": result.seconds}
 
     def evaluate(self) -> float:
-        return self.evals.validate()
+        return self.evals.validate()[0]
 
     def fit(self) -> dict:
         cfg, state, console = self.cfg, self.state, self.console
