@@ -1,13 +1,16 @@
 """Distributed training on CPU (gloo): two torchrun processes with B sequences each must train exactly like
 one process with 2B, under DDP and FSDP2; ranks read disjoint slices of one common draw; DDP all-reduces
-only on the last micro-batch of a step."""
+only on the last micro-batch of a step; a rank that dies or hangs stops the other in one line."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ from safetensors.torch import load_file
 from conftest import REPO, WELL_CONDITIONED_EPS, one_line, tiny_config
 from distributed_worker import worker_config
 from gpt2train import distributed as D
+from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.train.loop import Trainer, train
@@ -95,9 +99,36 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_group(monkeypatch):
     assert not dist.is_initialized()
 
 
-def two_rank_config(char_data, tmp_path, max_steps: int, every_steps: int):
+def test_the_collective_timeout_reaches_the_process_group_and_must_be_positive(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    D.init_distributed("cpu", timeout_s=7.5)
+    assert seen == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7.5)}
+    for bad in (0, -1, float("nan")):
+        assert "train.collective_timeout_s" in one_line(ValueError, D.init_distributed, "cpu", bad)
+
+
+def test_a_collective_that_lost_its_peer_is_told_apart_from_other_errors(monkeypatch):
+    """gloo raises plain RuntimeErrors: the two it raises when a peer is gone become a few words each."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    closed = RuntimeError("[/x/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:18824. "
+                          "This is typically caused by a remote worker crashing.")
+    assert D.peer_gone(closed) == "Connection closed by peer [127.0.0.1]:18824"
+    timed_out = RuntimeError("[/x/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete")
+    assert D.peer_gone(timed_out) == "Timed out waiting 5000ms for recv operation to complete"
+    assert D.peer_gone(dist.DistBackendError("NCCL error")) == "NCCL error"
+    assert D.peer_gone(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert D.peer_gone(ValueError("timed out")) is None
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert D.peer_gone(closed) is None
+
+
+def two_rank_config(char_data, tmp_path, max_steps: int, every_steps: int, **train):
     """A tiny config of B=2 per rank and 2 micro-steps: 2 ranks make 256 tokens per step."""
-    cfg = tiny_config(char_data, micro_batch=2, max_steps=max_steps, total_batch_tokens=2 * 32 * 2 * 2)
+    cfg = tiny_config(char_data, micro_batch=2, max_steps=max_steps, total_batch_tokens=2 * 32 * 2 * 2, **train)
     cfg.train.eps = WELL_CONDITIONED_EPS  # weights are compared (conftest says why)
     cfg.eval.interval = 0
     cfg.checkpoint.every_steps = every_steps
@@ -137,6 +168,37 @@ def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_d
     one = tmp_path / "one"
     train(load_config(config, ["train.micro_batch=4"]), one, resume=str(two / "checkpoints" / "step_00000003"))
     np.testing.assert_allclose(train_losses(one), train_losses(two)[3:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["hang", "kill"])
+def test_a_rank_that_hangs_or_dies_stops_the_other_in_one_line_and_the_checkpoint_stands(char_data, tmp_path, fault):
+    """Rank 1 hangs (sleeps) or SIGKILLs itself as it starts step 5 of 8, checkpoints every 2 steps. Rank 0,
+    waiting for it in a collective, fails within train.collective_timeout_s (hang) or at once (kill), prints one
+    line naming itself and its last step, and exits 1; step 4's checkpoint loads. The hang is the case torchrun
+    cannot see: only our timeout ends it."""
+    config = two_rank_config(char_data, tmp_path, max_steps=8, every_steps=2, collective_timeout_s=5.0)
+    run = tmp_path / "run"
+    start = time.monotonic()
+    r = torchrun("--tee", "3", str(REPO / "tests" / "rank_fault_worker.py"), fault, "5",
+                 "--config", str(config), "--out", str(run), timeout=60)
+    seconds = time.monotonic() - start
+    assert seconds < 60
+    rank0 = [line.removeprefix("[default0]:") for line in r.stderr.splitlines() if line.startswith("[default0]:")]
+    errors = [line for line in rank0 if line.startswith("error:")]
+    saved = run / "checkpoints" / "step_00000004"
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: rank 0: lost contact with another rank after step 4 (")
+    assert errors[0].endswith(f"; the last checkpoint ({saved}) is intact; resume with --resume auto")
+    if fault == "hang":
+        assert "(Timed out waiting 5000ms" in errors[0]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: 1 ", r.stderr), r.stderr[-3000:]  # not a signal
+    assert not any(line.startswith("Traceback") for line in rank0)
+    assert "gpt2train" not in "".join(line for line in r.stderr.splitlines() if line.strip().startswith("File "))
+
+    assert newest_checkpoint(run) == saved
+    weights, _, meta = load_checkpoint(run)
+    assert meta["step"] == 4 and weights
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The `gpt2train` command: parses arguments, then calls the library. Every command is a few lines.
 
-Bad input (a ValueError or OSError from the library) prints one line, `error: ...`, and exits 2.
+Bad input (a ValueError or OSError from the library) prints one line, `error: ...`, and exits 2; a training
+that lost another rank (a PeerLost) prints one line too and exits 1.
 Set GPT2TRAIN_DEBUG=1 to see the traceback instead.
 """
 
@@ -65,11 +66,18 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
+    from gpt2train.distributed import PeerLost
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
     run_dir = args.out or default_run_dir(args.config)
-    out = train(cfg, run_dir, resume=args.resume)
+    try:
+        out = train(cfg, run_dir, resume=args.resume)
+    except PeerLost as e:  # another rank died or hung: not bad input, so exit status 1
+        if os.environ.get("GPT2TRAIN_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
         return 0
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "

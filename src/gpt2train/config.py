@@ -61,6 +61,9 @@ class TrainConfig:
     tf32: bool = True
     deterministic: bool = False  # bitwise-repeatable runs: deterministic kernels only (docs/training.md)
     distributed: str = "ddp"  # ddp | fsdp (under torchrun)
+    # Seconds a rank waits in a collective for the others before it gives up (a peer died or hung). Longer
+    # than the slowest checkpoint save, during which rank 0 writes and the others wait.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass

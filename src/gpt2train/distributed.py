@@ -6,6 +6,7 @@ The model never imports anything from here: parallelism is applied from the outs
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -49,11 +50,16 @@ def launched_by_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def init_distributed(device_name: str = "auto") -> DistInfo:
+def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the process group when launched by torchrun (RANK/WORLD_SIZE set), else run single-process.
 
-    NCCL between GPUs, gloo on CPU. Each rank takes the GPU of its LOCAL_RANK on its node.
+    NCCL between GPUs, gloo on CPU. Each rank takes the GPU of its LOCAL_RANK on its node. A collective that
+    waits longer than `timeout_s` for another rank fails (gloo: a RuntimeError, see PeerLost; NCCL: its
+    watchdog ends the process) instead of blocking forever.
     """
+    if not timeout_s > 0:  # NaN too
+        raise ValueError(f"train.collective_timeout_s = {timeout_s} must be > 0 (seconds a rank waits for the others "
+                         "in a collective)")
     device = resolve_device(device_name)
     if not launched_by_torchrun():
         return DistInfo(device=device)
@@ -63,9 +69,39 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
         check_gpu_for_rank(local_rank, torch.cuda.device_count())
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        # NCCL enforces the timeout from a watchdog thread only with async error handling on; torchrun turns
+        # it on, another launcher may not, and then a dead peer would leave this rank blocked for good.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, local_rank, world_size, device)
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank died, hung past train.collective_timeout_s, or closed its
+    connection: this rank cannot go on alone. The message is one line for the user."""
+
+
+# How gloo words a collective whose other side is gone (a closed or reset connection) or silent (a timeout).
+_PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def peer_gone(error: BaseException) -> str | None:
+    """If `error` is a collective failing for want of another rank, its reason in a few words; else None.
+
+    gloo raises a plain RuntimeError ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:18824. This is
+    typically caused by ...", "[.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv ..."), so the
+    message decides; torch's own DistError types always mean it."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1 and isinstance(error, RuntimeError)):
+        return None
+    text = str(error).strip()
+    if not (isinstance(error, dist.DistError) or any(s in text.lower() for s in _PEER_GONE)):
+        return None
+    first = text.splitlines()[0] if text else type(error).__name__
+    if first.startswith("[") and "] " in first:  # gloo's source location
+        first = first.split("] ", 1)[1]
+    return first.split(". ")[0]
 
 
 def check_gpu_for_rank(local_rank: int, gpus: int):

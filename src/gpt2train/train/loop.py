@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from gpt2train import distributed as D
+from gpt2train.checkpoint import newest_checkpoint
 from gpt2train.config import Config, save_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
@@ -44,7 +45,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
         self.run_dir = Path(run_dir) if run_dir else None
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
-        self.dist = D.init_distributed(cfg.train.device)
+        self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # One live run per run directory: locked before anything in it is read or written; close() unlocks.
         self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main) if self.run_dir else None
@@ -191,6 +192,16 @@ class Trainer:
         runlock.release(self.lock)
         self.lock = None
 
+    def peer_lost(self, error: BaseException) -> D.PeerLost | None:
+        """What this rank says when a collective failed because another rank died or hung (None for any other
+        error): the last step it finished, and the checkpoint that a resume starts from."""
+        reason = D.peer_gone(error)
+        if reason is None:
+            return None
+        ckpt = newest_checkpoint(self.run_dir, warn=False) if self.run_dir is not None else None
+        return D.PeerLost(f"rank {self.dist.rank}: lost contact with another rank after step {self.state.step} "
+                          f"({reason}); the last checkpoint ({ckpt or 'none'}) is intact; resume with --resume auto")
+
     def log_failure(self, error: BaseException):
         """A `run_end` record for a launch that ended in an exception (the checkpoints before it stand)."""
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -205,17 +216,22 @@ def _finite_or_none(x: float):
 def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
-    clean, trainer = False, None
+    trainer = None
     try:
         trainer = Trainer(cfg, run_dir, resume)
         out = trainer.fit()
-        clean = True
-        return out
     except BaseException as e:
-        if trainer is not None:
-            trainer.log_failure(e)  # a run_end record with reason "error"
+        # Leave with a first SIGTERM held off: torchrun sends one to every rank as soon as any rank has failed,
+        # and a rank that lost its peer must still get its one line out.
+        with StopSignal():
+            lost = trainer.peer_lost(e) if trainer is not None else None
+            if trainer is not None:
+                trainer.log_failure(lost or e)  # a run_end record with reason "error"
+                trainer.close()
+            D.shutdown_distributed(clean=False)  # no barrier: the other ranks may never reach it
+        if lost is not None:
+            raise lost from e  # one line instead of gloo's traceback; the CLI exits 1
         raise
-    finally:
-        if trainer is not None:
-            trainer.close()
-        D.shutdown_distributed(clean)  # even after an error, so that every rank's process can exit
+    trainer.close()
+    D.shutdown_distributed(clean=True)
+    return out
