@@ -304,6 +304,12 @@ def test_ids_not_recorded_are_checked_on_every_batch(tmp_path):
     assert "100 ids" in one_line(ShardError, ValWindows(folder, T, vocab_size=100).gather, np.arange(2))
     ok = TokenLoader(folder, "train", 4, T, vocab_size=1000)
     ok.next_batch()
+    # recorded ids are checked on open, and a shard changed since prepare is still caught on the batch
+    recorded = with_recorded_ids(folder)
+    body = np.fromfile(folder / "train_000000.bin", dtype="<u2")
+    body[512:] = 999  # after the 1024-byte header: same count, ids above the recorded largest (199)
+    body.tofile(folder / "train_000000.bin")
+    assert "token id 999" in one_line(ShardError, TokenLoader(recorded, "train", 4, T, vocab_size=300).next_batch)
 
 
 def test_negative_ids_in_an_npy_shard_are_one_line(tmp_path):

@@ -457,3 +457,14 @@ def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
     r = run_cli("prepare", "files", str(tmp_path / "nothing"), "--out", str(tmp_path / "e"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+
+
+def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
+    """Found by tests/test_properties_files.py: the bar was left open, so `error:` followed it on its line and
+    the bar was redrawn after it."""
+    from gpt2train.cli import main
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("\r") and "\nerror: " in err and err.endswith("fix or remove that line\n"), err

@@ -55,7 +55,7 @@ class TokenLoader:
                  world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu",
                  vocab_size: int | None = None):
         """vocab_size: the model's; every token id must be below it (checked on open where prepare recorded the
-        largest id, else on every batch). None skips the check."""
+        largest ids, and in every batch: a max over B x (T + 1) ids, microseconds). None skips the check."""
         if order not in ("random", "sequential"):
             raise DataError(f"data.order {order!r} is not one of random, sequential")
         if mode not in ("auto", "ram", "memmap"):
@@ -69,8 +69,8 @@ class TokenLoader:
             hint = "prepare with --val-fraction > 0 or --val-tokens > 0" if split == "val" else "prepare more data"
             raise DataError(f"{data_dir}: no {split} shards in meta.json; {hint}")
         self.mode = choose_mode(self.paths, world_size) if mode == "auto" else mode
-        self.shards, ids_checked = open_split(self.paths, meta, split, vocab_size, in_memory=(self.mode == "ram"))
-        self.vocab_to_check = None if ids_checked else vocab_size  # check each batch instead
+        self.shards = open_split(self.paths, meta, split, vocab_size, in_memory=(self.mode == "ram"))
+        self.vocab_size = vocab_size
         self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.order, self.seed = order, seed
@@ -167,8 +167,8 @@ class TokenLoader:
         for s in np.unique(shard_of):
             rows = np.nonzero(shard_of == s)[0]
             out[rows] = self.windows[s][start[rows]]  # one gather of whole rows for all rows of a shard
-            if self.vocab_to_check is not None:
-                check_ids_below(out[rows], self.vocab_to_check, self.paths[s])
+            if self.vocab_size is not None:  # shards of other tools, or a file changed since prepare
+                check_ids_below(out[rows], self.vocab_size, self.paths[s])
         return out
 
     def next_batch_numpy(self) -> np.ndarray:

@@ -432,27 +432,27 @@ def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, 
 
     n_docs = n_val = 0
     t0, total_tokens = time.perf_counter(), 0
-    bar = tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing")
-    for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
-        first = starts.popleft()
-        is_val = rule.assign(first, lengths)
-        n_docs, n_val = first + lengths.size, n_val + int(is_val.sum())
-        total_tokens += tokens.size
-        written_before = sum(len(w.shards) for w in writers.values())
-        doc_index = np.arange(first, first + lengths.size, dtype=np.int64)
-        for split, writer in writers.items():
-            mine = is_val if split == "val" else ~is_val
-            add_documents(writer, tokens, lengths, doc_index, mine)
-        if rule.val_docs is not None and not writers["val"].closed:
-            writers["val"].finish()  # val-tokens mode: val is complete, write its last shard now
-        written = sum(len(w.shards) for w in writers.values())
-        if written != written_before:
-            save_state(state_path, writers, n_docs, rule)
-            if stop_after_shards is not None and written >= stop_after_shards:
-                raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
-        bar.update(lengths.size)
-        bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
-    bar.close()
+    # closed on any exit: an error line must start a line of its own, not follow the bar
+    with tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing") as bar:
+        for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
+            first = starts.popleft()
+            is_val = rule.assign(first, lengths)
+            n_docs, n_val = first + lengths.size, n_val + int(is_val.sum())
+            total_tokens += tokens.size
+            written_before = sum(len(w.shards) for w in writers.values())
+            doc_index = np.arange(first, first + lengths.size, dtype=np.int64)
+            for split, writer in writers.items():
+                mine = is_val if split == "val" else ~is_val
+                add_documents(writer, tokens, lengths, doc_index, mine)
+            if rule.val_docs is not None and not writers["val"].closed:
+                writers["val"].finish()  # val-tokens mode: val is complete, write its last shard now
+            written = sum(len(w.shards) for w in writers.values())
+            if written != written_before:
+                save_state(state_path, writers, n_docs, rule)
+                if stop_after_shards is not None and written >= stop_after_shards:
+                    raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
+            bar.update(lengths.size)
+            bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
     if resume_from:  # documents skipped on resume still count; none of them had to be re-tokenized
         n_docs = max(n_docs, resume_from)
         n_val += rule.count_val(resume_from)
@@ -580,11 +580,11 @@ def split_paths(data_dir: str | Path, meta: dict, split: str) -> list[Path]:
 
 
 def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None = None,
-               in_memory: bool = False) -> tuple[list[np.ndarray], bool]:
-    """(tokens of each shard, ids_checked). Each header is checked (magic, version, size); its token count must
-    equal the count meta.json recorded, and the largest id recorded at prepare time must be below vocab_size.
-    ids_checked is False when no largest id was recorded (shards of other tools, older prepares): the reader
-    then checks each batch as it reads it (check_ids_below) rather than scanning gigabytes up front."""
+               in_memory: bool = False) -> list[np.ndarray]:
+    """The tokens of each shard. Each header is checked (magic, version, size); its token count must equal the
+    count meta.json recorded, and the largest id recorded at prepare time must be below vocab_size, so that a
+    model too small for the data fails before training starts. Shards without recorded ids (other tools, older
+    prepares) are not scanned (gigabytes); readers check every batch as they read it (check_ids_below)."""
     fmt = meta.get("format", "llmc")
     shards = [open_tokens(p, fmt, in_memory=in_memory) for p in paths]
     counts = (meta.get("shard_tokens") or {}).get(split)
@@ -594,12 +594,11 @@ def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None
                 raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
                                  f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
     max_ids = (meta.get("max_token_id") or {}).get(split)
-    ids_checked = isinstance(max_ids, list) and len(max_ids) == len(shards)
-    if vocab_size is not None and ids_checked:
+    if vocab_size is not None and isinstance(max_ids, list) and len(max_ids) == len(shards):
         for path, highest in zip(paths, max_ids):
             if highest >= vocab_size:
                 raise out_of_vocab(path, highest, vocab_size)
-    return shards, ids_checked
+    return shards
 
 
 def detect_layout(folder: Path) -> dict | None:

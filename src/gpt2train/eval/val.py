@@ -34,8 +34,8 @@ class ValWindows:
         if not self.paths:
             raise DataError(f"{data_dir}: no {split} shards in meta.json")
         self.seq_len = seq_len
-        self.shards, ids_checked = open_split(self.paths, meta, split, vocab_size)
-        self.vocab_to_check = None if ids_checked else vocab_size  # check each window as it is read
+        self.shards = open_split(self.paths, meta, split, vocab_size)
+        self.vocab_size = vocab_size  # and each window as it is read: shards of other tools are not scanned
         # A window starting at k * seq_len needs seq_len + 1 tokens: (len - 1) // seq_len of them fit.
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.shard_of = np.repeat(np.arange(len(counts)), counts)
@@ -58,9 +58,9 @@ class ValWindows:
         """(len(ids), seq_len + 1) int64 tokens."""
         span = np.arange(self.seq_len + 1)
         windows = [self.shards[self.shard_of[i]][self.start[i] + span].astype(np.int64) for i in ids]
-        if self.vocab_to_check is not None:
+        if self.vocab_size is not None:
             for i, window in zip(ids, windows):
-                check_ids_below(window, self.vocab_to_check, self.paths[self.shard_of[i]])
+                check_ids_below(window, self.vocab_size, self.paths[self.shard_of[i]])
         return np.stack(windows)
 
 
