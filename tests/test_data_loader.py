@@ -351,3 +351,14 @@ def test_training_on_shards_of_a_larger_vocabulary_is_one_line_not_an_index_erro
     cfg = tiny_config(tmp_path, max_steps=1)
     msg = one_line(ShardError, train, cfg, None)
     assert "token id 60000" in msg and "vocabulary has 50257 ids" in msg and "at least 60001" in msg
+
+
+def test_a_model_vocabulary_smaller_than_the_datas_is_one_line(char_data):
+    from conftest import tiny_config
+    from gpt2train.config import ConfigError
+    from gpt2train.train.loop import train
+
+    cfg = tiny_config(char_data, max_steps=1)
+    cfg.model.vocab_size = 10
+    msg = one_line(ConfigError, train, cfg, None)
+    assert "model.vocab_size = 10" in msg and "(66)" in msg and "set it to 66 or 0" in msg

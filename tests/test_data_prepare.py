@@ -468,3 +468,12 @@ def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_pat
     assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("\r") and "\nerror: " in err and err.endswith("fix or remove that line\n"), err
+
+
+@pytest.mark.parametrize("damaged", ["[]", '{"shards": [1, 2]}', '{"shards": {"train": [7, null]}}'])
+def test_a_damaged_meta_json_in_the_output_folder_is_replaced(txt_folder, tmp_path, damaged):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "meta.json").write_text(damaged)
+    meta = prepare_files([txt_folder], out, workers=1, progress=False)  # was an AttributeError / TypeError
+    assert json.loads((out / "meta.json").read_text()) == meta
