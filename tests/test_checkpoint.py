@@ -9,13 +9,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
-from conftest import REPO, run_cli, tiny_config
+from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.train.loop import Trainer, train
@@ -224,3 +225,72 @@ def test_saves_by_wall_clock_go_into_the_ring(char_data, tmp_path):
     saves = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in saves if r["kind"] == "checkpoint"] == [1, 2, 3, 4]
     assert ring_names(tmp_path) == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+# --- a checkpoint checked on load: one line naming the file and what to do ---------------------------------
+def copy_checkpoint(trained_run, tmp_path) -> Path:
+    ckpt = tmp_path / "step_00000010"
+    shutil.copytree(trained_run / "checkpoints" / "step_00000010", ckpt)
+    return ckpt
+
+
+def rewrite(ckpt, state=None, **meta_changes):
+    """Replace state.pt and/or meta.json keys, keeping the recorded file sizes right (damage verify() misses)."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if state is not None:
+        torch.save(state, ckpt / "state.pt")
+        meta["files"]["state.pt"] = (ckpt / "state.pt").stat().st_size
+    meta.update(meta_changes)
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+
+
+def live_model_and_optimizer(ckpt):
+    cfg = config_from_resolved(json.loads((ckpt / "meta.json").read_text())["config"])
+    model = GPT(cfg.model)
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\x00" * 64)
+    assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_model, tmp_path / "weights.bin")
+
+
+def test_weights_that_do_not_match_the_config_are_one_line(trained_run, tmp_path):
+    ckpt = copy_checkpoint(trained_run, tmp_path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["model"]["n_embd"] = 64
+    rewrite(ckpt, config=meta["config"])
+    msg = one_line(C.CheckpointError, C.load_model, ckpt)
+    assert "model.safetensors: the weights do not match" in msg
+    assert "transformer.wte.weight is (128, 32), the model needs (128, 64)" in msg
+
+
+def test_a_checkpoint_missing_what_a_resume_reads_is_one_line(trained_run, tmp_path):
+    ckpt = copy_checkpoint(trained_run, tmp_path)
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    rewrite(ckpt, {k: v for k, v in state.items() if k != "scaler"})
+    assert "lacks scaler" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
+                                      *live_model_and_optimizer(ckpt), sharded=False)
+    rewrite(ckpt, {k: v for k, v in state.items() if k != "optimizer"})
+    assert "weights only" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
+                                      *live_model_and_optimizer(ckpt), sharded=False)
+    rewrite(ckpt, [1, 2])
+    assert "holds a list" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
+                                      *live_model_and_optimizer(ckpt), sharded=False)
+    rewrite(ckpt, state, tokens=None)
+    assert "lacks tokens" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
+                                      *live_model_and_optimizer(ckpt), sharded=False)
+
+
+def test_optimizer_moments_of_another_shape_are_one_line(tmp_path):
+    def adam_state(n_embd, n_head):
+        model = GPT(GPTConfig(n_layer=1, n_head=n_head, n_embd=n_embd, block_size=8, vocab_size=32))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+        optimizer.step()
+        return model, optimizer
+
+    _, other = adam_state(32, 2)
+    model, optimizer = adam_state(16, 2)  # the same number of tensors: torch loads it without a word
+    msg = one_line(C.CheckpointError, C.load_optimizer_state, optimizer, other.state_dict(), tmp_path)
+    assert "state.pt: optimizer exp_avg has shape" in msg and "start a new run directory" in msg

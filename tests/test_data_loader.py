@@ -273,3 +273,92 @@ def test_bad_data_is_one_line(tmp_path, data):
 def test_no_val_shards_is_one_line(tmp_path):
     folder = make_dataset(tmp_path / "d", val_lengths=())
     assert "--val-fraction" in one_line(DataError, TokenLoader, folder, "val", 1, T)
+
+
+# --- data checked against the model when opened -----------------------------------------------------
+def with_recorded_ids(folder):
+    """make_dataset's folder with the per-shard counts and largest ids that prepare records."""
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["shard_tokens"], meta["max_token_id"] = {}, {}
+    for split, names in meta["shards"].items():
+        shards = [np.fromfile(folder / n, dtype="<u2", offset=1024) for n in names]
+        meta["shard_tokens"][split] = [len(s) for s in shards]
+        meta["max_token_id"][split] = [int(s.max()) for s in shards]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+def test_ids_at_or_above_the_model_vocab_fail_on_open_when_recorded(tmp_path):
+    folder = with_recorded_ids(make_dataset(tmp_path / "d"))  # train shards hold ids 0-32, 33-82, 83-91, 92-116
+    TokenLoader(folder, "train", 2, T, vocab_size=117)
+    msg = one_line(ShardError, TokenLoader, folder, "train", 2, T, vocab_size=50)
+    assert "train_000001.bin holds token id 82" in msg and "vocabulary has 50 ids" in msg and "at least 83" in msg
+    assert "50 ids" in one_line(ShardError, ValWindows, folder, T, vocab_size=50)
+
+
+def test_ids_not_recorded_are_checked_on_every_batch(tmp_path):
+    folder = make_dataset(tmp_path / "d", lengths=(200,), vocab=1000)  # no max_token_id: llm.c-style
+    loader = TokenLoader(folder, "train", 4, T, vocab_size=100)  # opens: nothing is scanned up front
+    msg = one_line(ShardError, loader.next_batch)
+    assert "train_000000.bin holds token id" in msg and "vocabulary has 100 ids" in msg
+    assert "100 ids" in one_line(ShardError, ValWindows(folder, T, vocab_size=100).gather, np.arange(2))
+    ok = TokenLoader(folder, "train", 4, T, vocab_size=1000)
+    ok.next_batch()
+    # recorded ids are checked on open, and a shard changed since prepare is still caught on the batch
+    recorded = with_recorded_ids(folder)
+    body = np.fromfile(folder / "train_000000.bin", dtype="<u2")
+    body[512:] = 999  # after the 1024-byte header: same count, ids above the recorded largest (199)
+    body.tofile(folder / "train_000000.bin")
+    assert "token id 999" in one_line(ShardError, TokenLoader(recorded, "train", 4, T, vocab_size=300).next_batch)
+
+
+def test_negative_ids_in_an_npy_shard_are_one_line(tmp_path):
+    np.save(tmp_path / "x_train_000001.npy", np.full(100, -3, dtype=np.int32))
+    loader = TokenLoader(tmp_path, "train", 2, T, vocab_size=50257)
+    assert "never negative" in one_line(ShardError, loader.next_batch)
+
+
+def test_a_shard_whose_count_differs_from_meta_is_one_line(tmp_path):
+    folder = with_recorded_ids(make_dataset(tmp_path / "d"))
+    write_shard(folder / "train_000001.bin", np.arange(60), 1000)  # a valid shard from another prepare
+    assert "meta.json records 50" in one_line(ShardError, TokenLoader, folder, "train", 2, T)
+
+
+def test_a_missing_shard_is_one_line(tmp_path):
+    folder = make_dataset(tmp_path / "d")
+    (folder / "train_000002.bin").unlink()
+    msg = one_line(FileNotFoundError, TokenLoader, folder, "train", 2, T)
+    assert "train_000002.bin is listed in meta.json but missing" in msg
+
+
+@pytest.mark.parametrize("meta", [[], {"shards": 3}, {"shards": {"train": ["../escape.bin"]}, "vocab_size": 10,
+                                                           "tokenizer": {}},
+                                  {"shards": {"train": []}, "vocab_size": "big", "tokenizer": {}},
+                                  {"shards": {"train": []}, "vocab_size": 10}])
+def test_a_damaged_meta_json_is_one_line(tmp_path, meta):
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert "re-run `gpt2train prepare`" in one_line(ValueError, load_meta, tmp_path)
+
+
+def test_training_on_shards_of_a_larger_vocabulary_is_one_line_not_an_index_error(tmp_path):
+    """llm.c shards of another tokenizer, no meta.json: the GPT-2 vocabulary is assumed, the ids are checked
+    on the first batch."""
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    write_shard(tmp_path / "llama_train_000000.bin", np.full(400, 60_000), 128_256)
+    write_shard(tmp_path / "llama_val_000000.bin", np.full(400, 60_000), 128_256)
+    cfg = tiny_config(tmp_path, max_steps=1)
+    msg = one_line(ShardError, train, cfg, None)
+    assert "token id 60000" in msg and "vocabulary has 50257 ids" in msg and "at least 60001" in msg
+
+
+def test_a_model_vocabulary_smaller_than_the_datas_is_one_line(char_data):
+    from conftest import tiny_config
+    from gpt2train.config import ConfigError
+    from gpt2train.train.loop import train
+
+    cfg = tiny_config(char_data, max_steps=1)
+    cfg.model.vocab_size = 10
+    msg = one_line(ConfigError, train, cfg, None)
+    assert "model.vocab_size = 10" in msg and "(66)" in msg and "set it to 66 or 0" in msg

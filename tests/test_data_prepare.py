@@ -182,6 +182,29 @@ def test_worker_count_does_not_change_a_byte(txt_folder, tmp_path, monkeypatch):
     assert outs[0] == outs[1] and len(outs[0]) > 4
 
 
+def test_meta_records_each_shards_count_and_largest_id(txt_folder, char_data, tmp_path):
+    meta = prepare_files([txt_folder], tmp_path / "out", workers=1, shard_tokens=4000, progress=False)
+    for data, m in ((tmp_path / "out", meta), (char_data, json.loads((char_data / "meta.json").read_text()))):
+        for split, names in m["shards"].items():
+            shards = [open_shard(data / n) for n in names]
+            assert m["shard_tokens"][split] == [len(s) for s in shards]
+            assert m["max_token_id"][split] == [int(s.max()) for s in shards]
+
+
+def test_a_resume_state_without_largest_ids_reads_them_from_the_written_shards(txt_folder, tmp_path):
+    fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
+    out = tmp_path / "out"
+    with pytest.raises(PrepareInterrupted):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=3)
+    (state_path,) = out.glob(".prepare-*/state.json")
+    state = json.loads(state_path.read_text())
+    for split in state["splits"].values():
+        del split["max_ids"]  # as saved before largest ids were recorded
+    state_path.write_text(json.dumps(state))
+    assert prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)["max_token_id"] == \
+        fresh["max_token_id"]
+
+
 def test_resume_after_interruption_is_identical(txt_folder, tmp_path):
     fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
     out = tmp_path / "out"
@@ -434,3 +457,23 @@ def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
     r = run_cli("prepare", "files", str(tmp_path / "nothing"), "--out", str(tmp_path / "e"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+
+
+def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
+    """Found by tests/test_properties_files.py: the bar was left open, so `error:` followed it on its line and
+    the bar was redrawn after it."""
+    from gpt2train.cli import main
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("\r") and "\nerror: " in err and err.endswith("fix or remove that line\n"), err
+
+
+@pytest.mark.parametrize("damaged", ["[]", '{"shards": [1, 2]}', '{"shards": {"train": [7, null]}}'])
+def test_a_damaged_meta_json_in_the_output_folder_is_replaced(txt_folder, tmp_path, damaged):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "meta.json").write_text(damaged)
+    meta = prepare_files([txt_folder], out, workers=1, progress=False)  # was an AttributeError / TypeError
+    assert json.loads((out / "meta.json").read_text()) == meta

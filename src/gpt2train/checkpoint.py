@@ -71,11 +71,25 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED_KEYS}
 
 
-def load_model_state(model: GPT, state: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in TIED_KEYS]
-    if missing or unexpected:
-        raise CheckpointError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+def weights_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
+    """What keeps `weights` from loading into `model` (missing, unexpected or wrongly shaped tensors), or None.
+    Checked before loading: torch's own error is a multi-line RuntimeError."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected and k not in TIED_KEYS]
+    wrong = [f"{k} is {tuple(weights[k].shape)}, the model needs {shape}"
+             for k, shape in expected.items() if k in weights and tuple(weights[k].shape) != shape]
+    problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected
+                                                                  else []) + wrong[:2]
+    return "; ".join(problems) or None
+
+
+def load_model_state(model: GPT, state: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
+    problem = weights_mismatch(model, state)
+    if problem:
+        raise CheckpointError(f"{source}: the weights do not match the model of its config ({problem}); the files "
+                              f"come from different models: use a checkpoint saved whole, or an earlier one")
+    model.load_state_dict(state, strict=False)
 
 
 def rng_state() -> dict:
@@ -346,6 +360,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a run directory or a checkpoints/step_* folder")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint; pass a run directory or a checkpoints/step_* "
+                              f"folder (the one holding meta.json, model.safetensors and state.pt)")
     found = newest_checkpoint(path)
     if found is None:
         raise CheckpointError(f"no usable checkpoint found at {path}; pass a run directory or a checkpoints/step_* folder")
@@ -366,10 +383,11 @@ def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, di
 
 def load_model(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
     """A ready-to-use model (eval mode) from a run directory or checkpoint, with its config and meta."""
-    weights, _, meta = load_checkpoint(path, with_state=False)
+    ckpt = resolve_checkpoint(path)
+    weights, _, meta = load_checkpoint(ckpt, with_state=False)
     cfg = config_from_resolved(meta["config"])
     model = GPT(cfg.model)
-    load_model_state(model, weights)
+    load_model_state(model, weights, ckpt / "model.safetensors")
     return model.to(device).eval(), cfg, meta
 
 
@@ -437,6 +455,7 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
+    check_training_state(ckpt, state, meta)
     if meta.get("sharded"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -459,9 +478,42 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
 
     if "optimizer" not in state:
         raise CheckpointError(weights_only_message(ckpt))
-    load_model_state(unwrap(model), weights)
-    optimizer.load_state_dict(state["optimizer"])
+    load_model_state(unwrap(model), weights, ckpt / "model.safetensors")
+    load_optimizer_state(optimizer, state["optimizer"], ckpt)
     return state, meta
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, ckpt: Path) -> None:
+    """The optimizer's state, whose moments must have the shapes of the parameters they belong to: torch
+    loads mismatched ones silently and fails at the next step."""
+    fix = "resume from a checkpoint of this model, or start a new run directory"
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{ckpt}/state.pt: the optimizer state does not fit this model ({_reason(e)}); "
+                              f"{fix}") from None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for name, value in optimizer.state.get(param, {}).items():
+                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                    raise CheckpointError(f"{ckpt}/state.pt: optimizer {name} has shape {tuple(value.shape)} for a "
+                                          f"parameter of shape {tuple(param.shape)}; {fix}")
+
+
+RESUME_STATE_KEYS = ("scaler", "ranks")  # besides the optimizer (absent in weights-only checkpoints: own message)
+
+
+def check_training_state(ckpt: Path, state, meta: dict) -> None:
+    """What a resume reads from state.pt and meta.json is there: else one line, not a KeyError mid-resume."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{ckpt}/state.pt holds a {type(state).__name__}, not a training state; resume from "
+                              f"an earlier checkpoint")
+    if "optimizer" not in state and not meta.get("sharded"):
+        raise CheckpointError(weights_only_message(ckpt))
+    missing = [k for k in RESUME_STATE_KEYS if k not in state] + [k for k in ("tokens",) if type(meta.get(k)) is not int]
+    if missing:
+        raise CheckpointError(f"{ckpt} lacks {', '.join(missing)}: it cannot be resumed; resume from an earlier "
+                              f"checkpoint, or start a new run with --set train.init_from={ckpt} (weights only)")
 
 
 def weights_only_message(ckpt: Path) -> str:

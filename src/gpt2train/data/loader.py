@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from gpt2train.data.prepare import load_meta
-from gpt2train.data.shards import open_tokens
+from gpt2train.data.prepare import load_meta, open_split, split_paths
+from gpt2train.data.shards import check_ids_below
 
 RAM_FRACTION = 4  # auto mode loads shards into RAM when all ranks together need under 1/4 of what is free
 
@@ -52,7 +52,10 @@ def choose_mode(paths: list[Path], world_size: int) -> str:
 
 class TokenLoader:
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, seq_len: int, *, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu"):
+                 world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu",
+                 vocab_size: int | None = None):
+        """vocab_size: the model's; every token id must be below it (checked on open where prepare recorded the
+        largest ids, and in every batch: a max over B x (T + 1) ids, microseconds). None skips the check."""
         if order not in ("random", "sequential"):
             raise DataError(f"data.order {order!r} is not one of random, sequential")
         if mode not in ("auto", "ram", "memmap"):
@@ -61,14 +64,13 @@ class TokenLoader:
             raise DataError(f"batch_size {batch_size}, seq_len {seq_len}, rank {rank} of {world_size}: "
                             f"batch size and sequence length must be positive and rank < world size")
         meta = load_meta(data_dir)
-        names = meta["shards"].get(split) or []
-        if not names:
+        self.paths = split_paths(data_dir, meta, split)
+        if not self.paths:
             hint = "prepare with --val-fraction > 0 or --val-tokens > 0" if split == "val" else "prepare more data"
             raise DataError(f"{data_dir}: no {split} shards in meta.json; {hint}")
-        self.paths = [Path(data_dir) / n for n in names]
         self.mode = choose_mode(self.paths, world_size) if mode == "auto" else mode
-        fmt = meta.get("format", "llmc")
-        self.shards = [open_tokens(p, fmt, in_memory=(self.mode == "ram")) for p in self.paths]
+        self.shards = open_split(self.paths, meta, split, vocab_size, in_memory=(self.mode == "ram"))
+        self.vocab_size = vocab_size
         self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.order, self.seed = order, seed
@@ -165,6 +167,8 @@ class TokenLoader:
         for s in np.unique(shard_of):
             rows = np.nonzero(shard_of == s)[0]
             out[rows] = self.windows[s][start[rows]]  # one gather of whole rows for all rows of a shard
+            if self.vocab_size is not None:  # shards of other tools, or a file changed since prepare
+                check_ids_below(out[rows], self.vocab_size, self.paths[s])
         return out
 
     def next_batch_numpy(self) -> np.ndarray:

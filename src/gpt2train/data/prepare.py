@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2train.data.shards import ShardError, open_tokens, read_header, write_shard
+from gpt2train.data.shards import ShardError, open_tokens, out_of_vocab, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
@@ -80,18 +80,26 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def max_token_id(tokens: np.ndarray) -> int:
+    """Recorded per shard so that opening the data checks it against the model's vocabulary without a scan."""
+    return int(tokens.max()) if tokens.size else -1
+
+
 def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], val_docs: list[str],
                         source: str) -> dict:
     """Tokenize both splits into one shard each and write meta.json; returns the meta dict."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": "llmc", "source": source, "tokenizer": tokenizer.spec(), "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id, "shards": {}, "tokens": {}, "documents": {}, "invalid_utf8_replacements": 0}
+            "eot_id": tokenizer.eot_id, "shards": {}, "shard_tokens": {}, "max_token_id": {}, "tokens": {},
+            "documents": {}, "invalid_utf8_replacements": 0}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = tokenize_documents(tokenizer, docs)
         name = f"{split}_000000.bin"
         write_shard(out / name, tokens, tokenizer.vocab_size)
         meta["shards"][split] = [name]
+        meta["shard_tokens"][split] = [int(tokens.size)]
+        meta["max_token_id"][split] = [max_token_id(tokens)]
         meta["tokens"][split] = int(tokens.size)
         meta["documents"][split] = len(docs)
     write_json_atomic(out / "meta.json", meta)
@@ -214,8 +222,11 @@ class SplitWriter:
 
     def __init__(self, split: str, folder: Path, shard_tokens: int, vocab_size: int, state: dict | None = None):
         self.split, self.folder, self.shard_tokens, self.vocab_size = split, folder, shard_tokens, vocab_size
-        state = state or {"shards": [], "counts": [], "marker": [0, 0], "closed": False}
+        state = state or {"shards": [], "counts": [], "max_ids": [], "marker": [0, 0], "closed": False}
         self.shards, self.counts = list(state["shards"]), list(state["counts"])
+        self.max_ids = list(state.get("max_ids") or [])
+        if len(self.max_ids) != len(self.shards):  # a state saved before max ids were recorded: read them once
+            self.max_ids = [max_token_id(open_tokens(folder / name)) for name in self.shards]
         self.marker, self.closed = tuple(state["marker"]), state["closed"]
         self.parts: list[np.ndarray] = []
         self.docs: list[np.ndarray] = []  # per buffered document: index, first buffered offset, buffered length
@@ -225,7 +236,8 @@ class SplitWriter:
         marker = self._first_buffered() if self.buffered else (next_doc, 0)
         if self.closed:
             marker = (sys.maxsize, 0)
-        return {"shards": self.shards, "counts": self.counts, "marker": list(map(int, marker)), "closed": self.closed}
+        return {"shards": self.shards, "counts": self.counts, "max_ids": self.max_ids,
+                "marker": list(map(int, marker)), "closed": self.closed}
 
     def _first_buffered(self) -> tuple[int, int]:
         first = self.docs[0]
@@ -253,6 +265,7 @@ class SplitWriter:
         write_shard(self.folder / name, tokens[:n], self.vocab_size)
         self.shards.append(name)
         self.counts.append(int(n))
+        self.max_ids.append(max_token_id(tokens[:n]))
         # keep what is left, with the first remaining document's offset moved past the written tokens
         ends = np.cumsum(docs[2])
         j = int(np.searchsorted(ends, n, side="right"))
@@ -297,7 +310,7 @@ def dataset_is_complete(out: Path, meta: dict) -> bool:
     try:
         return all(read_header(out / name)[1] == count
                    for split in SPLITS for name, count in zip(meta["shards"][split], meta["shard_tokens"][split]))
-    except (OSError, ShardError, KeyError):
+    except (OSError, ShardError, KeyError, TypeError):  # TypeError: a damaged meta.json
         return False
 
 
@@ -334,9 +347,8 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
 
     meta_path = out / "meta.json"
     if meta_path.is_file():
-        try:
-            old = json.loads(meta_path.read_text())
-        except ValueError:
+        old = read_json(meta_path)
+        if not isinstance(old, dict):  # damaged: prepare again
             old = {}
         if old.get("fingerprint") == key and dataset_is_complete(out, old):
             for stale in out.glob(".prepare-*"):  # an interrupted run of other inputs
@@ -394,6 +406,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
     meta = {"format": "llmc", "source": source, "tokenizer": tok.spec(), "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "tokens": tokens, "shards": {s: w.shards for s, w in writers.items()},
             "shard_tokens": {s: w.counts for s, w in writers.items()},
+            "max_token_id": {s: w.max_ids for s, w in writers.items()},
             "documents": {"train": n_docs - n_val_docs, "val": n_val_docs},
             "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
     install(staging, out, meta)
@@ -419,27 +432,27 @@ def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, 
 
     n_docs = n_val = 0
     t0, total_tokens = time.perf_counter(), 0
-    bar = tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing")
-    for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
-        first = starts.popleft()
-        is_val = rule.assign(first, lengths)
-        n_docs, n_val = first + lengths.size, n_val + int(is_val.sum())
-        total_tokens += tokens.size
-        written_before = sum(len(w.shards) for w in writers.values())
-        doc_index = np.arange(first, first + lengths.size, dtype=np.int64)
-        for split, writer in writers.items():
-            mine = is_val if split == "val" else ~is_val
-            add_documents(writer, tokens, lengths, doc_index, mine)
-        if rule.val_docs is not None and not writers["val"].closed:
-            writers["val"].finish()  # val-tokens mode: val is complete, write its last shard now
-        written = sum(len(w.shards) for w in writers.values())
-        if written != written_before:
-            save_state(state_path, writers, n_docs, rule)
-            if stop_after_shards is not None and written >= stop_after_shards:
-                raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
-        bar.update(lengths.size)
-        bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
-    bar.close()
+    # closed on any exit: an error line must start a line of its own, not follow the bar
+    with tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing") as bar:
+        for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
+            first = starts.popleft()
+            is_val = rule.assign(first, lengths)
+            n_docs, n_val = first + lengths.size, n_val + int(is_val.sum())
+            total_tokens += tokens.size
+            written_before = sum(len(w.shards) for w in writers.values())
+            doc_index = np.arange(first, first + lengths.size, dtype=np.int64)
+            for split, writer in writers.items():
+                mine = is_val if split == "val" else ~is_val
+                add_documents(writer, tokens, lengths, doc_index, mine)
+            if rule.val_docs is not None and not writers["val"].closed:
+                writers["val"].finish()  # val-tokens mode: val is complete, write its last shard now
+            written = sum(len(w.shards) for w in writers.values())
+            if written != written_before:
+                save_state(state_path, writers, n_docs, rule)
+                if stop_after_shards is not None and written >= stop_after_shards:
+                    raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
+            bar.update(lengths.size)
+            bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
     if resume_from:  # documents skipped on resume still count; none of them had to be re-tokenized
         n_docs = max(n_docs, resume_from)
         n_val += rule.count_val(resume_from)
@@ -478,8 +491,9 @@ def install(staging: Path, out: Path, meta: dict) -> None:
     old_shards: set[str] = set()
     if old_meta.is_file():
         try:
-            old_shards = {n for names in json.loads(old_meta.read_text()).get("shards", {}).values() for n in names}
-        except (ValueError, AttributeError):
+            old_shards = {n for names in json.loads(old_meta.read_text()).get("shards", {}).values() for n in names
+                          if isinstance(n, str)}
+        except (ValueError, AttributeError, TypeError):  # a damaged meta.json: its shards are left alone
             pass
         old_meta.unlink()  # until the new meta.json exists, the folder is not a dataset
     new = {n for names in meta["shards"].values() for n in names}
@@ -520,9 +534,11 @@ def load_meta(data_dir: str | Path) -> dict:
     path = Path(data_dir) / "meta.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())
+            meta = json.loads(path.read_text())
         except ValueError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); re-run `gpt2train prepare` for this folder") from None
+        check_meta(meta, path)
+        return meta
     meta = detect_layout(Path(data_dir))
     if meta is None:
         raise FileNotFoundError(f"{path} not found and no llm.c/nanoGPT/.npy shards in {data_dir}; prepare the data "
@@ -532,6 +548,57 @@ def load_meta(data_dir: str | Path) -> dict:
         print(f"note: {data_dir} has no meta.json; reading {meta['source']} and assuming the GPT-2 tokenizer "
               f"(vocab {GPT2_VOCAB_SIZE})", file=sys.stderr)
     return meta
+
+
+def check_meta(meta, path: Path) -> None:
+    """The keys readers rely on, with the right types: a damaged or hand-edited meta.json is one line, not a
+    KeyError in the trainer."""
+    def names_ok(shards) -> bool:
+        return isinstance(shards, list) and all(isinstance(n, str) and n and Path(n).name == n for n in shards)
+
+    problem = None
+    if not isinstance(meta, dict):
+        problem = f"holds a {type(meta).__name__}, not an object"
+    elif not isinstance(meta.get("shards"), dict) or not all(names_ok(v) for v in meta["shards"].values()):
+        problem = "has no \"shards\" object of file-name lists"
+    elif type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
+        problem = "has no positive integer \"vocab_size\""
+    elif not isinstance(meta.get("tokenizer"), dict):
+        problem = "has no \"tokenizer\" object"
+    if problem:
+        raise ValueError(f"{path} {problem}; it is damaged: re-run `gpt2train prepare` for this folder")
+
+
+def split_paths(data_dir: str | Path, meta: dict, split: str) -> list[Path]:
+    """The split's shard files, each of which must exist."""
+    paths = [Path(data_dir) / name for name in meta["shards"].get(split) or []]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is listed in meta.json but missing; copy the whole folder or re-run "
+                                    f"`gpt2train prepare`")
+    return paths
+
+
+def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None = None,
+               in_memory: bool = False) -> list[np.ndarray]:
+    """The tokens of each shard. Each header is checked (magic, version, size); its token count must equal the
+    count meta.json recorded, and the largest id recorded at prepare time must be below vocab_size, so that a
+    model too small for the data fails before training starts. Shards without recorded ids (other tools, older
+    prepares) are not scanned (gigabytes); readers check every batch as they read it (check_ids_below)."""
+    fmt = meta.get("format", "llmc")
+    shards = [open_tokens(p, fmt, in_memory=in_memory) for p in paths]
+    counts = (meta.get("shard_tokens") or {}).get(split)
+    if isinstance(counts, list) and len(counts) == len(shards):
+        for path, tokens, count in zip(paths, shards, counts):
+            if len(tokens) != count:
+                raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
+                                 f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
+    max_ids = (meta.get("max_token_id") or {}).get(split)
+    if vocab_size is not None and isinstance(max_ids, list) and len(max_ids) == len(shards):
+        for path, highest in zip(paths, max_ids):
+            if highest >= vocab_size:
+                raise out_of_vocab(path, highest, vocab_size)
+    return shards
 
 
 def detect_layout(folder: Path) -> dict | None:

@@ -29,6 +29,24 @@ class ShardError(ValueError):
     """A shard file that cannot be read as llm.c tokens; the message says what is wrong."""
 
 
+def out_of_vocab(where: str | Path, token_id: int, vocab_size: int) -> ShardError:
+    """The one-line error for data whose ids the model cannot embed (an index error deep in the model otherwise)."""
+    return ShardError(f"{where} holds token id {token_id} but the model's vocabulary has {vocab_size} ids; set "
+                      f"model.vocab_size to 0 (from the data) or at least {token_id + 1}, or prepare the data "
+                      f"with the model's tokenizer")
+
+
+def check_ids_below(tokens: np.ndarray, vocab_size: int, where: str | Path) -> None:
+    """For tokens whose largest id was not recorded at prepare time: checked batch by batch as they are read."""
+    if tokens.size == 0:
+        return
+    lowest, highest = int(tokens.min()), int(tokens.max())
+    if lowest < 0:
+        raise ShardError(f"{where} holds token id {lowest}; token ids are never negative: the file is not tokens")
+    if highest >= vocab_size:
+        raise out_of_vocab(where, highest, vocab_size)
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 

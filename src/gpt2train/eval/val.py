@@ -22,21 +22,22 @@ import torch
 from tqdm import tqdm
 
 from gpt2train.data.loader import DataError, TokenLoader
-from gpt2train.data.prepare import load_meta
-from gpt2train.data.shards import open_tokens
+from gpt2train.data.prepare import load_meta, open_split, split_paths
+from gpt2train.data.shards import check_ids_below
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
 
 
 class ValWindows:
     """Every non-overlapping window of seq_len + 1 tokens in a split's shards (inputs and targets)."""
 
-    def __init__(self, data_dir: str | Path, seq_len: int, split: str = "val"):
+    def __init__(self, data_dir: str | Path, seq_len: int, split: str = "val", vocab_size: int | None = None):
         meta = load_meta(data_dir)
-        names = meta["shards"].get(split) or []
-        if not names:
+        self.paths = split_paths(data_dir, meta, split)
+        if not self.paths:
             raise DataError(f"{data_dir}: no {split} shards in meta.json")
         self.seq_len = seq_len
-        self.shards = [open_tokens(Path(data_dir) / name, meta.get("format", "llmc")) for name in names]
+        self.shards = open_split(self.paths, meta, split, vocab_size)
+        self.vocab_size = vocab_size  # and each window as it is read: shards of other tools are not scanned
         # A window starting at k * seq_len needs seq_len + 1 tokens: (len - 1) // seq_len of them fit.
         counts = [max(0, (len(s) - 1) // seq_len) for s in self.shards]
         self.shard_of = np.repeat(np.arange(len(counts)), counts)
@@ -58,7 +59,11 @@ class ValWindows:
     def gather(self, ids: np.ndarray) -> np.ndarray:
         """(len(ids), seq_len + 1) int64 tokens."""
         span = np.arange(self.seq_len + 1)
-        return np.stack([self.shards[self.shard_of[i]][self.start[i] + span].astype(np.int64) for i in ids])
+        windows = [self.shards[self.shard_of[i]][self.start[i] + span].astype(np.int64) for i in ids]
+        if self.vocab_size is not None:
+            for i, window in zip(ids, windows):
+                check_ids_below(window, self.vocab_size, self.paths[self.shard_of[i]])
+        return np.stack(windows)
 
 
 def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None) -> torch.Tensor:
@@ -97,7 +102,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
             n_windows += x.size(0)
     else:
         seq_len = seq_len or model.config.block_size
-        data = ValWindows(source, seq_len)
+        data = ValWindows(source, seq_len, vocab_size=model.config.vocab_size)
         ids = data.spread(windows or batches * batch_size)
         for rows in tqdm(rank_batches(len(ids), batch_size), desc="val", unit="batch",
                          disable=not progress or rank_and_world()[0] != 0):

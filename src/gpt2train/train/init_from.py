@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2train.checkpoint import load_checkpoint, newest_checkpoint, read_meta, resolve_checkpoint
+from gpt2train.checkpoint import load_checkpoint, newest_checkpoint, read_meta, resolve_checkpoint, weights_mismatch
 from gpt2train.config import Config, ConfigError, config_from_resolved
 from gpt2train.hf import gpt_config_from_hf, gpt_state_from_hf, read_hf_weights, resolve_hf_folder
 from gpt2train.model import GPTConfig
@@ -66,11 +66,10 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: 
     wte = weights["transformer.wte.weight"]
     rows = model.transformer.wte.weight.size(0)
     weights = {**weights, "transformer.wte.weight": torch.cat([wte, wte.new_zeros(rows - wte.size(0), wte.size(1))])}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to transformer.wte.weight
-    if missing or unexpected:
-        raise ConfigError(f"train.init_from = {source!r}: weights do not match the model: missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}")
+    problem = weights_mismatch(model, weights)
+    if problem:
+        raise ConfigError(f"train.init_from = {source!r}: weights do not match the model ({problem})")
+    model.load_state_dict(weights, strict=False)
 
 
 def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> dict[str, torch.Tensor] | None:

@@ -79,7 +79,8 @@ class Trainer:
         seed_everything(cfg.train.seed + self.dist.rank)  # from here on each rank draws its own numbers
 
         # Data streams: the same seed on every rank, each rank taking its own slice of every draw.
-        loader_args = dict(rank=self.dist.rank, world_size=self.dist.world_size, mode=cfg.data.loader, device=self.device)
+        loader_args = dict(rank=self.dist.rank, world_size=self.dist.world_size, mode=cfg.data.loader, device=self.device,
+                           vocab_size=cfg.model.vocab_size)
         self.train_loader = TokenLoader(cfg.data.dir, "train", cfg.train.micro_batch, cfg.train.seq_len,
                                         seed=cfg.train.seed, order=cfg.data.order, **loader_args)
         self.val_loader = TokenLoader(cfg.data.dir, "val", cfg.train.micro_batch, cfg.train.seq_len,
