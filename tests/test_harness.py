@@ -184,6 +184,7 @@ def gpt2_ckpt(gpt2_data, tmp_path_factory):
     return run / "checkpoints" / "step_00000004"
 
 
+@pytest.mark.slow  # about 35 s here: the harness indexes its thousands of task YAMLs on each of three runs
 def test_eval_cli_runs_local_harness_tasks_beside_val(lm_eval, gpt2_ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -214,7 +214,7 @@ def run_harness(model: torch.nn.Module, tokenizer, names: list[str], *, manager=
         out = lm_eval.simple_evaluate(model=harness_model(model, tokenizer, batch_size, autocast), tasks=list(names),
                                       task_manager=manager, limit=limit or None, log_samples=False)
     except KeyError as e:  # the harness's "not a registered task" error, as one line
-        raise ValueError(f"lm-eval: {str(e.args[0] if e.args else e).splitlines()[0]}") from None
+        raise ValueError(f"lm-eval: {str(e.args[0] if e.args else e).splitlines()[0]}") from e
     if out is None:  # ranks other than 0
         return {}
     results = {}
