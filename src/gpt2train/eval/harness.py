@@ -143,14 +143,13 @@ def harness_model(model: torch.nn.Module, tokenizer, batch_size: int = 16, autoc
             return rolling_loglikelihood(model, documents, tokenizer.eot_id, batch_size, autocast)
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            return [self._generate(context, dict(gen_kwargs or {})) for context, gen_kwargs in (r.args for r in requests)]
+            return [self._generate(context, gen_kwargs or {}) for context, gen_kwargs in (r.args for r in requests)]
 
         def _generate(self, context: str, gen_kwargs: dict) -> str:
-            until = gen_kwargs.pop("until", None) or []
+            until = gen_kwargs.get("until") or []
             stops = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-            sample = gen_kwargs.pop("do_sample", False)
-            temperature = float(gen_kwargs.pop("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+            max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0  # 0: greedy
             prompt = self._encode(context)[-model.config.block_size:] or [tokenizer.eot_id]
             ids = []
             for token in generate_stream(model, prompt, max_new, temperature=temperature, top_k=int(gen_kwargs.get("top_k", 0)),
