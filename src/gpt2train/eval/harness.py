@@ -1,0 +1,229 @@
+"""EleutherAI's lm-evaluation-harness on a gpt2train checkpoint: `gpt2train eval --tasks lm-eval:TASK`.
+
+The harness turns a task into text requests of three kinds and asks a model object to answer them;
+HarnessModel answers with our GPT and tokenizer, so no conversion to Hugging Face is needed:
+  loglikelihood          (context, continuation) -> (sum of log p(continuation tokens), greedy or not)
+  loglikelihood_rolling  (document,)             -> sum of log p(every token), EOT as the first context
+  generate_until         (context, gen_kwargs)    -> text up to the first stop string
+Scores come from logits cut to the tokenizer's vocabulary, as in val.py and hellaswag.py: padded ids get
+no probability. The harness is an optional extra (`pip install gpt2train[eval]`), imported only here.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gpt2train.eval import rank_and_world
+from gpt2train.generate import generate_stream
+
+PREFIX = "lm-eval:"  # how --tasks names a harness task
+MISSING = "lm-evaluation-harness is not installed: pip install 'gpt2train[eval]' (or pip install lm-eval)"
+DEFAULT_MAX_GEN_TOKS = 256  # the harness's own default when a task sets no max_gen_toks
+
+
+def import_lm_eval():
+    try:
+        import lm_eval
+        import lm_eval.api.model  # noqa: F401  (the LM base class)
+        import lm_eval.tasks  # noqa: F401  (TaskManager)
+    except ImportError:
+        raise ImportError(MISSING) from None
+    return lm_eval
+
+
+# --- scoring with our model (plain torch, no harness needed) -----------------------------------------
+@torch.no_grad()
+def score_continuations(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], batch_size: int = 16,
+                        autocast=None) -> list[tuple[float, bool]]:
+    """(sum of log-probs of the continuation's tokens, whether greedy decoding picks each of them) for every
+    (context ids, continuation ids) pair; the context must hold at least one token.
+
+    A row is context + continuation cropped from the left to block_size + 1 tokens (the input is all but
+    the last). Rows are batched longest first, right-padded: a causal model's logits at a position do not
+    depend on what comes after it, so padding changes no score.
+    """
+    device = next(model.parameters()).device
+    block_size, vocab_size = model.config.block_size, model.config.vocab_size
+    rows, lengths = [], []
+    for context, continuation in pairs:
+        if not context:
+            raise ValueError("a continuation needs at least one context token (the end-of-text token for none)")
+        rows.append((context + continuation)[-(block_size + 1):])
+        lengths.append(min(len(continuation), block_size))
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        T = len(rows[batch[0]]) - 1  # the longest input in this batch
+        inputs = torch.zeros((len(batch), T), dtype=torch.long)
+        for b, i in enumerate(batch):
+            inputs[b, : len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
+        with autocast or nullcontext():
+            logits = model(inputs.to(device))  # (B, T, V)
+        logprobs = F.log_softmax(logits[..., :vocab_size].float(), dim=-1)
+        for b, i in enumerate(batch):
+            end, n = len(rows[i]) - 1, lengths[i]
+            if n == 0:
+                continue
+            targets = torch.tensor(rows[i][-n:], device=device)
+            scored = logprobs[b, end - n : end]  # (n, V): the positions that predict the continuation
+            total = scored.gather(1, targets[:, None]).sum().item()
+            results[i] = (total, bool((scored.argmax(-1) == targets).all()))
+    return results
+
+
+def rolling_windows(ids: list[int], prefix_id: int, block_size: int) -> list[tuple[list[int], list[int]]]:
+    """A document as (context, continuation) pairs that predict each of its tokens exactly once.
+
+    The document is cut into spans of block_size tokens; each span is scored as the continuation of
+    everything before it (the prefix token first), so with score_continuations' left crop each span sees
+    a full block_size of context, the last (shorter) one included.
+    """
+    tokens = [prefix_id] + ids
+    return [(tokens[: start + 1], tokens[start + 1 : start + 1 + block_size]) for start in range(0, len(ids), block_size)]
+
+
+def rolling_loglikelihood(model: torch.nn.Module, documents: list[list[int]], prefix_id: int, batch_size: int = 16,
+                          autocast=None) -> list[float]:
+    """Sum of log-probs of every token of each document, all documents' windows batched together."""
+    windows, owner = [], []
+    for d, ids in enumerate(documents):
+        for pair in rolling_windows(ids, prefix_id, model.config.block_size):
+            windows.append(pair)
+            owner.append(d)
+    totals = [0.0] * len(documents)
+    for d, (logprob, _) in zip(owner, score_continuations(model, windows, batch_size, autocast)):
+        totals[d] += logprob
+    return totals
+
+
+def split_context(context: str, continuation: str) -> tuple[str, str]:
+    """Move trailing spaces of the context onto the continuation: GPT-2's BPE puts a word's leading space
+    in the word's token, so ("The sky is ", "blue") must score " blue", not "blue" after a lone " "."""
+    stripped = context.rstrip(" ")
+    return stripped, context[len(stripped):] + continuation
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """text up to the first stop string, and whether one was found."""
+    cuts = [text.find(s) for s in stops if s and s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+# --- the harness's model interface --------------------------------------------------------------------
+def harness_model(model: torch.nn.Module, tokenizer, batch_size: int = 16, autocast=None):
+    """An lm_eval.api.model.LM that answers the harness's requests with `model` (eval mode) and `tokenizer`."""
+    lm_eval = import_lm_eval()
+
+    class HarnessModel(lm_eval.api.model.LM):
+        def __init__(self):
+            super().__init__()
+            self._rank, self._world_size = rank_and_world()
+            self._device = next(model.parameters()).device
+
+        def _encode(self, text: str) -> list[int]:
+            try:
+                return tokenizer.encode(text)
+            except ValueError as e:  # e.g. a char tokenizer meeting a character its corpus lacked
+                raise ValueError(f"this checkpoint's {tokenizer.name} tokenizer cannot encode the task's text: {e}") from None
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+            pairs = []
+            for request in requests:
+                context, continuation = split_context(*request.args)
+                pairs.append((self._encode(context) or [tokenizer.eot_id], self._encode(continuation)))
+            return score_continuations(model, pairs, batch_size, autocast)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            documents = [self._encode(request.args[0]) for request in requests]
+            return rolling_loglikelihood(model, documents, tokenizer.eot_id, batch_size, autocast)
+
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            return [self._generate(context, gen_kwargs or {}) for context, gen_kwargs in (r.args for r in requests)]
+
+        def _generate(self, context: str, gen_kwargs: dict) -> str:
+            until = gen_kwargs.get("until") or []
+            stops = [until] if isinstance(until, str) else list(until)
+            max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+            temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0  # 0: greedy
+            prompt = self._encode(context)[-model.config.block_size:] or [tokenizer.eot_id]
+            ids = []
+            for token in generate_stream(model, prompt, max_new, temperature=temperature, top_k=int(gen_kwargs.get("top_k", 0)),
+                                         top_p=float(gen_kwargs.get("top_p", 1.0)), eot_id=tokenizer.eot_id):
+                if token == tokenizer.eot_id:
+                    break
+                ids.append(token)
+                text, stopped = cut_at_stop(tokenizer.decode(ids), stops)
+                if stopped:
+                    return text
+            return cut_at_stop(tokenizer.decode(ids), stops)[0]
+
+        # Under torchrun the harness gives each rank its share of the requests and gathers the answers.
+        def all_gather(self, tensor):
+            if self._world_size == 1:
+                return tensor
+            parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+            dist.all_gather(parts, tensor)
+            return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+        def gather_object(self, obj, dst=0):
+            if self._world_size == 1:
+                return [obj]
+            gathered = [None] * self._world_size if self._rank == dst else None
+            dist.gather_object(obj, gathered, dst=dst)
+            return gathered
+
+        def barrier(self) -> None:
+            if self._world_size > 1:
+                dist.barrier()
+
+    return HarnessModel()
+
+
+# --- running tasks ------------------------------------------------------------------------------------
+def task_manager(include: list[str] | None = None):
+    """The harness's task index: its own tasks plus the task YAMLs in the `include` folders."""
+    lm_eval = import_lm_eval()
+    return lm_eval.tasks.TaskManager(include_path=list(include) if include else None)
+
+
+def check_task_names(manager, names: list[str]) -> None:
+    known = set(manager.all_tasks)
+    unknown = [n for n in names if n not in known and not n.endswith((".yaml", ".yml"))]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, "
+                         "--lm-eval-include DIR adds a folder of task YAMLs")
+
+
+def run_harness(model: torch.nn.Module, tokenizer, names: list[str], *, manager=None, limit: int = 0,
+                batch_size: int = 16, autocast=None) -> dict[str, dict]:
+    """Run harness tasks (or groups) on our model: {"lm-eval:NAME": {"metrics", "n", "num_fewshot", "harness"}}
+    for every task and group the harness reports (a group's subtasks included). Empty on ranks other than 0.
+
+    metrics holds the harness's numbers under its names (acc, acc_stderr, acc_norm, ...); a metric taken
+    through a filter other than "none" keeps it after a comma (exact_match,strict-match).
+    """
+    lm_eval = import_lm_eval()
+    manager = manager or task_manager()
+    try:
+        out = lm_eval.simple_evaluate(model=harness_model(model, tokenizer, batch_size, autocast), tasks=list(names),
+                                      task_manager=manager, limit=limit or None, log_samples=False)
+    except KeyError as e:  # the harness's "not a registered task" error, as one line
+        raise ValueError(f"lm-eval: {str(e.args[0] if e.args else e).splitlines()[0]}") from e
+    if out is None:  # ranks other than 0
+        return {}
+    results = {}
+    for name, values in out["results"].items():
+        metrics = {}
+        for key, value in values.items():
+            if "," in key:  # "acc,none": the metric, then the filter it went through
+                metric, filter_name = key.split(",", 1)
+                metrics[metric if filter_name == "none" else key] = value
+        n = out.get("n-samples", {}).get(name, {}).get("effective")
+        results[PREFIX + name] = {"metrics": metrics, "n": n, "num_fewshot": out.get("n-shot", {}).get(name),
+                                  "harness": f"lm-eval {out.get('lm_eval_version', lm_eval.__version__)}"}
+    return results
