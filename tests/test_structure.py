@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("model", {"model", "config", "runtime", "generate"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
     ("storage", {"checkpoint", "hf"}),
-    ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.run", "eval.periodic"}),
+    ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("train", {"train", "train.optim", "train.guard", "train.step", "train.signals", "train.console",
                "train.checkpointing", "train.runlock", "train.init_from", "train.loop"}),
     ("tools", {"bench", "bench.journey", "bench.memory", "plan", "doctor", "report"}),
