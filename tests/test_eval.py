@@ -196,6 +196,20 @@ def test_malformed_rows_name_the_row(tmp_path):
 
 
 # --- validation loss --------------------------------------------------------------------------------
+def test_auto_batch_size_fills_half_the_free_gpu_memory(monkeypatch):
+    from gpt2train.eval import run
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=1024, vocab_size=50257))
+    assert run.auto_batch_size(model, torch.device("cpu"), torch.float32) == run.CPU_BATCH
+    per_sequence = 1024 * (50304 * (2 + 8) + 8 * 64 * 2)  # bf16 logits + fp32 log-softmax and its gather
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * per_sequence, 80 * per_sequence))
+    assert run.auto_batch_size(model, torch.device("cuda"), torch.bfloat16) == 20
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**15, 10**15))
+    assert run.auto_batch_size(model, torch.device("cuda"), torch.bfloat16) == run.MAX_AUTO_BATCH
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1, 10**15))
+    assert run.auto_batch_size(model, torch.device("cuda"), torch.bfloat16) == 1
+
+
 def test_validation_loss_is_the_plain_mean_over_fixed_windows(char_data):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=66)).eval()
@@ -295,6 +309,10 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     assert saved["step"] == 4 and val["windows"] == 8 and val["seq_len"] == 32 and hs["n"] == 8
     assert f"{val['loss']:.4f}" in r.stdout and f"{hs['acc_norm']:.4f}" in r.stdout and "acc_norm" in r.stdout
     assert f"{val['bpb']:.4f}" in r.stdout and val["bytes"] > val["tokens"]  # GPT-2 tokens average several bytes
+    # how fast each task ran, stored and printed
+    assert val["tokens_per_s"] == pytest.approx(val["tokens"] / val["wall_s"], rel=1e-9)
+    assert hs["examples_per_s"] == pytest.approx(hs["n"] / hs["wall_s"], rel=1e-9)
+    assert f"{val['tokens_per_s']:,.0f} tokens/s" in r.stdout and f"{hs['examples_per_s']:,.1f} examples/s" in r.stdout
     model, _, _ = load_model(ckpt)  # the CLI's val number is the library's
     assert val["loss"] == pytest.approx(validation_loss(model, gpt2_data, batch_size=5, seq_len=32, windows=8)["loss"],
                                         rel=1e-6)

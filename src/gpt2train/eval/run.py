@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from gpt2train import distributed as D
@@ -44,27 +45,29 @@ def parse_tasks(text: str | list[str]) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
-def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int = 0, batch_size: int = 16,
+def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int = 0, batch_size: int = 0,
                         data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
                         dtype: str = "auto", lm_eval_include: list[str] | None = None, progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
 
     limit caps HellaSwag examples and val windows (spread evenly over the split); 0 means all.
-    batch_size counts sequences per forward: val windows, or 4 HellaSwag rows per example.
+    batch_size counts sequences per forward: val windows, or 4 HellaSwag rows per example; 0 picks one that
+    fills the device (see auto_batch_size).
     lm-eval:NAME tasks run EleutherAI's harness (the `eval` extra) on the model, with limit and batch_size
     as above; lm_eval_include adds folders of task YAMLs. Each task and group it reports is one entry,
     tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
     Returns {"checkpoint", "step", "tasks": {task: results}, ...}; eval.json keeps earlier tasks' results.
     """
     tasks = parse_tasks(tasks)
-    if batch_size < 1 or limit < 0:
-        raise ValueError("--batch-size must be >= 1 and --limit >= 0")
+    if batch_size < 0 or limit < 0:
+        raise ValueError("--batch-size must be >= 0 (0: auto) and --limit >= 0")
     ckpt_dir = resolve_checkpoint(ckpt)
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = D.init_distributed(device)
     try:
         model, cfg, meta = load_model(ckpt_dir, device=info.device)
         resolved = resolve_dtype(dtype, info.device.type)  # the trainer's own resolution of --dtype auto
+        batch_size = batch_size or auto_batch_size(model, info.device, resolved)
         autocast = autocast_for(info.device.type, resolved)
         # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
         jobs = {}
@@ -76,14 +79,14 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
         if harness_tasks:
             jobs["lm-eval"] = _harness_job(model, meta, harness_tasks, lm_eval_include, limit, batch_size, autocast)
         if progress and info.rank == 0:
-            print(f"device: {info.device} x {info.world_size} rank(s), {str(resolved).removeprefix('torch.')}",
-                  file=sys.stderr)
+            print(f"device: {info.device} x {info.world_size} rank(s), {str(resolved).removeprefix('torch.')}, "
+                  f"{batch_size} sequences per forward", file=sys.stderr)
         results = {}
         for name, job in jobs.items():
             start = time.time()
             # The harness job answers for several tasks at once: {"lm-eval:NAME": results}.
             for task, out in (job() if name == "lm-eval" else {name: job()}).items():
-                results[task] = {**out, "wall_s": time.time() - start}
+                results[task] = with_speed(task, {**out, "wall_s": time.time() - start})
         record = {"checkpoint": str(ckpt_dir), "step": meta.get("step"), "world_size": info.world_size,
                   "device": str(info.device), "dtype": str(resolved).removeprefix("torch."), "time": time.time(),
                   "tasks": results}
@@ -93,6 +96,35 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     finally:
         if owns_group:
             D.shutdown_distributed()
+
+
+CPU_BATCH = 16  # a CPU gains little from bigger batches; this keeps memory modest
+MAX_AUTO_BATCH = 256
+
+
+def auto_batch_size(model, device, dtype) -> int:
+    """Sequences of block_size per forward that fill about half of the GPU's free memory (CPU: CPU_BATCH).
+
+    Without backward a forward keeps little: per sequence the logits in the compute dtype, their fp32
+    log-softmax and a gathered copy (the vocabulary wide), plus a few (T, C) and one (T, 4C) activations of the
+    block running now."""
+    if device.type != "cuda":
+        return CPU_BATCH
+    free, _ = torch.cuda.mem_get_info(device)
+    m = model.config
+    act = torch.tensor([], dtype=dtype).element_size()
+    per_sequence = m.block_size * (m.padded_vocab_size * (act + 8) + 8 * m.n_embd * act)
+    return max(1, min(MAX_AUTO_BATCH, int(free * 0.5 // per_sequence)))
+
+
+def with_speed(task: str, out: dict) -> dict:
+    """Add how fast the task ran: tokens/s for validation, examples/s for HellaSwag."""
+    seconds = max(out["wall_s"], 1e-9)
+    if task == "val":
+        return {**out, "tokens_per_s": out["tokens"] / seconds}
+    if task == "hellaswag":
+        return {**out, "examples_per_s": out["n"] / seconds}
+    return out
 
 
 def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
@@ -172,6 +204,8 @@ def format_table(record: dict) -> str:
     for task, r in record["tasks"].items():
         if task == "val":
             over = f"{r['windows']} windows x {r['seq_len']} tokens of {r['data']}"
+            if r.get("tokens_per_s"):
+                over += f", {r['tokens_per_s']:,.0f} tokens/s"
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
             if r.get("bpb") is not None:
                 rows.append(("bits/byte", f"{r['bpb']:.4f}"))
@@ -180,6 +214,8 @@ def format_table(record: dict) -> str:
             continue
         else:
             over = f"{r['n']} examples of {Path(r['source']).name}"
+            if r.get("examples_per_s"):
+                over += f", {r['examples_per_s']:,.1f} examples/s"
             rows = [("acc", f"{r['acc']:.4f}"), ("acc_norm", f"{r['acc_norm']:.4f}")]
         for i, (metric, value) in enumerate(rows):
             lines.append(f"{task:<{width}} {metric:<{metric_width}} {value:>10}  {over if i == 0 else ''}".rstrip())
