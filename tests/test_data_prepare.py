@@ -433,4 +433,4 @@ def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     assert "60 documents" in r.stdout and "bpe tokenizer" in r.stdout
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
     r = run_cli("prepare", "files", str(tmp_path / "nothing"), "--out", str(tmp_path / "e"))
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
