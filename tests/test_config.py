@@ -106,7 +106,7 @@ def test_every_default_and_shipped_preset_is_in_range():
 
 @pytest.mark.parametrize("override, message", [
     ("log.interval=0", "log.interval = 0 is out of range; it must be >= 1"),
-    ("train.lr=0", "train.lr = 0.0 is out of range; it must be > 0"),
+    ("train.lr=-1", "train.lr = -1.0 is out of range; it must be >= 0"),
     ("train.lr=nan", "train.lr = nan is out of range"),
     ("train.lr=inf", "train.lr = inf is out of range"),
     ("model.dropout=1", "model.dropout = 1.0 is out of range; it must be in [0, 1)"),

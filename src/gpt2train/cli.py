@@ -441,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
 def accept_debug_everywhere(parser: argparse.ArgumentParser):
     """`--debug` after the command too (`gpt2train train ... --debug`). SUPPRESS: a subcommand that is not
     given the flag leaves the top level's value alone instead of resetting it to False."""
-    for action in parser._subparsers._group_actions if parser._subparsers else []:
-        for child in action.choices.values():
+    for action in parser._actions:
+        for child in (action.choices.values() if isinstance(action, argparse._SubParsersAction) else ()):
             child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             accept_debug_everywhere(child)
 

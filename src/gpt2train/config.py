@@ -147,7 +147,7 @@ RANGES: dict[str, Range] = {
     "train.seq_len": at_least(0),
     "train.total_batch_tokens": at_least(0),
     "train.max_steps": at_least(1),
-    "train.lr": above(0),
+    "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
     "train.decay_fraction": between(0, 1),
