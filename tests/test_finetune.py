@@ -127,7 +127,7 @@ def test_resume_from_an_import_hf_checkpoint_says_to_use_init_from(gpt2_data, hf
     assert "--set train.init_from=" in message
     r = run_cli("train", "--config", "configs/shakespeare-cpu.toml", "--out", str(tmp_path / "cli"), "--resume",
                 str(tmp_path / "imported"), "--set", f"data.dir={gpt2_data}", "--set", "train.device=cpu")
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert "train.init_from" in r.stderr
 
 
@@ -137,7 +137,7 @@ def test_a_hub_name_offline_without_a_cache_is_one_line(gpt2_data, tmp_path):
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     r = run_cli("train", "--config", str(config), "--out", str(tmp_path / "run"), "--set",
                 "train.init_from=someone/not-cached", env=offline)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: someone/not-cached is not a local folder"), r.stderr
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
-from gpt2train.generate import TextStream, filter_logits, generate, generate_batch, generate_stream
+from gpt2train.generate import TextStream, filter_logits, generate, generate_batch, generate_stream, sample_next
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -100,6 +100,13 @@ def test_sampling_is_reproducible_with_a_seed_and_stays_in_vocab():
 # ---------------------------------------------------------------- prompts, EOT, batches
 
 
+def test_a_tiny_positive_temperature_draws_the_argmax_instead_of_failing_on_nan():
+    # Found by tests/test_properties_config.py: --temperature 4e-286 made logits / T infinite and multinomial raise.
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]])
+    for temperature in (4e-286, 1e-30, 1e-6):
+        assert sample_next(logits, temperature, top_k=0, top_p=1.0, generator=None).flatten().tolist() == [1, 0]
+
+
 def test_generation_stops_after_eot():
     model = tiny_model()
     free = generate(model, [5, 6], 12, temperature=0)
@@ -167,4 +174,4 @@ def test_sample_command_streams_several_samples(tmp_path):
     assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
     assert "tok/s" in result.stderr
     bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
-    assert bad.returncode == 2 and bad.stderr.strip() == "error: --num-samples 0: must be at least 1"
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: argument --num-samples: 0 is out of range")

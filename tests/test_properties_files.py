@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis): generated malformed files thrown at `prepare` and at the readers of
-prepared data and checkpoints. Each call either succeeds or fails in one line (`error: ...` and status 2 for
+prepared data and checkpoints. Each call either succeeds or fails in one line (`error: ...` and status 1 for
 the CLI, a one-line ValueError/OSError for the library), never with a traceback; prepare writes nothing
 outside its output folder and leaves a dataset already there untouched when it fails.
 
@@ -132,7 +132,7 @@ def assert_one_error_line(status: int, stderr: str) -> None:
     assert "Traceback" not in stderr, stderr
     if status == 0:
         return
-    assert status == 2, (status, stderr)
+    assert status == 1, (status, stderr)  # a failure found while working (2 is for bad arguments)
     lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and lines[-1] == errors[0], stderr  # tqdm's bar may come before it

@@ -352,6 +352,6 @@ def test_cli_report_command(tmp_path, capsys):
     assert cli.main(["report", str(run_dir), "--out", str(tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "out" / "report.html")
 
-    assert cli.main(["report", str(tmp_path / "nope")]) == 2
+    assert cli.main(["report", str(tmp_path / "nope")]) == 1  # a missing run, found while working
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1

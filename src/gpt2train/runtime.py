@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2train.config import Config, ConfigError
+from gpt2train.config import Config, ConfigError, validate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,9 +31,10 @@ def use_expandable_segments():
 
 
 def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | None = None) -> Config:
-    """A copy with the "take it from elsewhere" shapes made concrete: model.vocab_size 0 -> the data's
-    vocabulary (else `default_vocab`), train.seq_len 0 -> model.block_size. One-line ConfigError otherwise."""
-    cfg = copy.deepcopy(cfg)
+    """A checked copy (config.validate: a Config built in code meets the same rules as a file) with the
+    "take it from elsewhere" shapes made concrete: model.vocab_size 0 -> the data's vocabulary (else
+    `default_vocab`), train.seq_len 0 -> model.block_size. One-line ConfigError otherwise."""
+    cfg = validate(copy.deepcopy(cfg))
     if cfg.model.vocab_size <= 0:
         if data_vocab is None and default_vocab is None:
             raise ConfigError("model.vocab_size = 0 takes the vocabulary from the prepared data, and there is none; "
@@ -42,10 +43,8 @@ def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | Non
     elif data_vocab is not None and cfg.model.vocab_size < data_vocab:
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({data_vocab}); set it to {data_vocab} or 0 (from the data)")
-    if cfg.train.seq_len == 0:
+    if cfg.train.seq_len == 0:  # validate() has checked a non-zero one against block_size
         cfg.train.seq_len = cfg.model.block_size
-    if cfg.train.seq_len > cfg.model.block_size:
-        raise ConfigError(f"train.seq_len = {cfg.train.seq_len} exceeds model.block_size = {cfg.model.block_size}")
     return cfg
 
 

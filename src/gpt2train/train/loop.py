@@ -18,7 +18,7 @@ import torch
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import newest_checkpoint
-from gpt2train.config import Config, save_config
+from gpt2train.config import Config, save_config, validate
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.devices import peak_flops
@@ -44,6 +44,10 @@ def seed_everything(seed: int):
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
         self.run_dir = Path(run_dir) if run_dir else None
+        # The inputs first: a bad config or missing data stops here, before the run directory is made or locked.
+        # The data's tokenizer sizes the model (vocab_size 0).
+        validate(cfg)
+        self.data_meta = load_meta(cfg.data.dir)
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
@@ -56,8 +60,7 @@ class Trainer:
             raise
 
     def _build(self, cfg: Config, resume: str | None):
-        # Data first: the tokenizer's vocabulary sizes the model. Then what the config means on this device.
-        self.data_meta = load_meta(cfg.data.dir)
+        # The weights' source may set the model's shape; then what the config means on this device.
         cfg = copy.deepcopy(cfg)
         init_weights = init_from.prepare(cfg, self.run_dir, resume)  # the source's shape goes into cfg.model
         self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))

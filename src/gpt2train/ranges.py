@@ -1,0 +1,58 @@
+"""Ranges of allowed numbers, and the device names, shared by the config's keys and the CLI's arguments.
+
+A Range answers `value in allowed` and reads as the phrase an error shows (">= 1", "in [0, 1)"), so a
+key and an argument with the same meaning take and refuse the same numbers, in the same words.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Range:
+    """An interval of allowed numbers; `str()` is the phrase an error shows (">= 1", "in [0, 1)")."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is excluded
+    high_open: bool = False
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):  # TOML and float() read nan and inf
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+def at_least(low: float) -> Range:
+    return Range(low)
+
+
+def above(low: float) -> Range:
+    return Range(low, low_open=True)
+
+
+def between(low: float, high: float, low_open: bool = False, high_open: bool = False) -> Range:
+    return Range(low, high, low_open, high_open)
+
+
+# What train.device and every --device of a model-running command take (torch.device takes more, and
+# fails on some of it only later, with its own message).
+DEVICE_NAMES = "auto, cpu, cuda, cuda:N or mps"
+
+
+def is_device_name(name: str) -> bool:
+    return re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name) is not None
+
+
+# NumPy takes seeds below 2**32; the trainer adds the rank and 1, sampling the sample's index.
+SEEDS = between(0, 2**31 - 1)
