@@ -64,7 +64,9 @@ def test_accumulation_fills_the_step():
 def test_steps_and_epochs_from_meta(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 50257, "tokens": {"train": 1_000_000, "val": 5_000}}))
+    meta = {"vocab_size": 50257, "tokens": {"train": 1_000_000, "val": 5_000}, "shards": {"train": [], "val": []},
+            "tokenizer": {"kind": "gpt2"}}
+    (data / "meta.json").write_text(json.dumps(meta))
     cfg = gpt2_config(micro_batch=4, total_batch_tokens=0, max_steps=500)  # one micro-batch: 4096 tokens/step
     cfg.model.vocab_size = 0  # taken from meta.json
     plan = P.make_plan(cfg, P.find_device("cpu"), data_dir=str(data), runs_dir=tmp_path)

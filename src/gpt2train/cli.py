@@ -17,11 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
-
-
-class UsageError(ValueError):
-    """A bad argument that only a command can see (argparse checks the rest): exit status 2, like argparse."""
+from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, UsageError, above, at_least, between, is_device_name
 
 
 def ranged(kind: type, allowed: Range):

@@ -159,6 +159,7 @@ RANGES: dict[str, Range] = {
     "train.beta2": between(0, 1, high_open=True),
     "train.eps": above(0),
     "train.grad_clip": at_least(0),
+    "train.collective_timeout_s": above(0),
     "eval.interval": at_least(0),
     "eval.val_batches": at_least(0),
     "eval.hellaswag_interval": at_least(0),

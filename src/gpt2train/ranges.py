@@ -1,4 +1,5 @@
-"""Ranges of allowed numbers, and the device names, shared by the config's keys and the CLI's arguments.
+"""Ranges of allowed numbers, and the device names, shared by the config's keys and the CLI's arguments;
+UsageError, for a bad argument that only the code running a command can see.
 
 A Range answers `value in allowed` and reads as the phrase an error shows (">= 1", "in [0, 1)"), so a
 key and an argument with the same meaning take and refuse the same numbers, in the same words.
@@ -9,6 +10,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+
+class UsageError(ValueError):
+    """A bad argument that only a command can see (argparse checks the rest): exit status 2, like argparse."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from gpt2train.eval import rank_and_world
 from gpt2train.generate import generate_stream
+from gpt2train.ranges import UsageError
 
 PREFIX = "lm-eval:"  # how --tasks names a harness task
 MISSING = "lm-evaluation-harness is not installed: pip install 'gpt2train[eval]' (or pip install lm-eval)"
@@ -195,7 +196,7 @@ def check_task_names(manager, names: list[str]) -> None:
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known and not n.endswith((".yaml", ".yml"))]
     if unknown:
-        raise ValueError(f"unknown lm-eval task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, "
+        raise UsageError(f"unknown lm-eval task {unknown[0]!r}; `lm-eval ls tasks` lists the harness's tasks, "
                          "--lm-eval-include DIR adds a folder of task YAMLs")
 
 
