@@ -8,7 +8,15 @@ import torch
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
-from gpt2train.generate import Decoder, TextStream, filter_logits, generate, generate_batch, generate_stream
+from gpt2train.generate import (
+    Decoder,
+    TextStream,
+    filter_logits,
+    generate,
+    generate_batch,
+    generate_stream,
+    store_weights_column_major,
+)
 from gpt2train.model import GPT, GPTConfig, KVCache
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
 
@@ -176,6 +184,20 @@ def test_padding_mask_isolates_rows(attention):
     torch.testing.assert_close(logits[0][0], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def test_column_major_weights_change_nothing_but_the_memory_order():
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7]]
+    idx = torch.randint(0, 70, (2, 9))
+    with torch.no_grad():
+        before, greedy = model(idx), generate_batch(model, prompts, 10, temperature=0)
+    store_weights_column_major(model)
+    assert not model.lm_head.weight.is_contiguous() and model.lm_head.weight.t().is_contiguous()
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
+    assert generate_batch(model, prompts, 10, temperature=0) == greedy
+
+
 @pytest.mark.slow  # compiling takes ~20 s on 2 cores
 def test_compiled_decode_step_equals_eager_greedy():
     model = tiny_model()
@@ -184,7 +206,7 @@ def test_compiled_decode_step_equals_eager_greedy():
     compiled = generate_batch(model, prompts, 6, temperature=0, decoder=decoder)
     assert decoder.path.startswith("compiled"), decoder.path
     assert compiled == generate_batch(model, prompts, 6, temperature=0, decoder=Decoder(model, compile=False))
-    assert decoder.describe(2) == "decode: compiled (default), KV cache, batch 2"
+    assert decoder.describe(2) == "decode: compiled (default), KV cache, column-major weights, batch 2"
 
 
 def test_training_mode_is_restored():
@@ -219,6 +241,6 @@ def test_sample_command_prints_several_samples(tmp_path):
                      "--max-new-tokens", "5", "--temperature", "1.0")
     assert result.returncode == 0, result.stderr
     assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
-    assert "tok/s" in result.stderr and "decode: eager, KV cache, batch 2" in result.stderr
+    assert "tok/s" in result.stderr and "decode: eager, KV cache, column-major weights, batch 2" in result.stderr
     bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --num-samples 0: must be at least 1"
