@@ -8,8 +8,17 @@ import torch
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
-from gpt2train.generate import TextStream, filter_logits, generate, generate_batch, generate_stream, sample_next
-from gpt2train.model import GPT, GPTConfig
+from gpt2train.generate import (
+    Decoder,
+    TextStream,
+    filter_logits,
+    generate,
+    generate_batch,
+    generate_stream,
+    sample_next,
+    store_weights_column_major,
+)
+from gpt2train.model import GPT, GPTConfig, KVCache
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
 
 INF = float("-inf")
@@ -132,12 +141,80 @@ def test_long_prompt_is_cropped_with_a_warning():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_batch_of_prompts_of_different_lengths(device):
-    """Batched generation (left-padded prompts, one KV cache) gives each prompt's own greedy continuation."""
+    """Batched generation (left-padded prompts, one KV cache) gives each prompt's own greedy continuation,
+    also once the context is full (30 new tokens in a 16-token context: the sliding window)."""
     model = tiny_model().to(device)
     prompts = [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10]]
-    assert generate_batch(model, prompts, 8, temperature=0) == [generate(model, p, 8, temperature=0) for p in prompts]
+    for new_tokens in (8, 30):
+        want = [generate(model, p, new_tokens, temperature=0) for p in prompts]
+        assert generate_batch(model, prompts, new_tokens, temperature=0) == want
+
+
+def test_sampled_batch_is_reproducible_with_a_seed():
+    """One generator draws the whole batch (not seed + i per row, which cost one draw per row and step):
+    the batch is reproducible as a whole, and a batch of one is the prompt's own seeded sample."""
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7], [8, 9, 10]]
     sampled = generate_batch(model, prompts, 8, temperature=1.0, seed=11)
-    assert sampled == [generate(model, p, 8, temperature=1.0, seed=11 + i) for i, p in enumerate(prompts)]
+    assert sampled == generate_batch(model, prompts, 8, temperature=1.0, seed=11)
+    assert sampled != generate_batch(model, prompts, 8, temperature=1.0, seed=12)
+    assert generate_batch(model, prompts[1:2], 8, temperature=1.0, seed=11) == [
+        generate(model, prompts[1], 8, temperature=1.0, seed=11)]
+
+
+def test_batch_rows_stop_at_their_own_eot():
+    model = tiny_model()
+    prompts = [[5, 6], [1, 2, 3]]
+    free = generate_batch(model, prompts, 12, temperature=0)
+    eot = free[0][3]
+    stopped = generate_batch(model, prompts, 12, temperature=0, eot_id=eot)
+    assert stopped == [row[: row.index(eot) + 1] if eot in row else row for row in free]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "naive"])
+def test_padding_mask_isolates_rows(attention):
+    """What sits in a padded slot never reaches a real token: other pad ids give the same logits."""
+    model = tiny_model(attention)
+    idx = torch.tensor([[0, 0, 0, 4, 5, 6], [1, 2, 3, 4, 5, 6]])
+    real = torch.tensor([[False] * 3 + [True] * 3, [True] * 6])
+    logits = []
+    for pad in (0, 7, 42):
+        idx[0, :3] = pad
+        cache = KVCache(model.config, 2, 8, "cpu", torch.float32)
+        with torch.no_grad():
+            prefill = model(idx, kv_cache=cache, padding_mask=real)
+            step = model(torch.tensor([[9], [9]]), kv_cache=cache)
+        logits.append(torch.cat([prefill[:, 3:], step], dim=1))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    # The padded row is the 3-token prompt alone, at positions 0, 1, 2 (then 3).
+    with torch.no_grad():
+        alone = model(torch.tensor([[4, 5, 6, 9]]))
+    torch.testing.assert_close(logits[0][0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_column_major_weights_change_nothing_but_the_memory_order():
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7]]
+    idx = torch.randint(0, 70, (2, 9))
+    with torch.no_grad():
+        before, greedy = model(idx), generate_batch(model, prompts, 10, temperature=0)
+    store_weights_column_major(model)
+    assert not model.lm_head.weight.is_contiguous() and model.lm_head.weight.t().is_contiguous()
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
+    assert generate_batch(model, prompts, 10, temperature=0) == greedy
+
+
+@pytest.mark.slow  # compiling takes ~20 s on 2 cores
+def test_compiled_decode_step_equals_eager_greedy():
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7]]
+    decoder = Decoder(model, compile=True)
+    compiled = generate_batch(model, prompts, 6, temperature=0, decoder=decoder)
+    assert decoder.path.startswith("compiled"), decoder.path
+    assert compiled == generate_batch(model, prompts, 6, temperature=0, decoder=Decoder(model, compile=False))
+    assert decoder.describe(2) == "decode: compiled (default), KV cache, column-major weights, batch 2"
 
 
 def test_training_mode_is_restored():
@@ -161,7 +238,7 @@ def test_text_stream_holds_back_split_characters():
 # ---------------------------------------------------------------- the sample command
 
 
-def test_sample_command_streams_several_samples(tmp_path):
+def test_sample_command_prints_several_samples(tmp_path):
     tok = CharTokenizer("abcdefgh \n")
     cfg = Config()
     cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=tok.vocab_size)
@@ -172,6 +249,6 @@ def test_sample_command_streams_several_samples(tmp_path):
                      "--max-new-tokens", "5", "--temperature", "1.0")
     assert result.returncode == 0, result.stderr
     assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
-    assert "tok/s" in result.stderr
+    assert "tok/s" in result.stderr and "decode: eager, KV cache, column-major weights, batch 2" in result.stderr
     bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: argument --num-samples: 0 is out of range")

@@ -165,7 +165,7 @@ def test_kv_cache_gives_the_full_forward_logits(attention):
     pieces = [model(idx[:, :5], kv_cache=cache)] + [model(idx[:, t : t + 1], kv_cache=cache) for t in range(5, 16)]
     assert cache.length == 16
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="exceeds block_size"):
+    with pytest.raises(ValueError, match="exceeds the KV cache"):
         model(idx[:, :1], kv_cache=cache)
 
 

@@ -122,7 +122,7 @@ def default_run_dir(config: str | None) -> Path:
 def cmd_sample(args) -> int:
     from gpt2train.checkpoint import load_model
     from gpt2train.distributed import resolve_device
-    from gpt2train.generate import TextStream, generate_stream
+    from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream
     from gpt2train.tokenizer import tokenizer_from_spec
 
     device = resolve_device(args.device)
@@ -131,20 +131,27 @@ def cmd_sample(args) -> int:
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
     print(f"device: {device}", file=sys.stderr)  # once the inputs are known good: errors stay one line
+    decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
+                   seed=args.seed, decoder=decoder)
     start, n = time.perf_counter(), 0
-    for i in range(args.num_samples):  # sample i uses seed + i: each one is reproducible on its own
-        if args.num_samples > 1:
-            print(("\n" if i else "") + f"--- sample {i + 1} of {args.num_samples}", flush=True)
+    if args.num_samples == 1:  # one sample streams, token by token
         print(prompt, end="", flush=True)
         text = TextStream(tok)
-        for token in generate_stream(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                     top_p=args.top_p, eot_id=tok.eot_id, seed=args.seed + i):
+        for token in generate_stream(model, ids, args.max_new_tokens, **options):
             n += 1
             if token != tok.eot_id:
                 print(text.push(token), end="", flush=True)
         print(text.flush(), end="", flush=True)
+    else:  # several: one batch, printed when all are done
+        samples = generate_batch(model, [ids] * args.num_samples, args.max_new_tokens, **options)
+        for i, new in enumerate(samples):
+            n += len(new)
+            print(("\n" if i else "") + f"--- sample {i + 1} of {args.num_samples}", flush=True)
+            print(prompt + tok.decode([t for t in new if t != tok.eot_id]), end="", flush=True)
     elapsed = time.perf_counter() - start
     print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    print(decoder.describe(args.num_samples), file=sys.stderr)
     return 0
 
 
@@ -235,6 +242,24 @@ def cmd_bench(args) -> int:
     result = run_journey(options, out)
     print(result.markdown)
     print(f"wrote {out}/journey.md, journey.json, journey.png")
+    return 0
+
+
+def cmd_bench_generate(args) -> int:
+    from gpt2train.bench.generate import GenerateOptions, run_generate_bench
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers separated by commas, e.g. 1,8") from None
+    options = GenerateOptions(model=args.model, device=args.device, batch_sizes=batch_sizes,
+                              prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
+                              compile={"auto": "auto", "true": True, "false": False}[args.compile],
+                              compare_hf=not args.no_hf, threads=args.threads)
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-generate-%Y%m%d-%H%M%S.json")
+    result = run_generate_bench(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}")
     return 0
 
 
@@ -333,10 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=PROBABILITY_MASS, default=1.0, help="nucleus: the likeliest tokens holding "
                    "this probability, in (0, 1] (1: all)")
-    p.add_argument("--seed", type=SEED, default=1337, help="sample i uses seed + i")
+    p.add_argument("--seed", type=SEED, default=1337, help="makes the sample (all of them together) reproducible")
     p.add_argument("--num-samples", type=ranged(int, between(1, 10_000)), default=1,
-                   help="how many continuations of the prompt")
+                   help="how many continuations of the prompt, generated as one batch (1 streams)")
     p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help="compile the decode step (auto: on CUDA, as a CUDA graph; eager on a CPU, where it is faster)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
@@ -417,6 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--out", help="output folder (default runs/bench-<time>)")
     j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
     j.set_defaults(func=cmd_bench)
+    g = bench.add_parser("generate", help="time to first token, decode tok/s, bandwidth use; against transformers")
+    g.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
+    g.add_argument("--prompt-tokens", type=int, default=8, help="prompt length (default 8)")
+    g.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
+    g.add_argument("--repeats", type=int, default=2, help="timed runs of each, alternating (default 2)")
+    g.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
+    g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
+    g.set_defaults(func=cmd_bench_generate)
 
     p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
     p.add_argument("--config", help=CONFIG_HELP)

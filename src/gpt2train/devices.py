@@ -1,6 +1,7 @@
-"""The accelerators we know: one table of name, memory and dense peak FLOP/s, and its lookups.
+"""The accelerators we know: one table of name, memory, dense peak FLOP/s and memory bandwidth, and its lookups.
 
-MFU (the trainer's, the bench's) divides by a peak from here; `gpt2train plan` takes a device's memory
+MFU (the trainer's, the bench's) divides by a peak from here, and decoding's bandwidth utilization
+(`gpt2train bench generate`) by a bandwidth from here; `gpt2train plan` takes a device's memory
 and peak from here, and assumes ASSUMED_GPU_MFU when nothing measured is at hand. This module knows
 nothing else of gpt2train: it imports torch only.
 """
@@ -36,6 +37,7 @@ class Device:
     memory_bytes: int | None  # per device (the marketed capacity); None: not in the table, plan cannot use it
     peaks: Peaks | None  # None: no peak known (a CPU, an unknown GPU)
     aliases: tuple[str, ...] = ()  # other names `plan --device` accepts (compared without case, spaces or dashes)
+    bandwidth: float | None = None  # peak memory bandwidth in bytes/s (data sheet); None: unknown (a CPU)
 
     @property
     def is_gpu(self) -> bool:
@@ -44,25 +46,30 @@ class Device:
 
 # The rows with a memory size are the ones `plan --device` offers (the first A100/H100 alias is the
 # family's default model). The others are known by their peak only, for MFU on whatever GPU a run gets.
+# Bandwidths (bytes/s) are the NVIDIA data sheets' figures: A100 (40GB SXM 1,555 GB/s, 80GB SXM 2,039 GB/s),
+# H100 (SXM 3.35 TB/s, PCIe 2.0 TB/s, NVL 3.9 TB/s), H200 (4.8 TB/s), L4 (300 GB/s), L40/L40S (864 GB/s),
+# A10/A10G (600 GB/s), V100 SXM2 (900 GB/s), T4 (320 GB/s); GeForce RTX 4090 (1,008 GB/s) and 3090 (936 GB/s)
+# from NVIDIA's GeForce specifications.
 DEVICES: tuple[Device, ...] = (
     Device("A100 40GB", "A100", 40 * GiB, Peaks(312e12, 156e12, 19.5e12),
-           ("a100-40gb", "a100-sxm4-40gb", "a100-pcie-40gb")),
+           ("a100-40gb", "a100-sxm4-40gb", "a100-pcie-40gb"), bandwidth=1555e9),
     Device("A100 80GB", "A100", 80 * GiB, Peaks(312e12, 156e12, 19.5e12),
-           ("a100", "a100-sxm4-80gb", "a100-pcie-80gb")),
-    Device("H100 80GB", "H100", 80 * GiB, Peaks(989e12, 494e12, 67e12), ("h100", "h100-sxm", "h100-80gb-hbm3")),
-    Device("H200 141GB", "H200", 141 * GiB, Peaks(989e12, 494e12, 67e12), ("h200",)),
-    Device("L4 24GB", "L4", 24 * GiB, Peaks(121e12, 60e12, 30.3e12), ("l4",)),
+           ("a100", "a100-sxm4-80gb", "a100-pcie-80gb"), bandwidth=2039e9),
+    Device("H100 80GB", "H100", 80 * GiB, Peaks(989e12, 494e12, 67e12), ("h100", "h100-sxm", "h100-80gb-hbm3"),
+           bandwidth=3.35e12),
+    Device("H200 141GB", "H200", 141 * GiB, Peaks(989e12, 494e12, 67e12), ("h200",), bandwidth=4.8e12),
+    Device("L4 24GB", "L4", 24 * GiB, Peaks(121e12, 60e12, 30.3e12), ("l4",), bandwidth=300e9),
     Device("RTX 4090 24GB", "RTX 4090", 24 * GiB, Peaks(165e12, 82.6e12, 82.6e12),
-           ("rtx4090", "4090", "geforce-rtx-4090")),
-    Device("H100 PCIe", "H100 PCIe", None, Peaks(756e12, 378e12, 51e12)),
-    Device("H100 NVL", "H100 NVL", None, Peaks(835e12, 418e12, 60e12)),
-    Device("L40S", "L40S", None, Peaks(362e12, 183e12, 91.6e12)),
-    Device("L40", "L40", None, Peaks(181e12, 90.5e12, 90.5e12)),
-    Device("A10G", "A10G", None, Peaks(70e12, 35e12, 31.2e12)),
-    Device("A10", "A10", None, Peaks(125e12, 62.5e12, 31.2e12)),
-    Device("RTX 3090", "RTX 3090", None, Peaks(71e12, 35.6e12, 35.6e12)),
-    Device("V100", "V100", None, Peaks(125e12, 15.7e12, 15.7e12)),  # no bf16: the fp16 tensor-core peak
-    Device("T4", "T4", None, Peaks(65e12, 8.1e12, 8.1e12)),  # likewise fp16
+           ("rtx4090", "4090", "geforce-rtx-4090"), bandwidth=1008e9),
+    Device("H100 PCIe", "H100 PCIe", None, Peaks(756e12, 378e12, 51e12), bandwidth=2.0e12),
+    Device("H100 NVL", "H100 NVL", None, Peaks(835e12, 418e12, 60e12), bandwidth=3.9e12),
+    Device("L40S", "L40S", None, Peaks(362e12, 183e12, 91.6e12), bandwidth=864e9),
+    Device("L40", "L40", None, Peaks(181e12, 90.5e12, 90.5e12), bandwidth=864e9),
+    Device("A10G", "A10G", None, Peaks(70e12, 35e12, 31.2e12), bandwidth=600e9),
+    Device("A10", "A10", None, Peaks(125e12, 62.5e12, 31.2e12), bandwidth=600e9),
+    Device("RTX 3090", "RTX 3090", None, Peaks(71e12, 35.6e12, 35.6e12), bandwidth=936e9),
+    Device("V100", "V100", None, Peaks(125e12, 15.7e12, 15.7e12), bandwidth=900e9),  # no bf16: the fp16 tensor-core peak
+    Device("T4", "T4", None, Peaks(65e12, 8.1e12, 8.1e12), bandwidth=320e9),  # likewise fp16
 )
 
 
@@ -107,7 +114,8 @@ def describe(device: torch.device) -> Device:
     gpu_name = torch.cuda.get_device_name(device)
     row = match_gpu(gpu_name)
     memory = torch.cuda.get_device_properties(device).total_memory
-    return Device(gpu_name, gpu_name, memory, row.peaks if row else None)
+    return Device(gpu_name, gpu_name, memory, row.peaks if row else None,
+                  bandwidth=row.bandwidth if row else None)
 
 
 def detect_device() -> Device:

@@ -1,12 +1,17 @@
 """Sampling from a trained model with a KV cache: each new token costs one position, not the whole prefix.
 
-One prompt at a time. `generate_batch` continues several prompts by running them one after another:
-prompts of different lengths then need no padding, attention masks or per-row positions, and every
-row gives exactly what it gives alone. (Batching rows would be faster on a GPU; sampling is not where
-this project spends its time.)
+Several prompts (or several samples of one) run as one batch: the prompts are left-padded to a common
+length, and the KV cache keeps a padding mask and per-row positions, so every row is continued exactly as
+it would be alone (the same greedy tokens; see model.KVCache). Each step is one forward of (B, 1) new ids.
+A prompt is read in one forward (the prefill, whose length varies), then every step feeds one id per row
+(the decode step, always the same shapes): that step can be compiled once, on CUDA as a CUDA graph.
+
+Seeded sampling: one torch.Generator draws the whole batch's tokens, so a batch is reproducible for a
+given seed; row i of a batch is not the sample that row alone would give with any seed (one draw per
+step for the batch costs a fraction of B draws of one row each on a GPU).
 
 When prompt + generated tokens fill the context (block_size), generation goes on with a sliding window
-of the last block_size tokens, recomputed without the cache, as nanoGPT does.
+of the last block_size tokens, recomputed at every step, as nanoGPT does.
 """
 
 from __future__ import annotations
@@ -54,61 +59,169 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator)
 
 
-@torch.no_grad()
-def generate_stream(model: GPT, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 1.0,
-                    top_k: int = 0, top_p: float = 1.0, eot_id: int | None = None, seed: int | None = None,
-                    use_cache: bool = True) -> Iterator[int]:
-    """Yield new token ids one at a time. temperature 0 means greedy. Stops after yielding eot_id, or
-    after max_new_tokens. seed makes sampling reproducible (None: torch's global generator).
+class Decoder:
+    """The decode step: logits (B, V) of the next token from one new id per row (B, 1) and the KV cache.
 
-    An empty prompt starts from EOT (as GPT-2 saw documents begin); a prompt longer than the context
-    is cropped to its last block_size tokens, with a warning. The model is in eval mode meanwhile.
+    Eager, or compiled once with torch.compile (its shapes never change: the cache is preallocated, the
+    input is (B, 1)): on CUDA in mode reduce-overhead, which replays the step as a CUDA graph instead of
+    launching ~100 small kernels. compile="auto" compiles on CUDA only: on a CPU the compiled step was
+    slower (docs/benchmarks.md, Generation). Where compiling fails, the step falls back to eager, with a
+    warning, and `path` says so. On a CPU (column_major="auto") the model's linear weights are first
+    stored column-major, in place (see store_weights_column_major).
+    """
+
+    def __init__(self, model: GPT, compile: bool | str = "auto", column_major: bool | str = "auto"):
+        self.model = model
+        self.device = next(model.parameters()).device
+        if compile == "auto":
+            compile = self.device.type == "cuda"
+        if column_major == "auto":
+            column_major = self.device.type == "cpu"
+        self.column_major = bool(column_major)
+        if self.column_major:
+            store_weights_column_major(model)
+        self.compiled = None
+        self.path = "eager"
+        if compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self.compiled = torch.compile(self.eager_step, mode=mode, fullgraph=True, dynamic=False)
+            self.path = f"compiled ({mode})"
+        self._static_cache = None
+
+    def eager_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        return self.model(ids, kv_cache=cache, last_only=True)[:, -1]
+
+    def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if self.compiled is None:
+            return self.eager_step(ids, cache)
+        if cache is not self._static_cache:  # CUDA graphs may update a tensor in place only at a fixed address
+            for t in (cache.k, cache.v, cache.real, cache.filled):
+                torch._dynamo.mark_static_address(t)
+            self._static_cache = cache
+        try:
+            if self.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
+            return self.compiled(ids, cache)
+        except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported backend...: eager still works
+            warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=2)
+            self.compiled, self.path = None, "eager (compile failed)"
+            return self.eager_step(ids, cache)
+
+    def cache_size(self, needed: int) -> int:
+        """Slots to preallocate: eagerly, what this generation needs (attention reads every slot); compiled,
+        that rounded up to a multiple of 128, so that generations of other lengths mostly reuse a compiled
+        step. (The whole context, one shape for all, made the compiled step on a CPU 5x slower.)"""
+        if self.compiled is None:
+            return needed
+        return min(self.model.config.block_size, -(-needed // 128) * 128)
+
+    def describe(self, batch_size: int) -> str:
+        layout = ", column-major weights" if self.column_major else ""
+        return f"decode: {self.path}, KV cache{layout}, batch {batch_size}"
+
+
+def store_weights_column_major(model: GPT) -> GPT:
+    """Store every linear weight (out, in) as the transpose of a contiguous (in, out) matrix, in place: the
+    same values and shapes, another memory order. A matmul of one row (a decode step of batch 1) then
+    streams the weight ~1.7x faster on a CPU (MKL's x @ W for a contiguous W beats its x @ W^T; measured on
+    GPT-2's lm_head, docs/benchmarks.md): 25 -> 33 tokens/s for GPT-2 124M. Batches of 8 gain nothing and
+    lose nothing. For a model that only generates: `.contiguous()` a weight before saving it elsewhere."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
+    return model
+
+
+def left_padded(prompts: list[list[int]], block_size: int, eot_id: int | None,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as (B, T) ids, left-padded with 0 to the longest, and (B, T) booleans, False at the padding.
+
+    An empty prompt starts from EOT (as GPT-2 saw documents begin); a prompt longer than the context is
+    cropped to its last block_size tokens, with a warning.
+    """
+    rows = []
+    for ids in prompts:
+        if not ids:
+            if eot_id is None:
+                raise ValueError("an empty prompt needs the tokenizer's end-of-text id to start from")
+            ids = [eot_id]
+        if len(ids) > block_size:
+            warnings.warn(f"prompt of {len(ids)} tokens cropped to its last {block_size} (the model's context)",
+                          stacklevel=4)
+            ids = ids[-block_size:]
+        rows.append(ids)
+    T = max(len(ids) for ids in rows)
+    tokens = torch.tensor([[0] * (T - len(ids)) + ids for ids in rows], dtype=torch.long, device=device)
+    real = torch.tensor([[False] * (T - len(ids)) + [True] * len(ids) for ids in rows], device=device)
+    return tokens, real
+
+
+@torch.no_grad()
+def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eot_id: int | None = None, seed: int | None = None,
+                 use_cache: bool = True, decoder: Decoder | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next id of every prompt's row, (B,), step by step: max_new_tokens steps, or fewer once
+    every row has produced eot_id (a row's ids after its eot_id are to be ignored). temperature 0 means
+    greedy; seed makes sampling reproducible (None: torch's global generator). use_cache=False recomputes
+    the whole window at each step (a reference; one prompt only). The model is in eval mode meanwhile.
     """
     cfg = model.config
     param = next(model.parameters())
-    if not prompt_ids:
-        if eot_id is None:
-            raise ValueError("an empty prompt needs the tokenizer's end-of-text id to start from")
-        prompt_ids = [eot_id]
-    if len(prompt_ids) > cfg.block_size:
-        warnings.warn(f"prompt of {len(prompt_ids)} tokens cropped to its last {cfg.block_size} "
-                      f"(the model's context)", stacklevel=2)
-        prompt_ids = prompt_ids[-cfg.block_size:]
+    tokens, real = left_padded(prompts, cfg.block_size, eot_id, param.device)
+    B = tokens.size(0)
+    if not use_cache and not real.all():
+        raise ValueError("prompts of different lengths need the KV cache (its padding mask)")
     generator = torch.Generator(device=param.device).manual_seed(seed) if seed is not None else None
-    tokens = torch.tensor([prompt_ids], dtype=torch.long, device=param.device)  # (1, T)
-    cache = KVCache(cfg, 1, cfg.block_size, param.device, param.dtype) if use_cache else None
+    decoder = decoder or Decoder(model, compile=False, column_major=False)
+    # The last new token is never fed back: the cache needs prompt + max_new_tokens - 1 slots at most.
+    size = decoder.cache_size(min(cfg.block_size, tokens.size(1) + max_new_tokens - 1))
+    finished = torch.zeros(B, dtype=torch.bool, device=param.device)
     was_training = model.training
     model.eval()
     try:
-        new = tokens  # what the model has not seen yet: the prompt, then one token per step
+        cache, cached, next_ids = None, 0, None
         for _ in range(max_new_tokens):
-            if cache is not None and cache.length + new.size(1) > cfg.block_size:
-                cache = None  # the context is full: from here on, a sliding window without the cache
-            if cache is None:
-                new = tokens[:, -cfg.block_size:]
-            logits = model(new, kv_cache=cache)[:, -1, :]  # (1, V)
-            next_id = sample_next(logits, temperature, top_k, top_p, generator)  # (1, 1)
-            token = int(next_id)
-            yield token
-            if eot_id is not None and token == eot_id:
-                return
-            tokens = torch.cat([tokens, next_id], dim=1)
-            new = next_id
+            if cache is not None and cached < cache.size:
+                logits = decoder(next_ids, cache)  # (B, V); the last ids, contiguous: the same strides every step
+                cached += 1
+            elif use_cache:  # the prefill; or the context is full: the last block_size tokens, afresh
+                window, window_real = tokens[:, -cfg.block_size:], real[:, -cfg.block_size:]
+                cache = KVCache(cfg, B, size, param.device, param.dtype)
+                logits = model(window, kv_cache=cache, padding_mask=window_real, last_only=True)[:, -1]
+                cached = window.size(1)
+            else:
+                logits = model(tokens[:, -cfg.block_size:])[:, -1]
+            next_ids = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            yield next_ids[:, 0]
+            if eot_id is not None:
+                finished |= next_ids[:, 0] == eot_id
+                if finished.all():
+                    return
+            tokens = torch.cat([tokens, next_ids], dim=1)
+            real = torch.cat([real, torch.ones_like(next_ids, dtype=torch.bool)], dim=1)
     finally:
         model.train(was_training)
 
 
+def generate_stream(model: GPT, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> Iterator[int]:
+    """Yield one prompt's new token ids one at a time, stopping after eot_id; see generate_ids for the options."""
+    for next_ids in generate_ids(model, [prompt_ids], max_new_tokens, **kwargs):
+        yield int(next_ids[0])
+
+
 def generate(model: GPT, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
-    """The new token ids (not the prompt); see generate_stream for the options."""
+    """The new token ids (not the prompt); see generate_ids for the options."""
     return list(generate_stream(model, prompt_ids, max_new_tokens, **kwargs))
 
 
-def generate_batch(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, seed: int | None = None,
-                   **kwargs) -> list[list[int]]:
-    """New token ids for each prompt (any lengths), each continued on its own; row i uses seed + i, so a
-    row's sample does not depend on the other rows."""
-    return [generate(model, prompt, max_new_tokens, seed=None if seed is None else seed + i, **kwargs)
-            for i, prompt in enumerate(prompts)]
+def generate_batch(model: GPT, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[list[int]]:
+    """New token ids for each prompt (any lengths), all rows in one batch, each row ending at its eot_id.
+    Greedy rows equal each prompt's `generate`; a seeded batch is reproducible as a whole."""
+    eot_id = kwargs.get("eot_id")
+    steps = [ids.tolist() for ids in generate_ids(model, prompts, max_new_tokens, **kwargs)]
+    rows = [list(row) for row in zip(*steps)] if steps else [[] for _ in prompts]
+    return [row[: row.index(eot_id) + 1] if eot_id in row else row for row in rows]
 
 
 class TextStream:

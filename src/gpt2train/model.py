@@ -102,19 +102,52 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
 
 
 class KVCache:
-    """Keys and values of every layer for the tokens seen so far, preallocated to max_len."""
+    """Keys and values of every layer for the tokens seen so far, in `size` slots preallocated once.
 
-    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int, device, dtype):
-        shape = (cfg.n_layer, batch_size, cfg.n_head, max_len, cfg.n_embd // cfg.n_head)
+    Rows may be left-padded to a common length (several prompts in one batch): `real` marks the slots that
+    hold a real token, a token's position id is the count of real tokens before it in its row, and no query
+    attends to a padded slot. Every piece of state is a tensor updated in place, so a decode step has the
+    same shapes and addresses at every call: it compiles once (and can be captured as a CUDA graph).
+    """
+
+    def __init__(self, cfg: GPTConfig, batch_size: int, size: int, device, dtype):
+        if size > cfg.block_size:
+            raise ValueError(f"a KV cache of {size} slots exceeds block_size {cfg.block_size}")
+        shape = (cfg.n_layer, batch_size, cfg.n_head, size, cfg.n_embd // cfg.n_head)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.length = 0  # tokens already cached (the same for every layer once a forward ends)
+        self.real = torch.zeros(batch_size, size, dtype=torch.bool, device=device)  # False: padding or unused
+        self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots used, the same in every row
+        self.size = size
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        start, end = self.length, self.length + k.size(2)
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    @property
+    def length(self) -> int:
+        return int(self.filled)
+
+    def new_slots(self, T: int) -> torch.Tensor:
+        """The slots the T tokens of this forward go to (T,)."""
+        return self.filled + torch.arange(T, device=self.filled.device)
+
+    def start(self, padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record which of the T new tokens are real ((B, T), False at left padding); their position ids
+        (B, T) and the attention mask (B, 1, T, size): each query sees the real tokens up to itself."""
+        slots = self.new_slots(padding_mask.size(1))
+        self.real.index_copy_(1, slots, padding_mask)
+        positions = (self.real.cumsum(1) - 1).clamp(min=0).index_select(1, slots)
+        key = torch.arange(self.size, device=slots.device)
+        causal = key <= slots[:, None]  # (T, size)
+        # A padding query sees only itself: a row of the softmax with no key at all would be NaN, and NaN
+        # times a zero attention weight is still NaN in the rows that must not see it.
+        visible = causal & (self.real[:, None, :] | (key == slots[:, None]))  # (B, T, size)
+        return positions, visible[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys and values (B, nh, T, hs) into their slots; return all slots
+        (B, nh, size, hs): the unused ones are hidden by the mask."""
+        slots = self.new_slots(k.size(2))
+        self.k[layer].index_copy_(2, slots, k)
+        self.v[layer].index_copy_(2, slots, v)
+        return self.k[layer], self.v[layer]
 
 
 class CausalSelfAttention(nn.Module):
@@ -129,33 +162,29 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_mask None: causal over x alone (training). Else (B, 1, T, S) booleans over the cache's S slots."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        past = 0
         if kv_cache is not None:
-            past = kv_cache.length
-            k, v = kv_cache.append(self.layer, k, v)  # (B, nh, past + T, hs)
+            k, v = kv_cache.update(self.layer, k, v)  # (B, nh, S, hs)
         dropout = self.dropout if self.training else 0.0
         if self.attention == "sdpa":
-            if past == 0:
+            if attn_mask is None:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             else:
-                # SDPA's is_causal aligns the mask top-left; with cached keys the new queries sit at the end.
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(T, past, x.device))
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
         else:
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, past + T)
-            att = att.masked_fill(~_causal_mask(T, past, x.device), float("-inf"))
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, T or S)
+            if attn_mask is None:
+                attn_mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~attn_mask, float("-inf"))
             att = F.dropout(F.softmax(att, dim=-1), p=dropout, training=self.training)
             y = att @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
-
-
-def _causal_mask(T: int, past: int, device) -> torch.Tensor:
-    """Boolean (T, past + T) mask: query i (at position past + i) sees keys 0 .. past + i."""
-    return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(diagonal=past)
 
 
 class MLP(nn.Module):
@@ -179,8 +208,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, kv_cache: KVCache | None = None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -223,25 +252,40 @@ class GPT(nn.Module):
         """Parameters counted once (the tied lm_head is the token embedding); see parameter_count."""
         return parameter_count(self.config, non_embedding)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                padding_mask: torch.Tensor | None = None, last_only: bool = False):
         """idx (B, T) token ids -> logits (B, T, vocab_size); with targets (B, T), (logits, mean cross-entropy).
 
         With targets and config.loss_chunk > 0 the logits are never materialized, and None is returned
-        in their place. Targets of -1 are ignored. With a kv_cache, idx continues the cached tokens.
+        in their place. Targets of -1 are ignored. With a kv_cache, idx continues the cached tokens, and
+        padding_mask (B, T) marks the real ones (False: left padding; default all real). last_only: the
+        logits of the last position alone (B, 1, vocab_size), all that sampling needs.
         """
         B, T = idx.shape
-        past = kv_cache.length if kv_cache is not None else 0
-        if past + T > self.config.block_size:
-            raise ValueError(f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}")
-        pos = torch.arange(past, past + T, device=idx.device)
+        if kv_cache is None:
+            if padding_mask is not None:
+                raise ValueError("a padding_mask needs a kv_cache (which turns it into positions and a mask)")
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, device=idx.device)  # (T,)
+            attn_mask = None  # causal: the training path, SDPA's is_causal kernels
+        else:
+            if not torch.compiler.is_compiling() and kv_cache.length + T > kv_cache.size:
+                raise ValueError(f"sequence of {kv_cache.length + T} tokens exceeds the KV cache's "
+                                 f"{kv_cache.size} slots")
+            if padding_mask is None:
+                padding_mask = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+            pos, attn_mask = kv_cache.start(padding_mask)  # (B, T), (B, 1, T, S)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             if self.config.grad_checkpointing and self.training and kv_cache is None:
                 x = checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, kv_cache)
+                x = block(x, kv_cache, attn_mask)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.filled += T
+        if last_only:
+            x = x[:, -1:]
         x = self.transformer.ln_f(x)
 
         V = self.config.vocab_size

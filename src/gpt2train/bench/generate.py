@@ -1,0 +1,208 @@
+"""Generation speed: time to first token, decode tokens/s and memory-bandwidth use, against transformers.
+
+For each batch size, our `generate_ids` (KV cache, batched, the decode step compiled or not) and
+transformers' `GPT2LMHeadModel.generate` run one after the other on the same weights (random, of a preset's
+shape; exported with hf.export_hf and loaded offline), greedy, with `new_tokens` new tokens after a prompt
+of `prompt_tokens` random ids. Repeats alternate the two; the median of the repeats is reported.
+
+- time to first token: the prompt's forward (the prefill) and the first token's choice.
+- decode tokens/s: the tokens after the first, over the time after the first (all rows counted).
+- bandwidth: a decode step must read every weight once, and the keys and values its attention reads
+  (ours reads the whole preallocated cache; transformers' the tokens so far); bytes per step x steps per
+  second, against the device's peak bandwidth (devices.py; unknown for a CPU).
+
+Without transformers installed, our rows alone are measured and the comparison says why it is missing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2train.devices import describe
+from gpt2train.distributed import resolve_device
+from gpt2train.generate import Decoder, generate_ids
+from gpt2train.hf import export_hf
+from gpt2train.model import GPT, matmul_parameter_count, preset_config
+
+
+@dataclass
+class GenerateOptions:
+    model: str = "gpt2"
+    device: str = "auto"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    prompt_tokens: int = 8
+    new_tokens: int = 256
+    repeats: int = 2
+    compile: bool | str = "auto"
+    compare_hf: bool = True
+    threads: int = 0  # CPU threads for torch (0: torch's choice)
+
+
+@dataclass
+class Row:
+    impl: str  # "gpt2train" or "transformers"
+    batch: int
+    ttft_ms: float  # median over repeats
+    decode_tok_s: float
+    bandwidth_gb_s: float
+    bandwidth_util: float | None  # of the device's peak; None where the peak is unknown
+    ttft_ms_all: list[float]
+    decode_tok_s_all: list[float]
+    path: str = ""  # how ours decoded ("decode: eager, KV cache, batch 8")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ours(model: GPT, prompts: torch.Tensor, new_tokens: int, decoder: Decoder) -> tuple[float, float]:
+    """(seconds to the first token, seconds for the rest) of one greedy generation."""
+    device = prompts.device
+    sync(device)
+    start = time.perf_counter()
+    steps = generate_ids(model, prompts.tolist(), new_tokens, temperature=0, decoder=decoder)
+    next(steps)
+    sync(device)
+    first = time.perf_counter()
+    for _ in steps:
+        pass
+    sync(device)
+    return first - start, time.perf_counter() - first
+
+
+def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """The same for transformers' generate: the first token is timed apart (a generate of one token)."""
+    device = prompts.device
+    kwargs = dict(attention_mask=torch.ones_like(prompts), do_sample=False, pad_token_id=0, eos_token_id=None)
+    sync(device)
+    start = time.perf_counter()
+    model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    sync(device)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+    sync(device)
+    assert out.size(1) == prompts.size(1) + new_tokens
+    return first, time.perf_counter() - start - first
+
+
+def decode_bytes_per_step(model: GPT, batch: int, cache_slots: float) -> float:
+    """Bytes a decode step reads at least: each matmul weight once, plus `cache_slots` keys and values per
+    row and layer."""
+    cfg = model.config
+    element = next(model.parameters()).element_size()
+    weights = matmul_parameter_count(cfg) * element
+    kv = 2 * cfg.n_layer * batch * cache_slots * cfg.n_embd * element
+    return weights + kv
+
+
+def load_hf_copy(model: GPT, device: torch.device):
+    """transformers' GPT2LMHeadModel with our weights, built offline; (model, None) or (None, why not)."""
+    try:
+        import transformers
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        return None, "transformers is not installed (pip install transformers): no comparison"
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as folder:
+        export_hf(model, folder)
+        hf = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
+    return hf.to(device).eval(), None
+
+
+def run_generate_bench(options: GenerateOptions, out: Path | None = None, progress: bool = True) -> dict:
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    device = resolve_device(options.device)
+    torch.manual_seed(0)
+    model = GPT(preset_config(options.model)).to(device).eval()  # random weights: the same cost as trained ones
+    hf, hf_note = load_hf_copy(model, device) if options.compare_hf else (None, "comparison not asked for")
+    peak = describe(device).bandwidth
+    cfg = model.config
+    rows: list[Row] = []
+    for batch in options.batch_sizes:
+        prompts = torch.randint(0, cfg.vocab_size, (batch, options.prompt_tokens), device=device)
+        decoder = Decoder(model, options.compile)
+        time_ours(model, prompts, 4, decoder)  # warm up: compilation, allocator, oneDNN's kernel choice
+        if hf is not None:
+            time_hf(hf, prompts, 4)
+        ours, theirs = [], []
+        for _ in range(options.repeats):  # alternate, so that a busy moment of the machine hits both
+            ours.append(time_ours(model, prompts, options.new_tokens, decoder))
+            if hf is not None:
+                theirs.append(time_hf(hf, prompts, options.new_tokens))
+        slots = decoder.cache_size(min(cfg.block_size, options.prompt_tokens + options.new_tokens - 1))
+        mean_context = options.prompt_tokens + options.new_tokens / 2
+        rows.append(summarize("gpt2train", batch, ours, options, model, slots, peak, decoder.describe(batch)))
+        if theirs:
+            rows.append(summarize("transformers", batch, theirs, options, model, mean_context, peak))
+        if progress:
+            for row in rows[-2:] if theirs else rows[-1:]:
+                print(f"  batch {batch}: {row.impl} {row.decode_tok_s:,.1f} tok/s", flush=True)
+    result = {
+        "model": options.model,
+        "device": describe(device).name if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "repeats": options.repeats,
+        "peak_bandwidth_gb_s": peak / 1e9 if peak else None,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers_note": hf_note,
+        "rows": [asdict(r) for r in rows],
+        "speedup_vs_transformers": speedups(rows),
+    }
+    result["markdown"] = markdown(result)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def summarize(impl: str, batch: int, timings: list[tuple[float, float]], options: GenerateOptions, model: GPT,
+              cache_slots: float, peak: float | None, path: str = "") -> Row:
+    ttfts = [first * 1e3 for first, _ in timings]
+    rates = [batch * (options.new_tokens - 1) / rest for _, rest in timings]
+    rate = statistics.median(rates)
+    bandwidth = decode_bytes_per_step(model, batch, cache_slots) * rate / batch
+    return Row(impl, batch, statistics.median(ttfts), rate, bandwidth / 1e9, bandwidth / peak if peak else None,
+               ttfts, rates, path)
+
+
+def speedups(rows: list[Row]) -> dict[str, float]:
+    """Our decode tokens/s over transformers', by batch size."""
+    theirs = {r.batch: r.decode_tok_s for r in rows if r.impl == "transformers"}
+    return {str(r.batch): r.decode_tok_s / theirs[r.batch] for r in rows if r.impl == "gpt2train" and r.batch in theirs}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"{result['model']} on {result['device']}, {result['dtype']}, {result['threads']} threads: "
+             f"{result['new_tokens']} new tokens after {result['prompt_tokens']}, greedy, median of "
+             f"{result['repeats']}",
+             "",
+             "| impl | batch | first token (ms) | decode tok/s | bandwidth GB/s | of peak | vs transformers |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        util = f"{r['bandwidth_util']:.0%}" if r["bandwidth_util"] is not None else "unknown"
+        ratio = result["speedup_vs_transformers"].get(str(r["batch"])) if r["impl"] == "gpt2train" else None
+        lines.append(f"| {r['impl']} | {r['batch']} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:,.1f} | "
+                     f"{r['bandwidth_gb_s']:.1f} | {util} | {f'{ratio:.2f}x' if ratio else ''} |")
+    paths = sorted({r["path"] for r in result["rows"] if r["path"]})
+    lines += [""] + paths
+    if result["transformers_note"]:
+        lines.append(result["transformers_note"])
+    return "\n".join(lines)

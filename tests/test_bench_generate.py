@@ -1,0 +1,61 @@
+"""`gpt2train bench generate`: a tiny run writes its table and JSON; the bandwidth arithmetic; honest skips."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from conftest import run_cli
+from gpt2train.bench.generate import GenerateOptions, decode_bytes_per_step, run_generate_bench
+from gpt2train.devices import find_device
+from gpt2train.model import GPT, GPTConfig
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+ROW_KEYS = {"impl", "batch", "ttft_ms", "decode_tok_s", "bandwidth_gb_s", "bandwidth_util", "ttft_ms_all",
+            "decode_tok_s_all", "path"}
+
+
+def test_bench_generate_command_writes_json(tmp_path):
+    out = tmp_path / "generate.json"
+    result = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2",
+                     "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "decode tok/s" in result.stdout and "decode: eager, KV cache, column-major weights, batch 2" in result.stdout
+    data = json.loads(out.read_text())
+    assert {"model", "device", "dtype", "new_tokens", "prompt_tokens", "repeats", "peak_bandwidth_gb_s", "date",
+            "torch", "transformers_note", "rows", "speedup_vs_transformers", "markdown"} <= data.keys()
+    impls = [(r["impl"], r["batch"]) for r in data["rows"]]
+    ours = [("gpt2train", 1), ("gpt2train", 2)]
+    if HAS_TRANSFORMERS:
+        assert impls == [ours[0], ("transformers", 1), ours[1], ("transformers", 2)]
+        assert set(data["speedup_vs_transformers"]) == {"1", "2"}
+    else:
+        assert impls == ours and "not installed" in data["transformers_note"]
+    for row in data["rows"]:
+        assert row.keys() == ROW_KEYS
+        assert row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
+        assert row["bandwidth_util"] is None  # a CPU: no known peak
+    assert data["peak_bandwidth_gb_s"] is None
+
+
+def test_without_comparison_the_note_says_so(tmp_path):
+    options = GenerateOptions(model="gpt2-tiny", device="cpu", batch_sizes=[1], prompt_tokens=2, new_tokens=3,
+                              repeats=1, compile=False, compare_hf=False)
+    result = run_generate_bench(options, tmp_path / "g.json", progress=False)
+    assert [r["impl"] for r in result["rows"]] == ["gpt2train"]
+    assert result["speedup_vs_transformers"] == {}
+    assert "comparison not asked for" in result["markdown"]
+
+
+def test_decode_bytes_count_weights_once_and_the_cache_read():
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=70)  # padded vocab 128
+    model = GPT(cfg)
+    weights = (2 * (12 * 32 * 32 + 9 * 32) + 128 * 32) * 4  # fp32 matmul weights and biases, lm_head once
+    assert decode_bytes_per_step(model, batch=1, cache_slots=0) == weights
+    assert decode_bytes_per_step(model, batch=3, cache_slots=10) == weights + 2 * 2 * 3 * 10 * 32 * 4
+
+
+def test_gpus_in_the_table_know_their_bandwidth():
+    assert find_device("H100").bandwidth == 3.35e12
+    assert find_device("cpu").bandwidth is None
