@@ -52,8 +52,18 @@ def test_decode_bytes_count_weights_once_and_the_cache_read():
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=70)  # padded vocab 128
     model = GPT(cfg)
     weights = (2 * (12 * 32 * 32 + 9 * 32) + 128 * 32) * 4  # fp32 matmul weights and biases, lm_head once
-    assert decode_bytes_per_step(model, batch=1, cache_slots=0) == weights
-    assert decode_bytes_per_step(model, batch=3, cache_slots=10) == weights + 2 * 2 * 3 * 10 * 32 * 4
+    assert decode_bytes_per_step(model, batch=1, cache_slots=0, element=4) == weights
+    assert decode_bytes_per_step(model, batch=3, cache_slots=10, element=4) == weights + 2 * 2 * 3 * 10 * 32 * 4
+    assert decode_bytes_per_step(model, batch=3, cache_slots=10, element=2) == (weights + 2 * 2 * 3 * 10 * 32 * 4) / 2
+
+
+def test_the_bench_takes_a_dtype_for_both_and_one_for_transformers(tmp_path):
+    """--dtype sets the weights' dtype of ours and transformers' alike; --hf-dtype transformers' alone."""
+    options = GenerateOptions(model="gpt2-tiny", device="cpu", batch_sizes=[1], new_tokens=3, repeats=1,
+                              dtype="bfloat16", hf_dtype="float32")
+    result = run_generate_bench(options, tmp_path / "g.json", progress=False)
+    assert result["dtype"] == "bfloat16" and result["hf_dtype"] == "float32"
+    assert "bfloat16 (transformers float32)" in result["markdown"]
 
 
 def test_gpus_in_the_table_know_their_bandwidth():

@@ -252,3 +252,7 @@ def test_sample_command_prints_several_samples(tmp_path):
     assert "tok/s" in result.stderr and "decode: eager, KV cache, column-major weights, batch 2" in result.stderr
     bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: argument --num-samples: 0 is out of range")
+    for dtype in ("float32", "bfloat16"):  # the weights' dtype while sampling (auto: bf16 where native)
+        result = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "abc", "--max-new-tokens", "3",
+                         "--dtype", dtype)
+        assert result.returncode == 0 and f"device: cpu, {dtype}" in result.stderr, result.stderr

@@ -123,14 +123,17 @@ def cmd_sample(args) -> int:
     from gpt2train.checkpoint import load_model
     from gpt2train.distributed import resolve_device
     from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream
+    from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
     device = resolve_device(args.device)
     model, _, meta = load_model(args.ckpt, device=device)
+    dtype = resolve_dtype(args.dtype, device.type)  # auto: bf16 where the device computes it natively
+    model.to(dtype)  # decoding reads every weight per token: half the bytes in bf16
     tok = tokenizer_from_spec(meta["tokenizer"])
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
-    print(f"device: {device}", file=sys.stderr)  # once the inputs are known good: errors stay one line
+    print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
     decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
                    seed=args.seed, decoder=decoder)
@@ -255,7 +258,8 @@ def cmd_bench_generate(args) -> int:
     options = GenerateOptions(model=args.model, device=args.device, batch_sizes=batch_sizes,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                               compile={"auto": "auto", "true": True, "false": False}[args.compile],
-                              compare_hf=not args.no_hf, threads=args.threads)
+                              compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
+                              hf_dtype=args.hf_dtype or "")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-generate-%Y%m%d-%H%M%S.json")
     result = run_generate_bench(options, out)
     print(result["markdown"])
@@ -364,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
                    help="compile the decode step (auto: on CUDA, as a CUDA graph; eager on a CPU, where it is faster)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype while sampling (auto: bf16 on GPUs and on CPUs with native bf16, else fp32)")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
@@ -454,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
     g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
     g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype, ours and transformers' (auto: as for sample)")
+    g.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     g.set_defaults(func=cmd_bench_generate)
 

@@ -32,6 +32,7 @@ from gpt2train.distributed import resolve_device
 from gpt2train.generate import Decoder, generate_ids
 from gpt2train.hf import export_hf
 from gpt2train.model import GPT, matmul_parameter_count, preset_config
+from gpt2train.runtime import resolve_dtype
 
 
 @dataclass
@@ -45,6 +46,8 @@ class GenerateOptions:
     compile: bool | str = "auto"
     compare_hf: bool = True
     threads: int = 0  # CPU threads for torch (0: torch's choice)
+    dtype: str = "auto"  # the weights' dtype, ours and transformers' (auto: as `sample`, runtime.resolve_dtype)
+    hf_dtype: str = ""  # transformers' alone ("": the same as ours)
 
 
 @dataclass
@@ -96,17 +99,16 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float
     return first, time.perf_counter() - start - first
 
 
-def decode_bytes_per_step(model: GPT, batch: int, cache_slots: float) -> float:
+def decode_bytes_per_step(model: GPT, batch: int, cache_slots: float, element: int) -> float:
     """Bytes a decode step reads at least: each matmul weight once, plus `cache_slots` keys and values per
-    row and layer."""
+    row and layer, `element` bytes each."""
     cfg = model.config
-    element = next(model.parameters()).element_size()
     weights = matmul_parameter_count(cfg) * element
     kv = 2 * cfg.n_layer * batch * cache_slots * cfg.n_embd * element
     return weights + kv
 
 
-def load_hf_copy(model: GPT, device: torch.device):
+def load_hf_copy(model: GPT, device: torch.device, dtype: torch.dtype = torch.float32):
     """transformers' GPT2LMHeadModel with our weights, built offline; (model, None) or (None, why not)."""
     try:
         import transformers
@@ -118,7 +120,7 @@ def load_hf_copy(model: GPT, device: torch.device):
     with tempfile.TemporaryDirectory() as folder:
         export_hf(model, folder)
         hf = GPT2LMHeadModel.from_pretrained(folder, local_files_only=True)
-    return hf.to(device).eval(), None
+    return hf.to(device=device, dtype=dtype).eval(), None
 
 
 def run_generate_bench(options: GenerateOptions, out: Path | None = None, progress: bool = True) -> dict:
@@ -127,7 +129,10 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
     device = resolve_device(options.device)
     torch.manual_seed(0)
     model = GPT(preset_config(options.model)).to(device).eval()  # random weights: the same cost as trained ones
-    hf, hf_note = load_hf_copy(model, device) if options.compare_hf else (None, "comparison not asked for")
+    dtype = resolve_dtype(options.dtype, device.type)
+    hf_dtype = resolve_dtype(options.hf_dtype, device.type) if options.hf_dtype else dtype
+    hf, hf_note = load_hf_copy(model, device, hf_dtype) if options.compare_hf else (None, "comparison not asked for")
+    model.to(dtype)
     peak = describe(device).bandwidth
     cfg = model.config
     rows: list[Row] = []
@@ -144,16 +149,19 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
                 theirs.append(time_hf(hf, prompts, options.new_tokens))
         slots = decoder.cache_size(min(cfg.block_size, options.prompt_tokens + options.new_tokens - 1))
         mean_context = options.prompt_tokens + options.new_tokens / 2
-        rows.append(summarize("gpt2train", batch, ours, options, model, slots, peak, decoder.describe(batch)))
+        rows.append(summarize("gpt2train", batch, ours, options, model, slots, peak, decoder.describe(batch),
+                              dtype.itemsize))
         if theirs:
-            rows.append(summarize("transformers", batch, theirs, options, model, mean_context, peak))
+            rows.append(summarize("transformers", batch, theirs, options, model, mean_context, peak,
+                                  element=hf_dtype.itemsize))
         if progress:
             for row in rows[-2:] if theirs else rows[-1:]:
                 print(f"  batch {batch}: {row.impl} {row.decode_tok_s:,.1f} tok/s", flush=True)
     result = {
         "model": options.model,
         "device": describe(device).name if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
+        "hf_dtype": str(hf_dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "prompt_tokens": options.prompt_tokens,
         "new_tokens": options.new_tokens,
@@ -174,11 +182,11 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
 
 
 def summarize(impl: str, batch: int, timings: list[tuple[float, float]], options: GenerateOptions, model: GPT,
-              cache_slots: float, peak: float | None, path: str = "") -> Row:
+              cache_slots: float, peak: float | None, path: str = "", element: int = 4) -> Row:
     ttfts = [first * 1e3 for first, _ in timings]
     rates = [batch * (options.new_tokens - 1) / rest for _, rest in timings]
     rate = statistics.median(rates)
-    bandwidth = decode_bytes_per_step(model, batch, cache_slots) * rate / batch
+    bandwidth = decode_bytes_per_step(model, batch, cache_slots, element) * rate / batch
     return Row(impl, batch, statistics.median(ttfts), rate, bandwidth / 1e9, bandwidth / peak if peak else None,
                ttfts, rates, path)
 
@@ -190,7 +198,8 @@ def speedups(rows: list[Row]) -> dict[str, float]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"{result['model']} on {result['device']}, {result['dtype']}, {result['threads']} threads: "
+    dtypes = result["dtype"] + (f" (transformers {result['hf_dtype']})" if result["hf_dtype"] != result["dtype"] else "")
+    lines = [f"{result['model']} on {result['device']}, {dtypes}, {result['threads']} threads: "
              f"{result['new_tokens']} new tokens after {result['prompt_tokens']}, greedy, median of "
              f"{result['repeats']}",
              "",
