@@ -166,6 +166,7 @@ def test_sigkill_anywhere_then_resume_ends_with_the_same_losses_and_weights(char
     seed, trials, kills, steps = 0, 20, 2, 8
     done = fault_trials.run_trials(tmp_path, char_data, trials, kills, steps, seed, sleep_in_save=0.1, say=lambda _: None)
     assert not any(t.problems for t in done), fault_trials.replay_hint(done, seed, trials, kills, steps)
+    every_trial = "\n".join(t.line() for t in done)  # what each kill hit, for a failure below
     fired = [kind for t in done for kind in t.fired]
-    assert set(fired) == set(fault_trials.KINDS), fired  # the seed's plans hit every kind of moment
-    assert sum("(inside a save)" in note for t in done for note in t.notes) >= 3
+    assert set(fired) == set(fault_trials.KINDS), every_trial  # the seed's plans hit every kind of moment
+    assert sum("(inside a save)" in note for t in done for note in t.notes) >= 3, every_trial
