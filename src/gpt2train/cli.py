@@ -184,13 +184,10 @@ def cmd_report(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from gpt2train.eval.run import evaluate_checkpoint, format_table, parse_tasks
+    from gpt2train.eval.run import evaluate_checkpoint, format_table
 
-    try:
-        tasks = parse_tasks(args.tasks)
-    except ValueError as e:  # a bad --tasks is a usage error, like any bad argument
-        raise UsageError(str(e)) from None
-    record = evaluate_checkpoint(args.ckpt, tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
+    # An unknown --tasks name is a UsageError (exit 2), found before the checkpoint is loaded.
+    record = evaluate_checkpoint(args.ckpt, args.tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
                                  hellaswag=args.hellaswag, device=args.device, dtype=args.dtype,
                                  lm_eval_include=args.lm_eval_include)
     if int(os.environ.get("RANK", "0")) == 0:

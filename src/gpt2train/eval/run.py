@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_model, resolve_checkpoint
 from gpt2train.data.prepare import load_meta
+from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_from_spec
 
@@ -39,9 +40,9 @@ def parse_tasks(text: str | list[str]) -> list[str]:
         elif in_harness_list:
             tasks.append(HARNESS_PREFIX + item)
         else:
-            raise ValueError(f"unknown task {item!r}; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+            raise UsageError(f"unknown task {item!r}; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
     if not tasks:
-        raise ValueError(f"unknown task '(none)'; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+        raise UsageError(f"unknown task '(none)'; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
     return list(dict.fromkeys(tasks))
 
 
