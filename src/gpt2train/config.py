@@ -59,6 +59,12 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon) for the blocks' weight matrices,
+    # AdamW (lr, weight_decay, betas above) for the embeddings, the head, gains and biases.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like lr
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones; on a CPU bf16 where native, else fp32
     compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
     tf32: bool = True
@@ -122,6 +128,9 @@ class Config:
 
 CHOICES: dict[str, tuple] = {
     "model.attention": ("sdpa", "naive"),
+    "model.position": ("learned", "rotary"),
+    "model.mlp": ("gelu", "relu2"),
+    "train.optimizer": ("adamw", "muon"),
     "data.loader": ("auto", "ram", "memmap"),
     "data.order": ("random", "sequential"),
     "train.schedule": ("cosine", "constant", "wsd"),
@@ -145,6 +154,8 @@ RANGES: dict[str, Range] = {
     "model.pad_vocab_multiple": at_least(1),
     "model.dropout": between(0, 1, high_open=True),
     "model.loss_chunk": at_least(0),
+    "model.rope_base": above(0),
+    "model.logit_softcap": at_least(0),  # 0: no cap
     "train.seed": SEEDS,
     "train.micro_batch": at_least(1),
     "train.seq_len": at_least(0),
@@ -160,6 +171,9 @@ RANGES: dict[str, Range] = {
     "train.eps": above(0),
     "train.grad_clip": at_least(0),
     "train.collective_timeout_s": above(0),
+    "train.muon_lr": at_least(0),
+    "train.muon_momentum": between(0, 1, high_open=True),
+    "train.muon_weight_decay": at_least(0),
     "eval.interval": at_least(0),
     "eval.val_batches": at_least(0),
     "eval.hellaswag_interval": at_least(0),
@@ -190,6 +204,9 @@ def validate(cfg: Config) -> Config:
     if model.n_embd % model.n_head:
         raise ConfigError(f"model.n_embd = {model.n_embd} is not a multiple of model.n_head = {model.n_head}; "
                           f"each head gets n_embd / n_head channels")
+    if model.position == "rotary" and (model.n_embd // model.n_head) % 2:
+        raise ConfigError(f"model.position = rotary needs an even head size; n_embd / n_head = "
+                          f"{model.n_embd // model.n_head}")
     if train.seq_len > model.block_size:
         raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}")
     return cfg

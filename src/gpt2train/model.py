@@ -36,6 +36,14 @@ class GPTConfig:
     attention: str = "sdpa"  # "sdpa" (flash / memory-efficient kernels) or "naive" (reference)
     grad_checkpointing: bool = False  # recompute each block's activations in backward
     loss_chunk: int = 0  # > 0: cross-entropy over this many rows at a time, never the full logits
+    # The modern recipe (configs/shakespeare-modern.toml); each default is GPT-2's own choice.
+    position: str = "learned"  # learned: GPT-2's position embedding; rotary: queries and keys rotated (RoPE)
+    rope_base: float = 10000.0  # rotary: the base of the rotation frequencies
+    qk_norm: bool = False  # RMS-normalize each head's queries and keys before attention
+    mlp: str = "gelu"  # gelu (GPT-2's tanh approximation) | relu2 (relu(x) squared)
+    tied_head: bool = True  # the output head is the token embedding; false: a separate matrix
+    zero_init_proj: bool = False  # residual projections (and an untied head) start at zero
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
 
     @property
     def padded_vocab_size(self) -> int:
