@@ -113,7 +113,7 @@ def test_resume_may_change_schedule_and_intervals_not_shape(char_data, tmp_path)
 
     cfg = tiny_config(char_data, max_steps=12)
     cfg.model.n_layer = 3
-    with pytest.raises(ConfigError, match="model shape changed.*n_layer: 2 -> 3"):
+    with pytest.raises(ConfigError, match="model settings changed.*n_layer: 2 -> 3"):
         Trainer(cfg, run, resume="auto")
 
     # As a user sees it: one line, exit 2.

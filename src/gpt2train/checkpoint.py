@@ -22,6 +22,7 @@ caught before it is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,11 +42,13 @@ from safetensors.torch import load_file, save_file
 
 import gpt2train
 from gpt2train.config import Config, ConfigError, config_from_resolved
-from gpt2train.model import GPT
+from gpt2train.model import GPT, GPTConfig
 from gpt2train.units import format_bytes, format_count, format_duration
 
-TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias")
+TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
+# The model settings a resumed run must keep: its shape, and what its weights mean.
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias",
+              "position", "rope_base", "qk_norm", "mlp", "tied_head", "logit_softcap")
 FAULT_SLEEP_ENV = "GPT2TRAIN_FAULT_SLEEP_IN_SAVE"  # tests only: seconds to sleep between the steps of a save
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -68,15 +71,24 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from gpt2train.distributed import unwrap
 
     state = unwrap(model).state_dict()
-    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in TIED_KEYS}
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in tied_keys(model)}
+
+
+def tied_keys(model: torch.nn.Module) -> tuple[str, ...]:
+    """The state-dict keys that repeat another tensor, and are stored only once."""
+    from gpt2train.distributed import unwrap
+
+    config = getattr(unwrap(model), "config", None)
+    return TIED_KEYS if getattr(config, "tied_head", True) else ()
 
 
 def weights_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
     """What keeps `weights` from loading into `model` (missing, unexpected or wrongly shaped tensors), or None.
     Checked before loading: torch's own error is a multi-line RuntimeError."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    tied = tied_keys(model)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in tied}
     missing = [k for k in expected if k not in weights]
-    unexpected = [k for k in weights if k not in expected and k not in TIED_KEYS]
+    unexpected = [k for k in weights if k not in expected and k not in tied]
     wrong = [f"{k} is {tuple(weights[k].shape)}, the model needs {shape}"
              for k, shape in expected.items() if k in weights and tuple(weights[k].shape) != shape]
     problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected
@@ -113,10 +125,12 @@ def set_rng_state(state: dict):
 
 def check_same_shape(saved_model: dict, model: dict) -> None:
     """Refuse to resume into a model of another shape (other training settings may change)."""
-    changed = [k for k in SHAPE_KEYS if saved_model.get(k) != model.get(k)]
+    gpt2 = dataclasses.asdict(GPTConfig())  # a checkpoint older than a key was made with its default
+    saved_model = {k: saved_model.get(k, gpt2.get(k)) for k in SHAPE_KEYS}
+    changed = [k for k in SHAPE_KEYS if saved_model[k] != model.get(k)]
     if changed:
-        diff = ", ".join(f"{k}: {saved_model.get(k)} -> {model.get(k)}" for k in changed)
-        raise ConfigError(f"cannot resume: model shape changed ({diff}); resume with the checkpoint's model "
+        diff = ", ".join(f"{k}: {saved_model[k]} -> {model.get(k)}" for k in changed)
+        raise ConfigError(f"cannot resume: model settings changed ({diff}); resume with the checkpoint's model "
                           "settings or start a new run directory")
 
 
@@ -425,7 +439,7 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
             error = (f"could not save checkpoint {name} in {root}: {_reason(e)}; free space and rerun with --resume auto",
                      getattr(e, "errno", None))
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        weights = {k: v.contiguous() for k, v in full.items() if k not in TIED_KEYS}
+        weights = {k: v.contiguous() for k, v in full.items() if k not in tied_keys(model)}
         meta = {**meta, "sharded": True}
     else:
         state = {**state, "optimizer": optimizer.state_dict()} if is_main else state

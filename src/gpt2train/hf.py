@@ -218,6 +218,9 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     cfg: GPTConfig = unwrap(model).config
     if not cfg.bias:
         raise HFConversionError("a model with bias = false cannot be exported: Hugging Face's GPT-2 always has biases")
+    if cfg.beyond_gpt2():
+        raise HFConversionError(f"a model with {', '.join(cfg.beyond_gpt2())} cannot be exported: Hugging Face's "
+                                "GPT-2 holds only GPT-2's recipe; use the checkpoint with gpt2train itself")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     eot_id = _eot_id(cfg, tokenizer_spec)

@@ -5,6 +5,11 @@ whose weight is the token embedding (tied). Parameter names follow Hugging Face'
 import/export is a transpose and a rename away (see hf.py). Nothing here knows about training loops,
 devices or distributed wrappers: those are applied from outside.
 
+The modern recipe's changes are config options whose defaults are GPT-2's own choices, each a few lines
+where it acts: rotary position encoding (queries and keys rotated by their position instead of a learned
+position embedding), RMS-normalized queries and keys, a ReLU-squared MLP, an untied output head,
+zero-initialized residual projections, and a tanh soft cap on the logits.
+
 The embedding has padded_vocab_size rows (a multiple of 64, for fast matmuls) but the model is a
 distribution over vocab_size tokens: the padded columns of the logits are cut off before the softmax,
 so padded ids are never scored nor sampled, and an exported model (unpadded) gives the same numbers.
@@ -51,6 +56,12 @@ class GPTConfig:
         m = max(1, self.pad_vocab_multiple)
         return (self.vocab_size + m - 1) // m * m
 
+    def beyond_gpt2(self) -> list[str]:
+        """The options set here that Hugging Face's GPT-2 cannot hold (zero_init_proj is only an init)."""
+        gpt2 = GPTConfig()
+        keys = ("position", "qk_norm", "mlp", "tied_head", "logit_softcap")
+        return [f"model.{k} = {getattr(self, k)}" for k in keys if getattr(self, k) != getattr(gpt2, k)]
+
 
 # Hugging Face's shapes for the four GPT-2 sizes, plus small ones that train on a CPU.
 PRESETS: dict[str, dict] = {
@@ -84,11 +95,23 @@ def _layer_norm_count(cfg: GPTConfig) -> int:
 
 def parameter_count(cfg: GPTConfig, non_embedding: bool = False) -> int:
     """Every parameter once (the tied lm_head is the token embedding): GPT-2 124M padded is 124,475,904.
-    non_embedding leaves out both embeddings (85,056,000 for GPT-2 124M), as scaling laws count."""
+    non_embedding leaves out the embeddings and the head (85,056,000 for GPT-2 124M), as scaling laws count."""
     n = cfg.n_layer * layer_parameter_count(cfg) + _layer_norm_count(cfg)  # blocks and ln_f
     if non_embedding:
         return n
-    return n + cfg.padded_vocab_size * cfg.n_embd + cfg.block_size * cfg.n_embd  # wte and wpe
+    return n + _embedding_count(cfg) + _head_count(cfg) + _position_count(cfg)
+
+
+def _embedding_count(cfg: GPTConfig) -> int:
+    return cfg.padded_vocab_size * cfg.n_embd  # wte (and the head, when tied)
+
+
+def _head_count(cfg: GPTConfig) -> int:
+    return 0 if cfg.tied_head else cfg.padded_vocab_size * cfg.n_embd
+
+
+def _position_count(cfg: GPTConfig) -> int:
+    return cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0  # rotary has no parameters
 
 
 def matmul_parameter_count(cfg: GPTConfig) -> int:
@@ -101,11 +124,13 @@ def matmul_parameter_count(cfg: GPTConfig) -> int:
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 * N + 12 * n_layer * n_embd * seq_len.
 
-    N counts every parameter but the position embedding, a lookup (the token embedding counts once, as the
-    tied lm_head; the LayerNorms are a rounding error). 6 = 2 (multiply-add) * 3 (forward + two backward
-    matmuls). The second term is attention's QK^T and AV, which no parameter count sees.
+    N counts the parameters that enter a matmul: the blocks and the head (the tied lm_head is the token
+    embedding; an untied one counts, and the token embedding is then a lookup, as the position embedding
+    always is). The LayerNorms, rotations and norms of the modern options are a rounding error. 6 = 2
+    (multiply-add) * 3 (forward + two backward matmuls). The second term is attention's QK^T and AV, which
+    no parameter count sees.
     """
-    n = parameter_count(cfg) - cfg.block_size * cfg.n_embd
+    n = parameter_count(cfg, non_embedding=True) + cfg.padded_vocab_size * cfg.n_embd  # blocks, ln_f, head
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
@@ -158,6 +183,24 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
+def rotary_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation of each position: (T, hs/2) for positions (T,), (B, 1, T, hs/2) for
+    positions (B, T) (one row per sequence, as the KV cache gives them). Channel pair i turns at the
+    frequency base^(-2i/hs): the first pairs by about a radian per position, the last hardly at all."""
+    freqs = base ** -(torch.arange(0, head_size, 2, device=positions.device, dtype=torch.float32) / head_size)
+    angles = positions.float()[..., None] * freqs  # (..., T, hs/2), in fp32 at any autocast dtype
+    if positions.dim() == 2:
+        angles = angles[:, None]  # a head dimension, to broadcast over (B, nh, T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn each pair of channels (i, i + hs/2) of x (B, nh, T, hs) by its position's angle: the dot
+    product of a rotated query and key then depends only on how far apart their positions are."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int):
         super().__init__()
@@ -165,17 +208,23 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.attention = cfg.attention
         self.dropout = cfg.dropout
+        self.qk_norm = cfg.qk_norm
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """attn_mask None: causal over x alone (training). Else (B, 1, T, S) booleans over the cache's S slots."""
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """attn_mask None: causal over x alone (training). Else (B, 1, T, S) booleans over the cache's S slots.
+        rotary: (cos, sin) of the tokens' positions, when the model encodes positions by rotation."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.qk_norm:  # unit RMS per head: the attention logits cannot grow without bound
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
+        if rotary is not None:
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)  # (B, nh, S, hs)
         dropout = self.dropout if self.training else 0.0
@@ -195,11 +244,20 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class ReLUSquared(nn.Module):
+    """relu(x)^2: as cheap as ReLU, smooth at 0 in value, and learns faster than GELU in small-model runs."""
+
+    def forward(self, x):
+        return F.relu(x).square()
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        # GPT-2 used GELU's tanh approximation. The name stays `gelu` for either: it is not a parameter,
+        # and the attribute name is what a reader of GPT-2 code looks for.
+        self.gelu = nn.GELU(approximate="tanh") if cfg.mlp == "gelu" else ReLUSquared()
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.is_residual_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
@@ -216,8 +274,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None):
-        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
+    def forward(self, x, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, rotary=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask, rotary)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -230,19 +288,23 @@ class GPT(nn.Module):
             raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
         if cfg.attention not in ("sdpa", "naive"):
             raise ValueError(f"model.attention = {cfg.attention!r}; use sdpa or naive")
+        if cfg.position not in ("learned", "rotary") or cfg.mlp not in ("gelu", "relu2"):
+            raise ValueError(f"model.position = {cfg.position!r}, model.mlp = {cfg.mlp!r}; use learned or rotary, "
+                             f"gelu or relu2")
         self.config = cfg
         V = cfg.padded_vocab_size
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(V, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer)),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-            )
-        )
+        # Built in GPT-2's order (wte, wpe, blocks, ln_f): the order fixes each weight's random init.
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(V, cfg.n_embd)))
+        if cfg.position == "learned":
+            self.transformer.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.transformer.drop = nn.Dropout(cfg.dropout)
+        self.transformer.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.transformer.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads and writes tokens
+        if cfg.tied_head:
+            self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads and writes tokens
+        else:
+            self.lm_head.is_output_head = True
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module):
@@ -252,7 +314,12 @@ class GPT(nn.Module):
                 # Each block adds two projections into the residual stream; scale them so its
                 # variance does not grow with depth (GPT-2 paper, section 2.3).
                 std = 0.02 / math.sqrt(2 * self.config.n_layer)
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            zero = self.config.zero_init_proj and (getattr(module, "is_residual_projection", False)
+                                                   or getattr(module, "is_output_head", False))
+            if zero:  # each block starts as the identity, and the first logits are uniform
+                nn.init.zeros_(module.weight)
+            else:
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
@@ -284,33 +351,47 @@ class GPT(nn.Module):
             if padding_mask is None:
                 padding_mask = torch.ones(B, T, dtype=torch.bool, device=idx.device)
             pos, attn_mask = kv_cache.start(padding_mask)  # (B, T), (B, 1, T, S)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rotary = None
+        if self.config.position == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            rotary = rotary_angles(pos, self.config.n_embd // self.config.n_head, self.config.rope_base)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
             if self.config.grad_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, None, None, rotary, use_reentrant=False)
             else:
-                x = block(x, kv_cache, attn_mask)
+                x = block(x, kv_cache, attn_mask, rotary)
         if kv_cache is not None:
             kv_cache.filled += T
         if last_only:
             x = x[:, -1:]
         x = self.transformer.ln_f(x)
 
-        V = self.config.vocab_size
+        V, cap = self.config.vocab_size, self.config.logit_softcap
         if targets is not None and self.config.loss_chunk > 0:
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk, V)
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk, V, cap)
         # The matmul runs on all padded_vocab_size columns (the fast shape); the padding is then cut off
         # (a view, no copy) so that the softmax, the loss and sampling see only real tokens.
         logits = self.lm_head(x)[..., :V]  # (B, T, V)
+        if cap > 0:
+            logits = softcap(logits, cap)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
 
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in fp32: close to the logits while small, never beyond +-cap."""
+    return cap * torch.tanh(logits.float() / cap)
+
+
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          vocab_size: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy of (hidden @ weight.T)[:, :vocab_size] against targets, `chunk` rows at a time.
+                          vocab_size: int | None = None, cap: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of (hidden @ weight.T)[:, :vocab_size] against targets, `chunk` rows at a time
+    (the logits soft-capped first when cap > 0).
 
     The full (B*T, V) logits never exist: each chunk's logits are made, scored and dropped. When gradients
     are wanted, the fused classifier below also computes them in the same pass. Equal to the plain loss in
@@ -320,10 +401,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     targets = targets.reshape(-1)  # (B*T,)
     vocab_size = vocab_size or weight.size(0)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return FusedClassifier.apply(hidden, weight, targets, vocab_size, chunk)
+        return FusedClassifier.apply(hidden, weight, targets, vocab_size, chunk, cap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.size(0), chunk):
-        logits = _masked_logits(hidden[start : start + chunk], weight, vocab_size)
+        logits = _masked_logits(hidden[start : start + chunk], weight, vocab_size, cap)
         total += F.cross_entropy(logits, targets[start : start + chunk], ignore_index=-1, reduction="sum")
     return total / (targets != -1).sum().clamp(min=1)
 
@@ -337,11 +418,12 @@ class FusedClassifier(torch.autograd.Function):
 
     The matmuls run in the autocast dtype (bf16 under autocast, as the plain path's would), the softmax in
     fp32, the weight's gradient is summed in fp32.
-    Padded vocabulary columns are set to -inf in place: never scored, zero gradient.
+    Padded vocabulary columns are set to -inf in place: never scored, zero gradient. With a soft cap the
+    logits' gradient passes through the cap's derivative, 1 - tanh^2.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int):
+    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, cap: float = 0.0):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         with torch.autocast(device, enabled=False):
@@ -354,12 +436,17 @@ class FusedClassifier(torch.autograd.Function):
                 h, t = hid[start : start + chunk], targets[start : start + chunk].clamp(min=0)
                 ok = valid[start : start + chunk, None]  # (n, 1): rows whose target counts
                 logits = (h @ w.t()).float()  # (n, padded V); a copy then fp32 log_softmax beats its dtype=
+                if cap > 0:
+                    tanh = torch.tanh_(logits / cap)
+                    logits = tanh * cap
                 if logits.size(1) > vocab_size:
                     logits[:, vocab_size:] = float("-inf")
                 log_probs = torch.log_softmax(logits, dim=1)
                 total -= (log_probs.gather(1, t[:, None]) * ok).sum()
                 grad = log_probs.exp_()  # softmax, in place
                 grad[torch.arange(len(t), device=t.device), t] -= 1.0
+                if cap > 0:
+                    grad *= 1.0 - tanh.square_()  # d(cap * tanh(z / cap)) / dz
                 grad = grad.to(dtype)
                 grad_hidden[start : start + chunk] = (grad @ w) * ok
                 grad_weight += grad.t() @ (h * ok)
@@ -372,12 +459,14 @@ class FusedClassifier(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
-        return grad_hidden * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None
+        return grad_hidden * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None, None
 
 
-def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int, cap: float = 0.0) -> torch.Tensor:
     """(rows, padded V) fp32 logits whose padded columns are -inf: masked in place, not sliced and copied."""
     logits = (h @ weight.t()).float()
+    if cap > 0:
+        logits = softcap(logits, cap)
     if logits.size(1) > vocab_size:
         logits[:, vocab_size:] = float("-inf")
     return logits
