@@ -178,10 +178,12 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
 
 
 @pytest.mark.slow
-def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, optimizer):
     """Two CPU processes over gloo with FSDP2: every rank writes its shards through DCP; a resumed run ends
-    with the same weights as the uninterrupted one; a sharded checkpoint also loads into a single process."""
-    cfg = tiny_config(char_data, max_steps=4)
+    with the same weights as the uninterrupted one; a sharded checkpoint also loads into a single process.
+    Muon + AdamW saves and loads as the list of its two optimizers."""
+    cfg = tiny_config(char_data, max_steps=4, optimizer=optimizer)
     cfg.train.distributed = "fsdp"
     cfg.checkpoint.every_steps, cfg.eval.interval = 2, 2
     config = tmp_path / "fsdp.toml"
@@ -210,7 +212,8 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path):
     model, _, _ = C.load_model(tmp_path / "a")  # full weights sit beside the shards, for sampling
     # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
     # The same 256 tokens per step: 2 micro-batches in one process for 1 on each of 2 ranks.
-    single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32), tmp_path / "single",
+    single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32, optimizer=optimizer),
+                     tmp_path / "single",
                      resume=str(tmp_path / "a"))
     assert single.state.step == 4
     for key, value in C.model_state(single.raw_model).items():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import REPO, WELL_CONDITIONED_EPS, one_line, tiny_config
-from distributed_worker import worker_config
+from distributed_worker import newton_schulz_float64, worker_config
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
@@ -222,6 +222,28 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     np.testing.assert_allclose(fsdp["losses"], losses, rtol=0, atol=TOL)
     assert abs(fsdp["val_loss"] - ref.evaluate()) <= TOL
     assert_close(fsdp["weights"], D.full_state_dict(ref.raw_model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_muon_two_processes_equal_one_process(char_data, tmp_path, monkeypatch, strategy):
+    """train.optimizer = muon under DDP and under FSDP2, whose matrices are sharded DTensors: Newton-Schulz
+    must orthogonalize each whole matrix, not each rank's shard. With torch's bf16 Newton-Schulz the weights
+    here differ from one process's by up to 1.7e-3 (DDP) and 1.8e-3 (FSDP) after 3 steps, rounding amplified,
+    so both sides orthogonalize in float64 (distributed_worker.newton_schulz_float64); a shard-wise one
+    would be off by the size of an update."""
+    out = tmp_path / f"{strategy}-muon.pt"
+    r = torchrun(str(REPO / "tests" / "distributed_worker.py"), str(char_data), str(out), "--strategy", strategy,
+                 "--micro-batch", "2", "--accum", "2", "--steps", "3", "--optimizer", "muon", "--ns-float64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = torch.load(out, weights_only=False)
+
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_float64)
+    cfg = worker_config(char_data, strategy, micro_batch=4, accum=2, steps=3, world_size=1)
+    cfg.train.optimizer = "muon"
+    ref = Trainer(cfg, None)
+    np.testing.assert_allclose(two["losses"], [ref.train_step()["loss"] for _ in range(3)], rtol=0, atol=TOL)
+    assert_close(two["weights"], D.full_state_dict(ref.raw_model))
 
 
 @pytest.mark.slow

@@ -49,12 +49,20 @@ def assert_same_tensors(a: dict, b: dict):
         assert torch.equal(a[key], b[key]), key
 
 
-def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
-    cfg = tiny_config(char_data, max_steps=12)
+def optimizer_moments(state_pt) -> dict:
+    """The optimizer's per-parameter state of a checkpoint; Muon + AdamW keeps one dict per optimizer."""
+    saved = torch.load(state_pt, weights_only=True)["optimizer"]
+    parts = [saved["muon"], saved["adamw"]] if "muon" in saved else [saved]
+    return {(i, k): v for i, part in enumerate(parts) for k, v in part["state"].items()}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, optimizer):
+    cfg = tiny_config(char_data, max_steps=12, optimizer=optimizer)
     straight = train(cfg, tmp_path / "straight")
     assert straight["step"] == 12
 
-    cfg = tiny_config(char_data, max_steps=12)
+    cfg = tiny_config(char_data, max_steps=12, optimizer=optimizer)
     trainer = Trainer(cfg, tmp_path / "resumed")
     stop_with_sigterm_at(trainer, 6)
     first = trainer.fit()
@@ -62,7 +70,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
     assert (tmp_path / "resumed" / "checkpoints" / "step_00000006").is_dir()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run put the default handler back
 
-    second = train(tiny_config(char_data, max_steps=12), tmp_path / "resumed", resume="auto")
+    second = train(tiny_config(char_data, max_steps=12, optimizer=optimizer), tmp_path / "resumed", resume="auto")
     assert second["step"] == 12 and second["reason"] == "done"
 
     losses_a, losses_b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
@@ -71,8 +79,8 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path):
     final_a = tmp_path / "straight" / "checkpoints" / "step_00000012"
     final_b = tmp_path / "resumed" / "checkpoints" / "step_00000012"
     assert_same_tensors(load_file(final_a / "model.safetensors"), load_file(final_b / "model.safetensors"))
-    opt_a = torch.load(final_a / "state.pt", weights_only=True)["optimizer"]["state"]
-    opt_b = torch.load(final_b / "state.pt", weights_only=True)["optimizer"]["state"]
+    opt_a, opt_b = optimizer_moments(final_a / "state.pt"), optimizer_moments(final_b / "state.pt")
+    assert opt_a.keys() == opt_b.keys() and len(opt_a) == len(load_file(final_a / "model.safetensors"))
     for i in opt_a:
         assert_same_tensors(opt_a[i], opt_b[i])
     assert second["best_val_loss"] == straight["best_val_loss"]

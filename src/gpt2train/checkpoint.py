@@ -134,6 +134,15 @@ def check_same_shape(saved_model: dict, model: dict) -> None:
                           "settings or start a new run directory")
 
 
+def check_same_optimizer(ckpt: Path, saved_train: dict, train: dict) -> None:
+    """Refuse to resume under another train.optimizer: the checkpoint holds the state of the one it used."""
+    saved, now = saved_train.get("optimizer", "adamw"), train["optimizer"]  # older checkpoints: AdamW
+    if saved != now:
+        raise ConfigError(f"cannot resume: train.optimizer changed ({saved} -> {now}) and {ckpt} holds {saved}'s "
+                          f"state; set train.optimizer = \"{saved}\", or start a new run directory with "
+                          f"--set train.init_from={ckpt} (weights only)")
+
+
 # --- writing ------------------------------------------------------------------------------------------
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
@@ -432,7 +441,7 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
             stage(root, name)
         D.barrier()
         staged = root / f".tmp-{name}"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, dcp_optimizers(optimizer))
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staged / "dcp"))
         except Exception as e:  # DCP reports a failed write on every rank
@@ -458,6 +467,11 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
     return path or root / name
 
 
+def dcp_optimizers(optimizer):
+    """What DCP's get/set_state_dict take: torch optimizers, so Muon + AdamW as the list of the two."""
+    return getattr(optimizer, "optimizers", optimizer)
+
+
 def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                              sharded: bool) -> tuple[dict, dict]:
     """Load weights and optimizer state into a live model (wrapped or not) and return (state, meta).
@@ -474,12 +488,12 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, dcp_optimizers(optimizer))
         both = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():  # loading a sharded checkpoint into one process is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(both, checkpoint_id=str(ckpt / "dcp"))
-        set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+        set_state_dict(model, dcp_optimizers(optimizer), model_state_dict=both["model"], optim_state_dict=both["optim"])
         return state, meta
     if sharded:
         raise CheckpointError(f"{ckpt} was saved without FSDP; resume it with train.distributed = \"ddp\" "

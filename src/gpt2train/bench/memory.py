@@ -28,6 +28,7 @@ from gpt2train.config import Config
 from gpt2train.model import GPTConfig, layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+from gpt2train.train.optim import muon_parameter_count
 from gpt2train.units import format_bytes
 
 FP32 = 4
@@ -143,6 +144,14 @@ def compute_bytes(dtype: str, device_type: str) -> int:
     return resolve_dtype(dtype, device_type, bf16_supported=True).itemsize
 
 
+def optimizer_state_bytes(cfg: Config, m: GPTConfig, shards: int = 1) -> int:
+    """AdamW keeps exp_avg and exp_avg_sq, fp32, per parameter; Muon one fp32 momentum buffer per matrix it
+    manages (train.optimizer = muon: the blocks' weight matrices), AdamW's two for the rest."""
+    P = parameter_count(m)
+    M = muon_parameter_count(m) if cfg.train.optimizer == "muon" else 0
+    return math.ceil((2 * (P - M) + M) * FP32 / shards)
+
+
 def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None = None,
                     device_type: str | None = None) -> MemoryEstimate:
     """Predicted per-device memory of one training step of cfg.
@@ -168,7 +177,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
 
     params = math.ceil(P * FP32 / shards)
     grads = math.ceil(P * FP32 / shards)
-    optimizer = 2 * grads  # AdamW's exp_avg and exp_avg_sq, fp32
+    optimizer = optimizer_state_bytes(cfg, m, shards)
     copies = matmul_parameter_count(m) * act if act != FP32 else 0
     block = block_activation_bytes(m, B, T, act)
     saved_block = B * T * m.n_embd * FP32 if m.grad_checkpointing else block  # checkpointing keeps the input

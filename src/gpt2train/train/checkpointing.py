@@ -18,6 +18,7 @@ import torch
 from gpt2train import distributed as D
 from gpt2train.checkpoint import (
     CheckpointError,
+    check_same_optimizer,
     check_same_shape,
     load_training_checkpoint,
     newest_checkpoint,
@@ -148,6 +149,7 @@ class Checkpointer:
         if "imported_from" in meta:  # weights only: no optimizer, scaler or data position to continue from
             raise CheckpointError(weights_only_message(ckpt))
         check_same_shape(meta["config"]["model"], to_dict(self.cfg)["model"])
+        check_same_optimizer(ckpt, meta["config"].get("train", {}), to_dict(self.cfg)["train"])
         if restore_data:  # before any tensor is loaded: a refused resume changes nothing
             saved_batch, now_batch = saved_layout(meta), batch_layout(self.runtime)
             if check_same_batch(saved_batch, now_batch) and self.dist.is_main:

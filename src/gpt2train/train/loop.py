@@ -29,7 +29,7 @@ from gpt2train.train import init_from, runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState
 from gpt2train.train.console import Console
 from gpt2train.train.guard import TrainingGuard
-from gpt2train.train.optim import lr_at, make_optimizer
+from gpt2train.train.optim import make_optimizer, set_lr
 from gpt2train.train.signals import StopSignal
 from gpt2train.train.step import TrainStep
 
@@ -110,11 +110,12 @@ class Trainer:
                                    self.console.log, self.console.print, self.is_main)
 
     def train_step(self) -> dict:
-        """One optimizer step at the LR of its step number; the counters move on."""
-        result = self.step_fn(lr_at(self.state.step + 1, self.cfg.train))
+        """One optimizer step at the LRs of its step number (AdamW's is logged); the counters move on."""
+        lr = set_lr(self.optimizer, self.state.step + 1, self.cfg.train)
+        result = self.step_fn()
         self.state.step += 1
         self.state.tokens += self.runtime.tokens_per_step
-        return {"loss": result.loss.item(), "lr": result.lr, "grad_norm": result.grad_norm.item(),
+        return {"loss": result.loss.item(), "lr": lr, "grad_norm": result.grad_norm.item(),
                 "skipped": result.skipped, "seconds": result.seconds}
 
     def evaluate(self) -> float:

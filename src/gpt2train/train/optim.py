@@ -1,24 +1,56 @@
-"""AdamW with GPT-2's parameter groups, and the learning-rate schedule as a plain function of the step."""
+"""The optimizer and the learning-rate schedule as a plain function of the step.
+
+train.optimizer = "adamw": AdamW with GPT-2's parameter groups for every parameter. "muon": torch.optim.Muon
+for the weight matrices inside the transformer blocks (attention and MLP), whose update it orthogonalizes,
+and AdamW as above for the rest (embeddings, an untied head, LayerNorm gains, biases), the two stepped as
+one optimizer (MuonAdamW). The schedule scales both: each group gets lr_at(step) of its own peak, train.lr
+for AdamW's groups and train.muon_lr for Muon's.
+"""
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import torch
 
 from gpt2train.config import TrainConfig
+from gpt2train.model import GPTConfig
+
+BLOCK_PARAM = re.compile(r"(^|\.)transformer\.h\.\d+\.")  # after any wrapper prefix (module., _orig_mod.)
+
+
+def is_muon_param(name: str, param: torch.Tensor) -> bool:
+    """A weight matrix inside a transformer block; embeddings, the head, gains and biases are not."""
+    return param.dim() == 2 and BLOCK_PARAM.search(name) is not None
+
+
+def muon_parameter_count(cfg: GPTConfig) -> int:
+    """Parameters Muon manages: each block's c_attn (3C x C), attn.c_proj (C x C), c_fc (4C x C), mlp.c_proj."""
+    return cfg.n_layer * 12 * cfg.n_embd * cfg.n_embd
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
-                   fused: bool | None = None) -> torch.optim.AdamW:
+                   fused: bool | None = None) -> torch.optim.AdamW | MuonAdamW:
+    """AdamW (see make_adamw) for every parameter, or with cfg.optimizer "muon" Muon for the blocks' weight
+    matrices and AdamW for the rest. The split goes by parameter name, so a wrapped model splits alike."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied weights appear once
+    if cfg.optimizer == "adamw":
+        return make_adamw([p for _, p in named], cfg, device_type, fused)
+    muon = torch.optim.Muon([p for n, p in named if is_muon_param(n, p)], lr=cfg.muon_lr,
+                            weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum)
+    return MuonAdamW(muon, make_adamw([p for n, p in named if not is_muon_param(n, p)], cfg, device_type, fused))
+
+
+def make_adamw(params: list[torch.Tensor], cfg: TrainConfig, device_type: str,
+               fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW that decays only 2-D+ weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
 
     fused None (the trainer's choice): the fused CUDA kernel, which updates every parameter in one launch,
     on CUDA, and the foreach path, which batches them, elsewhere. fused True / False force the fused kernel
     / one small kernel chain per tensor (the journey's naive stage).
     """
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -31,15 +63,63 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (counted from 1).
+class MuonAdamW:
+    """Muon and AdamW stepped as one optimizer, with what the rest of gpt2train uses of one: param_groups
+    (Muon's, then AdamW's; GradScaler and the LR go through them), state, step, zero_grad, and a state dict
+    that keeps the two apart (so that an AdamW checkpoint does not load into it, nor it into AdamW)."""
 
-    Linear warmup to cfg.lr over warmup_steps, then
-      cosine: half a cosine down to lr * min_lr_ratio at max_steps;
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+        self.muon, self.adamw = muon, adamw
+        self.optimizers = [muon, adamw]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]  # fresh: load_state_dict replaces groups
+
+    @property
+    def state(self) -> dict:
+        return {**self.muon.state, **self.adamw.state}  # read-only view: each parameter is in one of them
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict):
+        if not isinstance(state_dict, dict) or state_dict.keys() != {"muon", "adamw"}:
+            raise ValueError("not a Muon + AdamW optimizer state")
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+
+
+def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, step: int, cfg: TrainConfig) -> float:
+    """Give every param group its LR for optimizer step `step`: lr_at's schedule with the group's own peak
+    (cfg.muon_lr for Muon's groups, cfg.lr for the rest). Returns AdamW's LR, the one logs report."""
+    lr = lr_at(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if isinstance(optimizer, MuonAdamW):
+        for group in optimizer.muon.param_groups:
+            group["lr"] = lr_at(step, cfg, peak=cfg.muon_lr)
+    return lr
+
+
+def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
+    """Learning rate for optimizer step `step` (counted from 1), peaking at `peak` (default cfg.lr).
+
+    Linear warmup to the peak over warmup_steps, then
+      cosine: half a cosine down to peak * min_lr_ratio at max_steps;
       constant: flat;
-      wsd: flat, then a linear decay to lr * min_lr_ratio over the last decay_fraction of the steps.
+      wsd: flat, then a linear decay to peak * min_lr_ratio over the last decay_fraction of the steps.
     """
-    max_lr, min_lr = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    max_lr = cfg.lr if peak is None else peak
+    min_lr = max_lr * cfg.min_lr_ratio
     if step <= cfg.warmup_steps:
         return max_lr * step / max(1, cfg.warmup_steps)
     if cfg.schedule == "constant":

@@ -3,7 +3,8 @@
 The Trainer, every stage of `gpt2train bench journey`, plan's CPU timing and memory's batch search all run
 this same step, so what they measure is what `gpt2train train` does:
 
-    lr = lr_at(step)                       set by the caller: an explicit function of the step
+    lr = lr_at(step)                       set by the caller: an explicit function of the step (the
+                                           trainer's set_lr gives Muon's groups their own peak)
     zero_grad(set_to_none)
     for each micro-batch:                  gradient accumulation
         loss = model(x, y) / n_micro       autocast (bf16 / fp16 / fp32); DDP/FSDP sync on the last one only
