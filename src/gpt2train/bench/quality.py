@@ -399,9 +399,9 @@ def seconds(s: float) -> str:
 
 
 def cell(stats: dict | None, fmt, seeds: int) -> str:
-    """Mean over the seeds, then min..max where there are several; "k/n seeds" where some lack it."""
-    if stats is None:
-        return "not reached" if seeds else "n/a"
+    """Mean over the seeds, then min..max where they differ; "k/n seeds" where some lack the measure."""
+    if stats is None:  # a finished row lacks only the reach measures
+        return "not reached"
     text = fmt(stats["mean"])
     if stats["n"] > 1 and fmt(stats["min"]) != fmt(stats["max"]):
         text += f" ({fmt(stats['min'])}..{fmt(stats['max'])})"
@@ -436,7 +436,7 @@ def to_markdown(result: QualityResult) -> str:
         f"# Quality journey: {o['config']} (GPT-2) to {o['modern']} (the recipe)"
         + (", ablation" if o["ablate"] else ""),
         "",
-        f"- date: {env['date']}; torch {env['torch']}; device {device_text(hw)}, {env['cpu_threads']} CPU threads",
+        f"- date: {env['date']}; torch {env['torch']}; device {device_text(hw)}, torch threads: {env['cpu_threads']}",
         f"- command: `{result.command}`",
         f"- seeds: {', '.join(map(str, seeds))}; each cell is the mean over the seeds, with min..max where there "
         "are several",
