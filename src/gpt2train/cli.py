@@ -50,6 +50,14 @@ def device_name(text: str) -> str:
     return text
 
 
+def seed_list(text: str) -> list[int]:
+    """--seeds: distinct seeds separated by commas, each within SEEDS."""
+    seeds = [SEED(part.strip()) for part in text.split(",")]
+    if len(set(seeds)) < len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a seed")
+    return seeds
+
+
 def cmd_prepare_shakespeare(args) -> int:
     from gpt2train.data.prepare import prepare_shakespeare
 
@@ -264,6 +272,20 @@ def cmd_bench_generate(args) -> int:
     return 0
 
 
+def cmd_bench_quality(args) -> int:
+    from gpt2train.bench.quality import QualityOptions, run_quality, target_line
+
+    options = QualityOptions(config=args.config, modern=args.modern, ablate=args.ablate, seeds=args.seeds,
+                             steps=args.steps or 0, eval_interval=args.eval_interval, val_batches=args.val_batches,
+                             overrides=args.set or [], device=args.device or "")
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-quality-%Y%m%d-%H%M%S")
+    result = run_quality(options, out)
+    print(result.table)
+    print(target_line(result.target))
+    print(f"wrote {out}/quality.md, quality.json, quality.png; each run's log in {out}/runs/")
+    return 0
+
+
 def cmd_config_show(args) -> int:
     from gpt2train.config import dump_toml, load_config
 
@@ -463,6 +485,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     g.set_defaults(func=cmd_bench_generate)
+    q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
+                         "time to reach GPT-2's validation loss")
+    q.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP
+                   + " (default shakespeare-cpu)")
+    q.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
+                   "shakespeare-modern); it may differ from --config only in the changes' keys")
+    q.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
+    q.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
+                   "(default: the config's seed)")
+    q.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")
+    q.add_argument("--eval-interval", type=POSITIVE_INT, default=25, help="steps between validations (default 25)")
+    q.add_argument("--val-batches", type=COUNT, help="micro-batches per validation, 0: the whole val split "
+                   "(default: the config's eval.val_batches)")
+    q.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
+                   "(repeatable), e.g. data.dir=...")
+    q.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
+    q.add_argument("--out", help="output folder (default runs/bench-quality-<time>)")
+    q.set_defaults(func=cmd_bench_quality)
 
     p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
     p.add_argument("--config", help=CONFIG_HELP)

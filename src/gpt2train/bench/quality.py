@@ -1,0 +1,498 @@
+"""The quality journey: how much sooner, in tokens and in training time, the modern recipe reaches GPT-2's loss.
+
+Two configs: the base (GPT-2's choices) and the recipe. The recipe's changes are named groups of config
+keys (CHANGES). Each row of the journey adds one more change to the base (cumulative), so its last row is
+the whole recipe; `--ablate` trains the whole recipe, then the recipe minus one change at a time.
+
+Every row runs the real trainer (train.loop.train) into its own run directory, once per seed, and is read
+back from its metrics.jsonl. The target of a seed is the GPT-2 row's final validation loss with that seed;
+a row reaches it where its validation curve first comes down to it, interpolated linearly between the two
+evaluations around the crossing (reach()). Time counts the training steps alone (step_ms of every step:
+data, forward, backward, optimizer), not the evaluations; the first step of each run counts at the median
+of the others, since it carries one-off costs (compilation where on, allocator and kernel choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2train import runlog
+from gpt2train.config import Config, load_config, to_dict, validate
+from gpt2train.data.prepare import load_meta
+from gpt2train.ranges import SEEDS, UsageError
+from gpt2train.train.loop import train
+from gpt2train.units import format_count, format_duration
+
+TOKENS_TARGET, TIME_TARGET = 0.5, 0.6  # issue 20: the recipe's share of GPT-2's tokens and time
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    slug: str  # its part of a run directory's name
+    keys: tuple[str, ...]
+
+
+# The recipe's changes, in journey order: the optimizer first (it moves the most), the schedule last.
+CHANGES: list[Change] = [
+    Change("Muon", "muon", ("train.optimizer", "train.muon_lr", "train.muon_momentum", "train.muon_weight_decay")),
+    Change("rotary", "rotary", ("model.position", "model.rope_base")),
+    Change("QK norm", "qk-norm", ("model.qk_norm",)),
+    Change("ReLU²", "relu2", ("model.mlp",)),
+    Change("untied head", "untied-head", ("model.tied_head",)),
+    Change("zero-init projections", "zero-init", ("model.zero_init_proj",)),
+    Change("logit soft cap", "softcap", ("model.logit_softcap",)),
+    Change("WSD schedule", "wsd", ("train.schedule", "train.decay_fraction", "train.min_lr_ratio",
+                                   "train.warmup_steps")),
+]
+
+
+@dataclass
+class QualityOptions:
+    config: str = "shakespeare-cpu"  # the GPT-2 row: a file or a preset
+    modern: str = "shakespeare-modern"  # the recipe
+    ablate: bool = False
+    seeds: list[int] | None = None  # None: the base config's train.seed
+    steps: int = 0  # train.max_steps of every row; 0: the base config's
+    eval_interval: int = 25
+    val_batches: int | None = None  # None: the base config's eval.val_batches
+    overrides: list[str] = field(default_factory=list)  # --set, applied to every row
+    device: str = ""  # "": the config's train.device
+
+
+@dataclass
+class Row:
+    name: str  # "GPT-2", "+ rotary", "full recipe", "- rotary"
+    slug: str
+    cfg: Config
+    changes: dict = field(default_factory=dict)  # key -> value, where this row differs from the base
+
+
+@dataclass
+class SeedRun:
+    """One row trained with one seed; the curves are taken at the evaluations."""
+
+    seed: int
+    run_dir: str
+    status: str = "ok"  # ok | failed
+    reason: str = ""
+    steps: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    train_s: list[float] = field(default_factory=list)  # training-step seconds up to each evaluation
+    final_val_loss: float | None = None
+    total_tokens: int | None = None
+    total_train_s: float | None = None
+    wall_s: float | None = None  # the whole run: build, steps, evaluations
+    target: float | None = None  # the GPT-2 row's final val loss with this seed
+    reach_tokens: float | None = None
+    reach_s: float | None = None
+    tokens_ratio: float | None = None  # of the GPT-2 row's total tokens
+    time_ratio: float | None = None  # of the GPT-2 row's total training time
+
+
+@dataclass
+class RowResult:
+    name: str
+    slug: str
+    changes: dict
+    runs: list[SeedRun]
+    summary: dict = field(default_factory=dict)  # per measure: mean, min, max over the seeds that have it
+
+
+# --- the rows ------------------------------------------------------------------------------------------
+def get_key(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def set_key(cfg: Config, key: str, value) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, copy.deepcopy(value))
+
+
+def flat(cfg: Config) -> dict:
+    return {f"{section}.{key}": value for section, values in to_dict(cfg).items() for key, value in values.items()}
+
+
+def differing_keys(a: Config, b: Config) -> list[str]:
+    fa, fb = flat(a), flat(b)
+    return [key for key in fa if fa[key] != fb[key]]
+
+
+def with_keys(cfg: Config, source: Config, keys) -> Config:
+    """A copy of cfg with `keys` taken from source."""
+    out = copy.deepcopy(cfg)
+    for key in keys:
+        set_key(out, key, get_key(source, key))
+    return out
+
+
+def plan_rows(base: Config, modern: Config, ablate: bool = False) -> tuple[list[Row], list[str]]:
+    """(the rows to train, notes on the changes left out). UsageError, in one line, when the configs differ
+    in a key that no change covers (the rows would not isolate the changes) or in none that one does."""
+    covered = {key for change in CHANGES for key in change.keys}
+    differ = differing_keys(base, modern)
+    uncovered = [key for key in differ if key not in covered]
+    if uncovered:
+        raise UsageError(f"the base and the recipe also differ in {', '.join(uncovered)}, which no change covers: "
+                         "make them equal (or --set them for every row)")
+    changes = [c for c in CHANGES if any(key in differ for key in c.keys)]
+    notes = [f"{c.name}: skipped, both configs have the same {', '.join(c.keys)}" for c in CHANGES if c not in changes]
+    if not changes:
+        raise UsageError("the base and the recipe are the same config: no change to measure")
+
+    def row(name: str, slug: str, cfg: Config) -> Row:
+        validate(cfg)  # a mix of the two may break a rule neither breaks (an odd head size with rotary)
+        return Row(name, slug, cfg, {key: get_key(cfg, key) for key in differing_keys(base, cfg)})
+
+    rows = [row("GPT-2", "gpt2", base)]
+    if not ablate:
+        cfg = base
+        for c in changes:
+            cfg = with_keys(cfg, modern, c.keys)
+            rows.append(row(f"+ {c.name}", c.slug, cfg))
+        return rows, notes
+    rows.append(row("full recipe", "recipe", modern))
+    rows += [row(f"- {c.name}", f"recipe-minus-{c.slug}", with_keys(modern, base, c.keys)) for c in changes]
+    return rows, notes
+
+
+def recipe_changes(base: Config, modern: Config) -> dict[str, dict]:
+    """Change name -> {key: [the base's value, the recipe's]} for the keys where the two differ."""
+    differ = differing_keys(base, modern)
+    out = {c.name: {key: [get_key(base, key), get_key(modern, key)] for key in c.keys if key in differ}
+           for c in CHANGES}
+    return {name: keys for name, keys in out.items() if keys}
+
+
+def load_pair(options: QualityOptions) -> tuple[Config, Config]:
+    """The base and the recipe, each with --set and the bench's shared settings applied."""
+    return (shared_settings(load_config(options.config, options.overrides), options),
+            shared_settings(load_config(options.modern, options.overrides), options))
+
+
+def shared_settings(cfg: Config, options: QualityOptions) -> Config:
+    """What every row shares: steps, device, validation; no samples, HellaSwag or checkpoints (the bench
+    reads the log only); every step logged, since the reach time sums every step's time."""
+    if options.steps:
+        cfg.train.max_steps = options.steps
+    if options.device:
+        cfg.train.device = options.device
+    cfg.eval.interval = options.eval_interval
+    if options.val_batches is not None:
+        cfg.eval.val_batches = options.val_batches
+    cfg.eval.sample_interval = cfg.eval.hellaswag_interval = 0
+    cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes = 0, 0.0
+    cfg.checkpoint.save_best = cfg.checkpoint.save_final = False
+    cfg.log.interval, cfg.log.progress = 1, "lines"
+    cfg.log.tensorboard = cfg.log.wandb = False
+    return validate(cfg)
+
+
+# --- reading a run ---------------------------------------------------------------------------------------
+def reach(xs: list[float], losses: list[float], target: float) -> float | None:
+    """Where the curve (xs[i], losses[i]) first comes down to `target`: x interpolated linearly between the
+    last point above it and the first at or below it; the first x when already there at the first point;
+    None when never reached."""
+    for i, loss in enumerate(losses):
+        if loss <= target:
+            if i == 0:
+                return float(xs[0])
+            above = losses[i - 1]
+            return xs[i - 1] + (xs[i] - xs[i - 1]) * (above - target) / (above - loss)
+    return None
+
+
+def step_seconds(train_records: list[dict]) -> dict[int, float]:
+    """Seconds of each logged training step; the first step counts at the median of the others."""
+    seconds = {r["step"]: r["step_ms"] / 1000 for r in train_records if runlog.is_finite(r.get("step_ms"))}
+    if len(seconds) > 1:
+        first = min(seconds)
+        seconds[first] = statistics.median(s for step, s in seconds.items() if step != first)
+    return seconds
+
+
+def read_run(run_dir: Path, seed: int) -> SeedRun:
+    """The validation curve of a finished run and its training time at each evaluation."""
+    run = runlog.load_run(run_dir)
+    vals = sorted((r for r in run.of(runlog.VAL) if runlog.is_finite(r.get("val_loss"))), key=lambda r: r["step"])
+    if not vals:
+        raise ValueError(f"{run_dir} holds no validation loss")
+    seconds = step_seconds(run.of(runlog.TRAIN))
+    out = SeedRun(seed, str(run_dir), steps=[r["step"] for r in vals], tokens=[r["tokens"] for r in vals],
+                  val_loss=[r["val_loss"] for r in vals])
+    out.train_s = [sum(s for step, s in seconds.items() if step <= at) for at in out.steps]
+    out.final_val_loss, out.total_tokens, out.total_train_s = out.val_loss[-1], out.tokens[-1], out.train_s[-1]
+    return out
+
+
+def score(run: SeedRun, gpt2: SeedRun | None) -> None:
+    """Fill in the reach of GPT-2's final loss (same seed) and the ratios to the GPT-2 row's totals."""
+    if run.status != "ok" or gpt2 is None or gpt2.status != "ok":
+        return
+    run.target = gpt2.final_val_loss
+    run.reach_tokens = reach(run.tokens, run.val_loss, run.target)
+    run.reach_s = reach(run.train_s, run.val_loss, run.target)
+    if run.reach_tokens is not None:
+        run.tokens_ratio = run.reach_tokens / gpt2.total_tokens
+        run.time_ratio = run.reach_s / gpt2.total_train_s if gpt2.total_train_s else None
+
+
+MEASURES = ("final_val_loss", "reach_tokens", "tokens_ratio", "reach_s", "time_ratio", "wall_s")
+
+
+def aggregate(runs: list[SeedRun]) -> dict:
+    """Per measure, over the seeds that have it: mean, min, max, n (of len(runs) seeds)."""
+    out = {}
+    for measure in MEASURES:
+        values = [getattr(r, measure) for r in runs if getattr(r, measure) is not None]
+        out[measure] = ({"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
+                        if values else None)
+    return out
+
+
+# --- the bench -----------------------------------------------------------------------------------------------
+@dataclass
+class QualityResult:
+    options: dict
+    environment: dict
+    notes: list[str]
+    rows: list[RowResult]
+    target: dict  # the full recipe's ratios against issue 20's targets
+    recipe: dict  # recipe_changes()
+    command: str = ""
+    markdown: str = ""
+    table: str = ""
+
+
+def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = True) -> QualityResult:
+    """Train every row once per seed into OUT/runs/, score them; write quality.{md,json,png} to OUT."""
+    base, modern = load_pair(options)
+    rows, notes = plan_rows(base, modern, options.ablate)
+    seeds = options.seeds or [base.train.seed]
+    bad = [seed for seed in seeds if seed not in SEEDS or seeds.count(seed) > 1]
+    if bad:
+        raise UsageError(f"seed {bad[0]} is out of range or repeated; seeds must be distinct and {SEEDS}")
+    out = Path(out_dir)
+    if (out / "runs").exists():
+        raise UsageError(f"{out / 'runs'} exists already (runs of an earlier bench): pass a new --out")
+    load_meta(base.data.dir)  # missing data fails once, before any row
+    environment = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+                   "cpu_threads": torch.get_num_threads()}
+    results: list[RowResult] = []
+    for i, row in enumerate(rows):
+        runs = []
+        for seed in seeds:
+            run = train_row(row, seed, out / "runs" / f"{row.slug}-seed{seed}")
+            if run.status == "ok" and "hardware" not in environment:
+                environment["hardware"] = run_hardware(run)
+            gpt2 = {r.seed: r for r in results[0].runs}.get(seed) if results else run  # row 0 is its own target
+            score(run, gpt2)
+            runs.append(run)
+            if progress:
+                print(f"[{i + 1}/{len(rows)}] {row.name}, seed {seed}: {describe_run(run)}", flush=True)
+        results.append(RowResult(row.name, row.slug, row.changes, runs, aggregate(runs)))
+    full = results[1] if options.ablate else results[-1]
+    result = QualityResult(dataclasses.asdict(options), environment, notes, results, target_summary(full),
+                           recipe_changes(base, modern), command_line(options, out))
+    result.table = table(result)
+    result.markdown = to_markdown(result)
+    (out / "quality.md").write_text(result.markdown)
+    (out / "quality.json").write_text(json.dumps(dataclasses.asdict(result) | {"markdown": None, "table": None},
+                                                 indent=2) + "\n")
+    plot_quality(result, out / "quality.png")
+    return result
+
+
+def train_row(row: Row, seed: int, run_dir: Path) -> SeedRun:
+    """Train one row with one seed; its console goes to run_dir/console.log. A run that raises (a guard that
+    gives up, out of memory) is reported as failed with the error, not hidden."""
+    cfg = copy.deepcopy(row.cfg)
+    cfg.train.seed = seed
+    run_dir.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        with open(run_dir / "console.log", "w") as console, contextlib.redirect_stdout(console):
+            out = train(cfg, run_dir)
+        if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the bench
+            raise KeyboardInterrupt
+        run = read_run(run_dir, seed)
+    except Exception as e:  # noqa: BLE001 - the other rows still tell something
+        message = str(e).splitlines()[0] if str(e) else ""
+        run = SeedRun(seed, str(run_dir), status="failed", reason=f"{type(e).__name__}: {message}")
+    finally:
+        release(cfg)
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def release(cfg: Config) -> None:
+    """Let the next row start clean: compiled graphs dropped (dynamo's cache would fill up over many rows)."""
+    if cfg.train.compile is not False:
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_hardware(run: SeedRun) -> dict:
+    """The device a run trained on, from its run_start record."""
+    starts = runlog.load_run(run.run_dir).of(runlog.RUN_START)
+    return (starts[-1].get("hardware") or {}) if starts else {}
+
+
+def describe_run(run: SeedRun) -> str:
+    if run.status != "ok":
+        return f"failed ({run.reason})"
+    if run.target is None:
+        where = "no target (the GPT-2 row failed)"
+    elif run.reach_tokens is None:
+        where = f"does not reach {run.target:.4f}"
+    else:
+        where = f"reaches {run.target:.4f} at {format_count(run.reach_tokens)} tokens"
+    return (f"val loss {run.final_val_loss:.4f} after {format_count(run.total_tokens)} tokens, {where}; "
+            f"{seconds(run.wall_s)} (console: {run.run_dir}/console.log)")
+
+
+def target_summary(full: RowResult) -> dict:
+    tokens, times = full.summary.get("tokens_ratio"), full.summary.get("time_ratio")
+    return {"row": full.name, "tokens_ratio": tokens["mean"] if tokens else None, "tokens_target": TOKENS_TARGET,
+            "time_ratio": times["mean"] if times else None, "time_target": TIME_TARGET}
+
+
+def target_line(target: dict) -> str:
+    """Where the full recipe stands against issue 20's targets."""
+    if target["tokens_ratio"] is None:
+        return "full recipe does not reach GPT-2's loss"
+    time_part = f"{target['time_ratio']:.2f}x" if target["time_ratio"] is not None else "n/a"
+    return (f"full recipe reaches GPT-2's loss in {target['tokens_ratio']:.2f}x of the tokens "
+            f"(target <= {target['tokens_target']}) and {time_part} of the time (target <= {target['time_target']})")
+
+
+def command_line(options: QualityOptions, out: Path) -> str:
+    """The command that repeats this bench."""
+    parts = ["gpt2train bench quality", f"--config {options.config}", f"--modern {options.modern}"]
+    parts += ["--ablate"] if options.ablate else []
+    parts += [f"--seeds {','.join(map(str, options.seeds))}"] if options.seeds else []
+    parts += [f"--steps {options.steps}"] if options.steps else []
+    parts += [f"--eval-interval {options.eval_interval}"]
+    parts += [f"--val-batches {options.val_batches}"] if options.val_batches is not None else []
+    parts += [f"--set {item}" for item in options.overrides]
+    parts += [f"--device {options.device}"] if options.device else []
+    return " ".join(parts + [f"--out {out}"])
+
+
+# --- reporting ------------------------------------------------------------------------------------------------
+def seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 60 else format_duration(s)
+
+
+def cell(stats: dict | None, fmt, seeds: int) -> str:
+    """Mean over the seeds, then min..max where they differ; "k/n seeds" where some lack the measure."""
+    if stats is None:  # a finished row lacks only the reach measures
+        return "not reached"
+    text = fmt(stats["mean"])
+    if stats["n"] > 1 and fmt(stats["min"]) != fmt(stats["max"]):
+        text += f" ({fmt(stats['min'])}..{fmt(stats['max'])})"
+    if stats["n"] < seeds:
+        text += f", {stats['n']}/{seeds} seeds"
+    return text
+
+
+def table(result: QualityResult) -> str:
+    lines = ["| row | final val loss | tokens to GPT-2's loss | x GPT-2 tokens | time to it | x GPT-2 time | "
+             "row wall time |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in result.rows:
+        s, n = row.summary, len(row.runs)
+        failed = [r for r in row.runs if r.status != "ok"]
+        if len(failed) == n:
+            lines.append(f"| {row.name} | failed | | | | | {cell(s['wall_s'], seconds, n)} |")
+            continue
+        lines.append("| " + " | ".join([
+            row.name, cell(s["final_val_loss"], lambda v: f"{v:.4f}", n),
+            cell(s["reach_tokens"], format_count, n), cell(s["tokens_ratio"], lambda v: f"{v:.2f}x", n),
+            cell(s["reach_s"], seconds, n), cell(s["time_ratio"], lambda v: f"{v:.2f}x", n),
+            cell(s["wall_s"], seconds, n)]) + " |")
+    return "\n".join(lines)
+
+
+def to_markdown(result: QualityResult) -> str:
+    o, env = result.options, result.environment
+    hw = env.get("hardware") or {}
+    seeds = o["seeds"] or [result.rows[0].runs[0].seed]
+    lines = [
+        f"# Quality journey: {o['config']} (GPT-2) to {o['modern']} (the recipe)"
+        + (", ablation" if o["ablate"] else ""),
+        "",
+        f"- date: {env['date']}; torch {env['torch']}; device {device_text(hw)}, torch threads: {env['cpu_threads']}",
+        f"- command: `{result.command}`",
+        f"- seeds: {', '.join(map(str, seeds))}; each cell is the mean over the seeds, with min..max where there "
+        "are several",
+        "- target: the GPT-2 row's final validation loss with the same seed; tokens and time to it are "
+        "interpolated linearly between the evaluations around the crossing",
+        "- time: training steps only (data, forward, backward, optimizer; not evaluation), the first step of "
+        "each run counted at the median of the others; row wall time: the whole run, evaluations included",
+        "",
+        result.table,
+        "",
+        target_line(result.target),
+    ]
+    lines += ["", "The changes (GPT-2's value -> the recipe's):", ""]
+    lines += [f"- {name}: " + ", ".join(f"{key} {json.dumps(a)} -> {json.dumps(b)}" for key, (a, b) in keys.items())
+              for name, keys in result.recipe.items()]
+    failures = [(row.name, r) for row in result.rows for r in row.runs if r.status != "ok"]
+    notes = result.notes + [f"{name}, seed {r.seed}: failed: {r.reason}" for name, r in failures]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def device_text(hardware: dict) -> str:
+    device, name = hardware.get("device", "n/a"), hardware.get("device_name")
+    return f"{device} ({name})" if name and name != device else device
+
+
+def mean_curve(runs: list[SeedRun]) -> tuple[list[int], list[float]]:
+    """Validation loss against tokens, averaged over the seeds at the evaluations they all have."""
+    ok = [r for r in runs if r.status == "ok"]
+    if not ok:
+        return [], []
+    n = min(len(r.tokens) for r in ok)
+    return ok[0].tokens[:n], [statistics.fmean(r.val_loss[i] for r in ok) for i in range(n)]
+
+
+def plot_quality(result: QualityResult, path: Path):
+    """Validation loss against tokens for every row (mean over seeds), GPT-2's final loss dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in result.rows:
+        tokens, losses = mean_curve(row.runs)
+        if tokens:
+            ax.plot(tokens, losses, marker=".", label=row.name)
+    final = result.rows[0].summary["final_val_loss"]
+    if final is not None:
+        ax.axhline(final["mean"], color="black", linestyle="--", linewidth=1, label="GPT-2 final loss")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{result.options['config']} -> {result.options['modern']}", fontsize=10)
+    if ax.lines:  # every row failed: an empty figure, no legend
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
