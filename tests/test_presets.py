@@ -94,3 +94,26 @@ def test_the_wheel_ships_the_presets(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"gpt2train/configs/{name}.toml" for name in PRESETS} <= names
     assert "gpt2train/templates/report.html" in names
+
+
+@pytest.mark.parametrize("preset", ["shakespeare-modern", "gpt2-modern"])
+def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path):
+    """The recipe's presets as a user runs them, shrunk to a few steps of a one-layer model."""
+    shrink = ["--set", f"data.dir={char_data}", "--set", "model.n_layer=1", "--set", "model.n_head=2",
+              "--set", "model.n_embd=32", "--set", "model.block_size=32", "--set", "train.seq_len=32",
+              "--set", "train.micro_batch=2", "--set", "train.total_batch_tokens=0", "--set", "train.device=cpu",
+              "--set", "train.compile=false", "--set", "train.dtype=float32", "--set", "train.warmup_steps=1",
+              "--set", "eval.val_batches=1", "--set", "eval.interval=0", "--set", "eval.sample_interval=0",
+              "--set", "eval.hellaswag_interval=0", "--set", "checkpoint.every_steps=2"]
+    cfg = load_config(preset)
+    assert (cfg.train.optimizer, cfg.model.position, cfg.model.tied_head) == ("muon", "rotary", False)
+    run = tmp_path / "run"
+    r = run_cli("train", "--config", preset, "--out", str(run), "--set", "train.max_steps=3", *shrink)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("train", "--config", preset, "--out", str(run), "--resume", "auto", "--set", "train.max_steps=5", *shrink)
+    assert r.returncode == 0, r.stderr
+    assert "resumed" in r.stdout.lower() and "finished at step 5" in r.stdout
+    r = run_cli("sample", "--ckpt", str(run), "--prompt", "ab", "--max-new-tokens", "5", "--seed", "0")
+    assert r.returncode == 0, r.stderr
+    r = run_cli("export-hf", "--ckpt", str(run), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 1 and "cannot be exported" in r.stderr and not (tmp_path / "hf").exists()
