@@ -54,6 +54,16 @@ def test_journey_rows_add_one_change_at_a_time_in_order(char_data):
     assert all("skipped, both configs have the same" in n for n in notes)
 
 
+def test_recipe_only_rows_are_gpt2_and_the_full_recipe(char_data):
+    base = tiny_config(char_data)
+    modern = recipe_of(base)
+    rows, _ = plan_rows(base, modern, recipe_only=True)
+    assert [(r.name, r.slug) for r in rows] == [("GPT-2", "gpt2"), ("full recipe", "recipe")]
+    assert flat(rows[1].cfg) == flat(modern)
+    with pytest.raises(UsageError, match="--ablate and --recipe-only"):
+        run_quality(QualityOptions(ablate=True, recipe_only=True), "unused")
+
+
 def test_ablation_rows_are_the_recipe_minus_one_change_each(char_data):
     base = tiny_config(char_data)
     modern = recipe_of(base)

@@ -275,7 +275,8 @@ def cmd_bench_generate(args) -> int:
 def cmd_bench_quality(args) -> int:
     from gpt2train.bench.quality import QualityOptions, run_quality, target_line
 
-    options = QualityOptions(config=args.config, modern=args.modern, ablate=args.ablate, seeds=args.seeds,
+    options = QualityOptions(config=args.config, modern=args.modern, ablate=args.ablate,
+                             recipe_only=args.recipe_only, seeds=args.seeds,
                              steps=args.steps or 0, eval_interval=args.eval_interval, val_batches=args.val_batches,
                              overrides=args.set or [], device=args.device or "")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-quality-%Y%m%d-%H%M%S")
@@ -491,7 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                    + " (default shakespeare-cpu)")
     q.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
                    "shakespeare-modern); it may differ from --config only in the changes' keys")
-    q.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
+    rows = q.add_mutually_exclusive_group()
+    rows.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
+    rows.add_argument("--recipe-only", action="store_true", help="rows: GPT-2 and the full recipe only (the target "
+                      "over several seeds, for less time)")
     q.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
                    "(default: the config's seed)")
     q.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")

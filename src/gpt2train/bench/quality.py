@@ -62,6 +62,7 @@ class QualityOptions:
     config: str = "shakespeare-cpu"  # the GPT-2 row: a file or a preset
     modern: str = "shakespeare-modern"  # the recipe
     ablate: bool = False
+    recipe_only: bool = False  # two rows: GPT-2 and the full recipe (the target, over several seeds, for less)
     seeds: list[int] | None = None  # None: the base config's train.seed
     steps: int = 0  # train.max_steps of every row; 0: the base config's
     eval_interval: int = 25
@@ -138,7 +139,8 @@ def with_keys(cfg: Config, source: Config, keys) -> Config:
     return out
 
 
-def plan_rows(base: Config, modern: Config, ablate: bool = False) -> tuple[list[Row], list[str]]:
+def plan_rows(base: Config, modern: Config, ablate: bool = False,
+              recipe_only: bool = False) -> tuple[list[Row], list[str]]:
     """(the rows to train, notes on the changes left out). UsageError, in one line, when the configs differ
     in a key that no change covers (the rows would not isolate the changes) or in none that one does."""
     covered = {key for change in CHANGES for key in change.keys}
@@ -157,6 +159,8 @@ def plan_rows(base: Config, modern: Config, ablate: bool = False) -> tuple[list[
         return Row(name, slug, cfg, {key: get_key(cfg, key) for key in differing_keys(base, cfg)})
 
     rows = [row("GPT-2", "gpt2", base)]
+    if recipe_only:
+        return rows + [row("full recipe", "recipe", modern)], notes
     if not ablate:
         cfg = base
         for c in changes:
@@ -279,7 +283,9 @@ class QualityResult:
 def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = True) -> QualityResult:
     """Train every row once per seed into OUT/runs/, score them; write quality.{md,json,png} to OUT."""
     base, modern = load_pair(options)
-    rows, notes = plan_rows(base, modern, options.ablate)
+    if options.ablate and options.recipe_only:
+        raise UsageError("--ablate and --recipe-only choose different rows: pass one of them")
+    rows, notes = plan_rows(base, modern, options.ablate, options.recipe_only)
     seeds = options.seeds or [base.train.seed]
     bad = [seed for seed in seeds if seed not in SEEDS or seeds.count(seed) > 1]
     if bad:
@@ -303,7 +309,7 @@ def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = T
             if progress:
                 print(f"[{i + 1}/{len(rows)}] {row.name}, seed {seed}: {describe_run(run)}", flush=True)
         results.append(RowResult(row.name, row.slug, row.changes, runs, aggregate(runs)))
-    full = results[1] if options.ablate else results[-1]
+    full = results[-1] if not options.ablate else results[1]
     result = QualityResult(dataclasses.asdict(options), environment, notes, results, target_summary(full),
                            recipe_changes(base, modern), command_line(options, out))
     result.table = table(result)
@@ -384,6 +390,7 @@ def command_line(options: QualityOptions, out: Path) -> str:
     """The command that repeats this bench."""
     parts = ["gpt2train bench quality", f"--config {options.config}", f"--modern {options.modern}"]
     parts += ["--ablate"] if options.ablate else []
+    parts += ["--recipe-only"] if options.recipe_only else []
     parts += [f"--seeds {','.join(map(str, options.seeds))}"] if options.seeds else []
     parts += [f"--steps {options.steps}"] if options.steps else []
     parts += [f"--eval-interval {options.eval_interval}"]
