@@ -236,3 +236,12 @@ def test_gpu_gpt2_peak_matches_max_memory_allocated(micro_batch):
     del model, optimizer, loss
     torch.cuda.empty_cache()
     assert estimate_memory(cfg).total_bytes == pytest.approx(measured, rel=0.10)
+
+
+def test_an_absurd_depth_is_estimated_in_constant_time_and_memory():
+    """The hypothesis test once generated model.n_layer = 2**31: one phase per block ran out of memory."""
+
+    cfg = Config()
+    cfg.model.n_layer, cfg.model.vocab_size = 2**31, 50257
+    est = estimate_memory(cfg)
+    assert est.total_bytes > 2**31 * 12 * 768 * 768 * 4  # at least the fp32 weights
