@@ -2,8 +2,8 @@
 
 Each variant is a real training run (the CLI in a subprocess, so the checkout under test can be another
 worktree: --src) of --steps steps with validation and checkpoints off; the figure is the median tokens/s of
-the logged steps after the first --skip (compilation and warm-up). CPUs differ between machines: compare
-only figures from one invocation of this script.
+the logged steps after the first --skip (compilation and warm-up); beside it the run's peak RSS. CPUs differ
+between machines: compare only figures from one invocation of this script.
 
     python benchmarks/cpu_speed.py --config configs/shakespeare-cpu.toml --data data/shakespeare \\
         --variant shipped= --variant bf16+compile="train.dtype=bfloat16 train.compile=true"
@@ -34,12 +34,17 @@ def run_variant(src: Path, config: str, data: str, steps: int, overrides: list[s
             cmd += ["--set", s]
         env = {**os.environ, "PYTHONPATH": str(src / "src")}
         start = time.time()
-        r = subprocess.run(cmd, cwd=src, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
+        with open(f"{tmp}/stderr", "w+") as err:
+            proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=subprocess.DEVNULL, stderr=err)
+            _, status, usage = os.wait4(proc.pid, 0)  # this run's own peak RSS, not any earlier child's
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            err.seek(0)
+            stderr = err.read().strip()
+        if proc.returncode != 0:
+            return {"error": stderr.splitlines()[-1] if stderr else f"exit {proc.returncode}"}
         records = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
         train = [x for x in records if x["kind"] == "train"]
-        return {"train": train, "wall_s": time.time() - start,
+        return {"train": train, "wall_s": time.time() - start, "peak_rss_mib": usage.ru_maxrss / 1024,
                 "val_loss": next((x["val_loss"] for x in records if x["kind"] == "val"), None)}
 
 
@@ -69,7 +74,7 @@ def main():
                 losses = [x["loss"] for x in out["train"]]
                 rows.append((label, median))
                 print(f"{label:40s} {median:9,.0f} tokens/s (median of {len(speeds)} steps)  loss@{len(losses)} "
-                      f"{losses[-1]:.4f}  wall {out['wall_s']:.0f} s", flush=True)
+                      f"{losses[-1]:.4f}  peak RSS {out['peak_rss_mib']:,.0f} MiB  wall {out['wall_s']:.0f} s", flush=True)
     print(json.dumps(rows))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import run_cli
+from gpt2train import runtime
 from gpt2train.bench import journey
 from gpt2train.bench.journey import (
     TECHNIQUES,
@@ -115,10 +116,27 @@ def test_a_failed_technique_stays_off_in_later_stages_and_the_ablation(tmp_path,
 
 def test_tf32_is_not_applicable_on_cpu_and_the_rest_is():
     assert "TF32" in not_applicable("tf32", CPU)
-    for key in ("ram_loader", "bf16", "compile", "sdpa", "pad_vocab", "chunked_loss"):
+    for key in ("ram_loader", "bf16", "compile", "sdpa", "pad_vocab", "chunked_loss", "cpu_allocator"):
         assert not_applicable(key, CPU) is None
+    assert "CPU setting" in not_applicable("cpu_allocator", torch.device("cuda"))
     reason = not_applicable("fused_adamw", CPU)  # torch decides; either it runs or we say why not
     assert reason is None or "fused" in reason
+
+
+def test_the_allocator_stage_sets_glibc_and_puts_its_defaults_back(monkeypatch):
+    """mallopt is process-wide: a stage that sets it restores glibc's defaults, so a later stage without it
+    (the ablation's "- CPU allocator") measures the default."""
+    calls = []
+    record = lambda keep=True: calls.append(keep) or True  # noqa: E731
+    monkeypatch.setattr(journey, "keep_freed_cpu_memory", record)
+    monkeypatch.setattr(runtime, "keep_freed_cpu_memory", record)  # what Runtime.apply() calls
+    options = JourneyOptions(seq_len=32)
+    with journey.applied(journey.stage_runtime(journey.Setup(cpu_allocator=True), options, CPU)):
+        assert calls == [True]
+    assert calls == [True, False]
+    with journey.applied(journey.stage_runtime(journey.Setup(), options, CPU)):
+        pass
+    assert calls == [True, False]
 
 
 def test_bf16_is_skipped_on_a_cpu_that_would_emulate_it(monkeypatch):

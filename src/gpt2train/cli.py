@@ -465,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included (default 3)")
     j.add_argument("--skip", action="append", metavar="TECHNIQUE",
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
-                        "fused_adamw, chunked_loss")
+                        "fused_adamw, chunked_loss, cpu_allocator")
     j.add_argument("--threads", type=COUNT, default=0, help="CPU threads for torch (default: torch's choice)")
     j.add_argument("--out", help="output folder (default runs/bench-<time>)")
     j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")

@@ -69,6 +69,8 @@ class TrainConfig:
     compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
     tf32: bool = True
     deterministic: bool = False  # bitwise-repeatable runs: deterministic kernels only (docs/training.md)
+    # CPU (glibc): malloc keeps freed memory for the next step instead of faulting in fresh pages each time.
+    cpu_keep_freed_memory: bool = True
     distributed: str = "ddp"  # ddp | fsdp (under torchrun)
     # Seconds a rank waits in a collective for the others before it gives up (a peer died or hung). Longer
     # than the slowest checkpoint save, during which rank 0 writes and the others wait.

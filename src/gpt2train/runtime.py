@@ -4,7 +4,8 @@
 so a prediction is made for the run that `train` starts with the same settings:
 
     config -> resolve_config (vocab and seq_len from the data) -> resolve_runtime (device, dtype + autocast,
-    TF32, compile, micro-batch x accumulation x ranks, seed) -> Runtime.apply() (TF32 switches)
+    TF32, compile, micro-batch x accumulation x ranks, seed) -> Runtime.apply() (TF32, deterministic kernels,
+    the CPU allocator)
 
 Nothing here touches a GPU unless `apply()` is called, so a plan for an H100 can be made on a laptop.
 """
@@ -12,6 +13,7 @@ Nothing here touches a GPU unless `apply()` is called, so a plan for an H100 can
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +30,29 @@ def use_expandable_segments():
     the allocator config. The allocator reads this once, when CUDA starts: it must run before any CUDA call."""
     if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # the older name of the same setting
         os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+
+
+# glibc's mallopt parameters (malloc.h) and their defaults.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_GLIBC_DEFAULT_THRESHOLD = 128 * 1024
+
+
+def keep_freed_cpu_memory(keep: bool = True) -> bool:
+    """keep: glibc's malloc serves blocks up to 32 MiB from its heap and keeps up to 1 GiB of freed memory
+    mapped; False: its default thresholds (128 KiB each). Returns whether glibc took the setting (False
+    where the C library is another, e.g. on macOS).
+
+    Why: a CPU step makes and frees the same large tensors every step (one chunk of the fused classifier's
+    fp32 logits is 128 x 50,304 x 4 bytes = 25 MB). With the defaults glibc hands such blocks back to the
+    OS when freed and maps fresh pages for the next one, which the kernel then faults in and zeroes: a
+    third of the quickstart's step on a 2-core EPYC (docs/benchmarks.md). Process-wide and cheap to set;
+    the price is a few hundred MB of freed memory the process keeps."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mmap_threshold, trim_threshold = (32 << 20, 1 << 30) if keep else (_GLIBC_DEFAULT_THRESHOLD,) * 2
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | None = None) -> Config:
@@ -112,6 +137,7 @@ class Runtime:
     grad_accum: int  # micro-batches per optimizer step on each rank
     seed: int
     deterministic: bool = False  # only deterministic kernels: a rerun (or a resume) repeats bit for bit
+    cpu_keep_freed_memory: bool = False  # CPU: glibc keeps freed blocks for the next step (keep_freed_cpu_memory)
 
     @property
     def tokens_per_step(self) -> int:
@@ -127,7 +153,10 @@ class Runtime:
         return autocast_for(self.device.type, self.dtype)
 
     def apply(self):
-        """Set the process-wide switches this runtime asks for: TF32 matmuls on CUDA, deterministic kernels."""
+        """Set the process-wide switches this runtime asks for: TF32 matmuls on CUDA, deterministic kernels,
+        on a CPU the allocator's thresholds."""
+        if self.device.type == "cpu" and self.cpu_keep_freed_memory:
+            keep_freed_cpu_memory()
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
@@ -151,4 +180,5 @@ def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1
                    tf32=cfg.train.tf32, compile=resolve_compile(cfg.train.compile, device.type),
                    micro_batch=cfg.train.micro_batch, seq_len=seq_len, world_size=world_size,
                    grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed,
-                   deterministic=cfg.train.deterministic)
+                   deterministic=cfg.train.deterministic,
+                   cpu_keep_freed_memory=cfg.train.cpu_keep_freed_memory)

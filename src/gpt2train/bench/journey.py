@@ -38,7 +38,7 @@ from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.model import GPT, flops_per_token, preset_config
-from gpt2train.runtime import Runtime, cpu_has_native_bf16, resolve_runtime
+from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import make_optimizer
 from gpt2train.train.step import TrainStep
@@ -56,6 +56,7 @@ class Setup:
     pad_vocab: bool = False  # 50257 -> 50304
     fused_adamw: bool = False  # else AdamW(foreach=False, fused=False): one small kernel chain per tensor
     chunked_loss: bool = False  # GPTConfig.loss_chunk: the fused classifier, never the full (B*T, V) logits
+    cpu_allocator: bool = False  # CPU: glibc keeps freed memory (runtime.keep_freed_cpu_memory); else its default
 
 
 # Journey order: (Setup field, stage label). Cheap, always-right changes first, as one would apply them.
@@ -68,10 +69,11 @@ TECHNIQUES: list[tuple[str, str]] = [
     ("pad_vocab", "+ vocab 50304"),
     ("fused_adamw", "+ fused AdamW"),
     ("chunked_loss", "+ fused classifier (chunked loss)"),
+    ("cpu_allocator", "+ CPU allocator keeps freed memory"),
 ]
 SHORT_NAMES = {"ram_loader": "RAM loader", "tf32": "TF32", "bf16": "bf16 autocast", "compile": "torch.compile",
                "sdpa": "flash attention", "pad_vocab": "vocab 50304", "fused_adamw": "fused AdamW",
-               "chunked_loss": "fused classifier"}
+               "chunked_loss": "fused classifier", "cpu_allocator": "CPU allocator"}
 
 
 @dataclass
@@ -175,6 +177,8 @@ def not_applicable(technique: str, device: torch.device, skip: list[str] = ()) -
     if technique == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
         return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX-512/AMX bf16 support: autocast "
                 "would emulate bf16 matmuls, many times slower than fp32; a CPU trains in fp32")
+    if technique == "cpu_allocator" and device.type != "cpu":
+        return "a CPU setting (glibc's malloc); on a GPU the step's tensors live in torch's caching allocator"
     if technique == "fused_adamw":
         try:
             p = torch.nn.Parameter(torch.zeros(2, device=device))
@@ -191,13 +195,15 @@ def stage_runtime(setup: Setup, options: JourneyOptions, device: torch.device) -
     cfg = Config()
     cfg.model = preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE)
     cfg.train = replace(cfg.train, micro_batch=options.micro_batch, seq_len=options.seq_len, seed=0,
-                        dtype="bfloat16" if setup.bf16 else "float32", tf32=setup.tf32, compile=setup.compile)
+                        dtype="bfloat16" if setup.bf16 else "float32", tf32=setup.tf32, compile=setup.compile,
+                        cpu_keep_freed_memory=setup.cpu_allocator)
     return resolve_runtime(cfg, device)
 
 
 @contextmanager
 def applied(runtime: Runtime):
-    """The runtime's process-wide switches (TF32, deterministic kernels) for one stage, put back afterwards."""
+    """The runtime's process-wide switches (TF32, deterministic kernels, the CPU allocator) for one stage, put
+    back afterwards (the allocator to glibc's default thresholds)."""
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     deterministic = torch.are_deterministic_algorithms_enabled()
     runtime.apply()
@@ -206,6 +212,8 @@ def applied(runtime: Runtime):
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
         torch.use_deterministic_algorithms(deterministic)
+        if runtime.device.type == "cpu" and runtime.cpu_keep_freed_memory:
+            keep_freed_cpu_memory(False)
 
 
 class ProcessMemory:
