@@ -165,9 +165,17 @@ def test_forced_fused_or_plain_adamw_keeps_the_library_groups():
         assert [g["weight_decay"] for g in opt.param_groups] == [g["weight_decay"] for g in library.param_groups]
 
 
-def test_cli_bench_bad_seq_len_is_one_line(tmp_path):
-    r = run_cli("bench", "journey", "--device", "cpu", "--seq-len", "4096", "--out", str(tmp_path))
-    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "block_size" in r.stderr
+@pytest.mark.parametrize("args, says", [
+    (["--seq-len", "4096"], "block_size 128"),
+    (["--skip", "bf17"], "unknown technique 'bf17'"),
+    (["--model", "gpt3"], "unknown model preset 'gpt3'"),
+])
+def test_cli_bench_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
+    out = tmp_path / "bench"
+    r = run_cli("bench", "journey", "--device", "cpu", *args, "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
 
 
 def test_skip_leaves_a_technique_out_and_says_so(tmp_path, monkeypatch):

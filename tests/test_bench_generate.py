@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from conftest import run_cli
 from gpt2train.bench.generate import GenerateOptions, decode_bytes_per_step, run_generate_bench
 from gpt2train.devices import find_device
@@ -37,6 +39,24 @@ def test_bench_generate_command_writes_json(tmp_path):
         assert row["decode_tok_s"] > 0 and row["ttft_ms"] > 0
         assert row["bandwidth_util"] is None  # a CPU: no known peak
     assert data["peak_bandwidth_gb_s"] is None
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model", "gpt3"], "unknown model preset 'gpt3'"),
+    (["--batch-sizes", "1,x"], "'x' is not an integer"),
+    (["--batch-sizes", "0"], "0 is out of range"),
+    (["--prompt-tokens", "-1"], "-1 is out of range"),
+    (["--new-tokens", "0"], "0 is out of range"),
+    (["--repeats", "0"], "0 is out of range"),
+    (["--threads", "-2"], "-2 is out of range"),
+    (["--new-tokens", "200"], "exceed gpt2-tiny's block_size 128"),  # neither model has positions beyond it
+])
+def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
+    out = tmp_path / "generate.json"
+    r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
 
 
 def test_without_comparison_the_note_says_so(tmp_path):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -91,6 +92,24 @@ def test_arguments_are_checked_against_their_range_before_any_work(args, message
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+def _all_arguments(parser, command=()):
+    for action in parser._actions:  # argparse keeps no public list of a parser's arguments
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_arguments(sub, (*command, name))
+        elif action.option_strings:
+            yield " ".join(command), action
+
+
+def test_no_numeric_argument_takes_a_bare_int_or_float():
+    """The class, not the cases: an argument typed plain int or float takes any number, so it has no range."""
+    bare = [f"{command} {action.option_strings[-1]}" for command, action in _all_arguments(cli.build_parser())
+            if action.type in (int, float) or (action.type is None and action.nargs != 0
+                                               and isinstance(action.default, (int, float))
+                                               and not isinstance(action.default, bool))]
+    assert bare == []
 
 
 def test_debug_shows_the_traceback_anywhere_on_the_line(tmp_path, capsys):

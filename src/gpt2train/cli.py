@@ -50,6 +50,15 @@ def device_name(text: str) -> str:
     return text
 
 
+def batch_size_list(text: str) -> list[int]:
+    """--batch-sizes: positive integers separated by commas."""
+    try:
+        return [POSITIVE_INT(part.strip()) for part in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give batch sizes of at least 1 separated by commas, e.g. 1,8 "
+                                         f"({e})") from None
+
+
 def seed_list(text: str) -> list[int]:
     """--seeds: distinct seeds separated by commas, each within SEEDS."""
     seeds = [SEED(part.strip()) for part in text.split(",")]
@@ -256,11 +265,7 @@ def cmd_bench(args) -> int:
 def cmd_bench_generate(args) -> int:
     from gpt2train.bench.generate import GenerateOptions, run_generate_bench
 
-    try:
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give integers separated by commas, e.g. 1,8") from None
-    options = GenerateOptions(model=args.model, device=args.device, batch_sizes=batch_sizes,
+    options = GenerateOptions(model=args.model, device=args.device, batch_sizes=args.batch_sizes,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                               compile={"auto": "auto", "true": True, "false": False}[args.compile],
                               compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
@@ -473,13 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = bench.add_parser("generate", help="time to first token, decode tok/s, bandwidth use; against transformers")
     g.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--batch-sizes", default="1,8", help="comma-separated (default 1,8)")
-    g.add_argument("--prompt-tokens", type=int, default=8, help="prompt length (default 8)")
-    g.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (default 256)")
-    g.add_argument("--repeats", type=int, default=2, help="timed runs of each, alternating (default 2)")
+    g.add_argument("--batch-sizes", type=batch_size_list, default=[1, 8], help="comma-separated (default 1,8)")
+    g.add_argument("--prompt-tokens", type=POSITIVE_INT, default=8, help="prompt length (default 8)")
+    g.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default 256)")
+    g.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating (default 2)")
     g.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
     g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
-    g.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=COUNT, default=0, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' dtype, ours and transformers' (auto: as for sample)")
     g.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16", "float16"],

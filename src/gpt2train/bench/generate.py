@@ -31,7 +31,8 @@ from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
 from gpt2train.generate import Decoder, generate_ids
 from gpt2train.hf import export_hf
-from gpt2train.model import GPT, matmul_parameter_count, preset_config
+from gpt2train.model import GPT, PRESETS, matmul_parameter_count, preset_config
+from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
 
 
@@ -123,7 +124,22 @@ def load_hf_copy(model: GPT, device: torch.device, dtype: torch.dtype = torch.fl
     return hf.to(device=device, dtype=dtype).eval(), None
 
 
+def check_options(options: GenerateOptions):
+    """UsageError, in one line, before any work: what the CLI's argument types cannot see on their own."""
+    if options.model not in PRESETS:
+        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
+    if not options.batch_sizes or min(options.batch_sizes) < 1:
+        raise UsageError(f"batch sizes {options.batch_sizes} must each be at least 1")
+    if options.prompt_tokens < 1 or options.new_tokens < 1 or options.repeats < 1 or options.threads < 0:
+        raise UsageError("--prompt-tokens, --new-tokens and --repeats must be at least 1, --threads at least 0")
+    block = preset_config(options.model).block_size  # neither model has positions beyond it
+    if options.prompt_tokens + options.new_tokens > block:
+        raise UsageError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed "
+                         f"{options.model}'s block_size {block}")
+
+
 def run_generate_bench(options: GenerateOptions, out: Path | None = None, progress: bool = True) -> dict:
+    check_options(options)
     if options.threads:
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)

@@ -37,7 +37,8 @@ from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
-from gpt2train.model import GPT, flops_per_token, preset_config
+from gpt2train.model import GPT, PRESETS, flops_per_token, preset_config
+from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import make_optimizer
@@ -352,20 +353,19 @@ def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
     labels = dict(TECHNIQUES)
     unknown = [k for k in [*keys, *options.skip] if k not in labels]
     if unknown:
-        raise ValueError(f"unknown technique {unknown[0]!r}; techniques are {', '.join(labels)}")
+        raise UsageError(f"unknown technique {unknown[0]!r}; techniques are {', '.join(labels)}")
     return [(k, labels[k]) for k in keys]
 
 
 def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
     """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
-    journey_stages(options)  # unknown technique names fail before any work
+    _check_options(options)  # every bad argument fails here, before any work, as a usage error (exit 2)
     if options.device == "auto":  # the journey times CUDA and CPU steps only (MPS would need its own sync)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = resolve_device(options.device)
     if options.seq_len == 0:
         options = replace(options, seq_len=preset_config(options.model).block_size)
-    _check_options(options)
     if options.threads:
         torch.set_num_threads(options.threads)
     out = Path(out_dir)
@@ -447,11 +447,15 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
 
 
 def _check_options(options: JourneyOptions):
-    block = preset_config(options.model).block_size  # raises on an unknown preset
+    """UsageError, in one line, for anything the arguments' types could not refuse (seq_len 0: the preset's)."""
+    journey_stages(options)  # unknown technique names
+    if options.model not in PRESETS:
+        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
+    block = preset_config(options.model).block_size
     if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0 or options.threads < 0:
-        raise ValueError("--micro-batch and --steps must be at least 1, --warmup and --threads at least 0")
-    if not 1 <= options.seq_len <= block:
-        raise ValueError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
+        raise UsageError("--micro-batch and --steps must be at least 1, --warmup and --threads at least 0")
+    if not 0 <= options.seq_len <= block:
+        raise UsageError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
 
 
 def _speedups(stages: list[StageResult]):
