@@ -192,6 +192,23 @@ def test_padding_mask_isolates_rows(attention):
     torch.testing.assert_close(logits[0][0], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def test_an_eager_step_attends_over_the_used_slots_only():
+    """The cache holds 12 slots; a step eagerly reads only those filled so far (an empty slot costs memory
+    traffic and nothing else: the mask hides it), and gives the logits of the whole sequence's forward."""
+    model = tiny_model()
+    idx = torch.tensor([[3, 1, 4, 1, 5]])
+    cache = KVCache(model.config, 1, 12, "cpu", torch.float32)
+    seen = []
+    with torch.no_grad():
+        full = model(idx)
+        for block in model.transformer.h:
+            block.attn.register_forward_hook(lambda mod, args, out: seen.append(args[2].shape[-1]))  # mask's slots
+        prefill = model(idx[:, :3], kv_cache=cache)
+        steps = [model(idx[:, t : t + 1], kv_cache=cache) for t in (3, 4)]
+    assert seen == [3, 3, 4, 4, 5, 5]  # two layers a forward, never 12
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_column_major_weights_change_nothing_but_the_memory_order():
     model = tiny_model()
     prompts = [[1], [2, 3, 4, 5, 6, 7]]

@@ -152,6 +152,7 @@ class KVCache:
         self.real = torch.zeros(batch_size, size, dtype=torch.bool, device=device)  # False: padding or unused
         self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots used, the same in every row
         self.size = size
+        self.reads = size  # slots the current forward's attention reads (set by start)
 
     @property
     def length(self) -> int:
@@ -163,24 +164,30 @@ class KVCache:
 
     def start(self, padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record which of the T new tokens are real ((B, T), False at left padding); their position ids
-        (B, T) and the attention mask (B, 1, T, size): each query sees the real tokens up to itself."""
-        slots = self.new_slots(padding_mask.size(1))
+        (B, T) and the attention mask (B, 1, T, reads): each query sees the real tokens up to itself.
+
+        reads, the slots this forward's attention reads: eagerly the used ones and the new (the rest are
+        empty, and a generation of 256 tokens would read twice what it needs); compiled, all of them, so
+        that every decode step has one shape."""
+        T = padding_mask.size(1)
+        self.reads = self.size if torch.compiler.is_compiling() else self.length + T
+        slots = self.new_slots(T)
         self.real.index_copy_(1, slots, padding_mask)
         positions = (self.real.cumsum(1) - 1).clamp(min=0).index_select(1, slots)
-        key = torch.arange(self.size, device=slots.device)
-        causal = key <= slots[:, None]  # (T, size)
+        key = torch.arange(self.reads, device=slots.device)
+        causal = key <= slots[:, None]  # (T, reads)
         # A padding query sees only itself: a row of the softmax with no key at all would be NaN, and NaN
         # times a zero attention weight is still NaN in the rows that must not see it.
-        visible = causal & (self.real[:, None, :] | (key == slots[:, None]))  # (B, T, size)
+        visible = causal & (self.real[:, None, :self.reads] | (key == slots[:, None]))  # (B, T, reads)
         return positions, visible[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's keys and values (B, nh, T, hs) into their slots; return all slots
-        (B, nh, size, hs): the unused ones are hidden by the mask."""
+        """Write this forward's keys and values (B, nh, T, hs) into their slots; return the slots attention
+        reads (B, nh, reads, hs; see start): any unused ones are hidden by the mask."""
         slots = self.new_slots(k.size(2))
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
-        return self.k[layer], self.v[layer]
+        return self.k[layer][:, :, :self.reads], self.v[layer][:, :, :self.reads]
 
 
 def rotary_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ of `prompt_tokens` random ids. Repeats alternate the two; the median of the repe
 - time to first token: the prompt's forward (the prefill) and the first token's choice.
 - decode tokens/s: the tokens after the first, over the time after the first (all rows counted).
 - bandwidth: a decode step must read every weight once, and the keys and values its attention reads
-  (ours reads the whole preallocated cache; transformers' the tokens so far); bytes per step x steps per
+  (the tokens so far; ours compiled, the whole preallocated cache); bytes per step x steps per
   second, against the device's peak bandwidth (devices.py; unknown for a CPU).
 
 Without transformers installed, our rows alone are measured and the comparison says why it is missing.
@@ -165,7 +165,8 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
                 theirs.append(time_hf(hf, prompts, options.new_tokens))
         slots = decoder.cache_size(min(cfg.block_size, options.prompt_tokens + options.new_tokens - 1))
         mean_context = options.prompt_tokens + options.new_tokens / 2
-        rows.append(summarize("gpt2train", batch, ours, options, model, slots, peak, decoder.describe(batch),
+        ours_reads = slots if decoder.compiled is not None else mean_context  # an eager step reads the used slots
+        rows.append(summarize("gpt2train", batch, ours, options, model, ours_reads, peak, decoder.describe(batch),
                               dtype.itemsize))
         if theirs:
             rows.append(summarize("transformers", batch, theirs, options, model, mean_context, peak,
