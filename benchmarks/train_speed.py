@@ -1,11 +1,12 @@
-"""Tokens/s of `gpt2train train` on this CPU for a config and a few variants of it, one after the other.
+"""Tokens/s of `gpt2train train` on this machine for a config and a few variants of it, one after the other.
 
 Each variant is a real training run (the CLI in a subprocess, so the checkout under test can be another
-worktree: --src) of --steps steps with validation and checkpoints off; the figure is the median tokens/s of
-the logged steps after the first --skip (compilation and warm-up); beside it the run's peak RSS. CPUs differ
-between machines: compare only figures from one invocation of this script.
+worktree: --src) of --steps steps with validation and checkpoints off, on the config's device (`auto`: a GPU
+where there is one); the figure is the median tokens/s of the logged steps after the first --skip
+(compilation and warm-up); beside it the median MFU and the peak GPU memory where the run logged them, and
+the process's peak RSS. Machines differ: compare only figures from one invocation of this script.
 
-    python benchmarks/cpu_speed.py --config configs/shakespeare-cpu.toml --data data/shakespeare \\
+    python benchmarks/train_speed.py --config configs/shakespeare-cpu.toml --data data/shakespeare \\
         --variant shipped= --variant bf16+compile="train.dtype=bfloat16 train.compile=true"
 """
 
@@ -73,7 +74,11 @@ def main():
                 median = statistics.median(speeds)
                 losses = [x["loss"] for x in out["train"]]
                 rows.append((label, median))
-                print(f"{label:40s} {median:9,.0f} tokens/s (median of {len(speeds)} steps)  loss@{len(losses)} "
+                mfus = [x["mfu"] for x in out["train"][args.skip:] if x.get("mfu") is not None]
+                device_mem = max((x.get("peak_mem_mb") or 0 for x in out["train"]), default=0)
+                extra = f"  MFU {statistics.median(mfus):.1%}" if mfus else ""
+                extra += f"  peak GPU memory {device_mem:,.0f} MiB" if device_mem else ""
+                print(f"{label:40s} {median:9,.0f} tokens/s (median of {len(speeds)} steps){extra}  loss@{len(losses)} "
                       f"{losses[-1]:.4f}  peak RSS {out['peak_rss_mib']:,.0f} MiB  wall {out['wall_s']:.0f} s", flush=True)
     print(json.dumps(rows))
 
