@@ -16,6 +16,7 @@ import torch.distributed as dist
 from conftest import WELL_CONDITIONED_EPS, tiny_config  # this script's folder (tests/) is first on sys.path
 from gpt2train import distributed as D
 from gpt2train.train.loop import Trainer
+from gpt2train.train.optim import newton_schulz
 
 
 def main():
@@ -31,7 +32,10 @@ def main():
     p.add_argument("--ns-float64", action="store_true", help="Muon's Newton-Schulz in float64 (see below)")
     args = p.parse_args()
     if args.ns_float64:
-        torch.optim._muon._zeropower_via_newtonschulz = newton_schulz_float64
+        # torch orthogonalizes in bf16, where a rounding difference in one gradient element can move an update
+        # by 1e-3; in float64 runs that sum in another order agree to 1e-7, so a comparison sees the distributed
+        # arithmetic (a DTensor's matmuls across FSDP shards) itself.
+        torch.optim._muon._zeropower_via_newtonschulz = newton_schulz(torch.float64)
     trainer = None
     try:
         cfg = worker_config(args.data_dir, args.strategy, args.micro_batch, args.accum, args.steps, world_size=2)
@@ -76,21 +80,6 @@ def record_weight_dtype_in_forward(linear: torch.nn.Linear) -> set:
     seen = set()
     linear.register_forward_pre_hook(lambda module, inputs: seen.add(str(module.weight.dtype)))
     return seen
-
-
-def newton_schulz_float64(grad: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
-    """Muon's orthogonalization (torch.optim._muon: quintic Newton-Schulz on the wide orientation, after
-    scaling to Frobenius norm 1) in float64. torch runs it in bf16, where a rounding difference in one
-    gradient element can move an update by 1e-3; in float64 runs that sum in another order agree to 1e-7,
-    so a comparison sees the distributed arithmetic (a DTensor's matmuls across FSDP shards) itself."""
-    a, b, c = coefficients
-    tall = grad.size(0) > grad.size(1)
-    x = grad.double().T if tall else grad.double()
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return (x.T if tall else x).to(grad.dtype)
 
 
 def worker_config(data_dir, strategy: str, micro_batch: int, accum: int, steps: int, world_size: int):

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import REPO, WELL_CONDITIONED_EPS, one_line, tiny_config
-from distributed_worker import newton_schulz_float64, worker_config
+from distributed_worker import worker_config
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.train.loop import Trainer, train
+from gpt2train.train.optim import newton_schulz
 
 # The ranks run with one thread each (torchrun sets OMP_NUM_THREADS=1); so does the single-process
 # reference, so that no thread-count-dependent reduction order separates them.
@@ -230,15 +231,15 @@ def test_muon_two_processes_equal_one_process(char_data, tmp_path, monkeypatch, 
     """train.optimizer = muon under DDP and under FSDP2, whose matrices are sharded DTensors: Newton-Schulz
     must orthogonalize each whole matrix, not each rank's shard. With torch's bf16 Newton-Schulz the weights
     here differ from one process's by up to 1.7e-3 (DDP) and 1.8e-3 (FSDP) after 3 steps, rounding amplified,
-    so both sides orthogonalize in float64 (distributed_worker.newton_schulz_float64); a shard-wise one
-    would be off by the size of an update."""
+    so both sides orthogonalize in float64 (newton_schulz(torch.float64)); a shard-wise one would be off by
+    the size of an update."""
     out = tmp_path / f"{strategy}-muon.pt"
     r = torchrun(str(REPO / "tests" / "distributed_worker.py"), str(char_data), str(out), "--strategy", strategy,
                  "--micro-batch", "2", "--accum", "2", "--steps", "3", "--optimizer", "muon", "--ns-float64")
     assert r.returncode == 0, r.stderr[-3000:]
     two = torch.load(out, weights_only=False)
 
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_float64)
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz(torch.float64))
     cfg = worker_config(char_data, strategy, micro_batch=4, accum=2, steps=3, world_size=1)
     cfg.train.optimizer = "muon"
     ref = Trainer(cfg, None)

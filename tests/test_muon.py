@@ -12,8 +12,17 @@ from conftest import one_line, tiny_config
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, ConfigError, TrainConfig
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.train import optim
 from gpt2train.train.loop import Trainer, train
-from gpt2train.train.optim import MuonAdamW, lr_at, make_optimizer, muon_parameter_count, set_lr
+from gpt2train.train.optim import (
+    TORCH_NEWTON_SCHULZ,
+    MuonAdamW,
+    lr_at,
+    make_optimizer,
+    muon_parameter_count,
+    newton_schulz,
+    set_lr,
+)
 
 MODEL = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=66)
 BLOCK_MATRICES = [f"transformer.h.{i}.{m}.weight" for i in range(2)
@@ -107,6 +116,63 @@ def test_muon_update_of_a_matrix_is_orthogonalized():
         assert singular.min() > 0.6 and singular.max() < 1.25, (name, singular.min(), singular.max())
     wte = before["transformer.wte.weight"]  # AdamW's: with a zero gradient only its weight decay moves it
     torch.testing.assert_close(model.transformer.wte.weight.detach(), wte * (1 - 6e-4 * 0.1), rtol=0, atol=1e-9)
+
+
+# --- where bf16 is emulated: the orthogonalization in fp32 ------------------------------------------------
+def test_newton_schulz_in_any_dtype_is_torchs_iteration():
+    """The same iteration as torch's: in bf16 it gives torch's update up to bf16 rounding (torch fuses the
+    multiply-adds into addmm); in fp32 it agrees with float64 to fp32 rounding. Wide and tall matrices."""
+    torch.manual_seed(0)
+    for shape in [(32, 96), (128, 32)]:
+        grad = torch.randn(shape)
+        ours = newton_schulz(torch.bfloat16)(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        theirs = TORCH_NEWTON_SCHULZ(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=0.05)
+        fp32 = newton_schulz(torch.float32)(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
+        fp64 = newton_schulz(torch.float64)(grad.double(), (3.4445, -4.775, 2.0315), 5, 1e-7)
+        assert fp32.dtype == torch.float32 and fp32.shape == shape
+        torch.testing.assert_close(fp32.double(), fp64, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_a_cpu_that_emulates_bf16_orthogonalizes_in_fp32(monkeypatch, native_bf16):
+    """make_optimizer picks fp32 where oneDNN has no bf16 (emulated bf16 made a modern-recipe step 1.6x slower on
+    an AVX2 CPU); a step then equals torch's Muon running newton_schulz(fp32), differs from its bf16 step, and
+    leaves torch's own function in place."""
+    monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: native_bf16)
+    model, opt = muon_model()
+    assert opt.orthogonalize_in == (None if native_bf16 else torch.float32)
+    if native_bf16:
+        return
+    x = torch.randint(0, 66, (2, 32))
+
+    def one_step(model, opt):
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    fp32_step = one_step(model, opt)
+    assert torch.optim._muon._zeropower_via_newtonschulz is TORCH_NEWTON_SCHULZ
+    stock_model, stock = muon_model()
+    stock.orthogonalize_in = None
+    bf16_step = one_step(stock_model, stock)
+    by_hand_model, by_hand = muon_model()
+    by_hand.orthogonalize_in = None
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz(torch.float32))
+    by_hand_step = one_step(by_hand_model, by_hand)
+    assert all(torch.equal(a, b) for a, b in zip(fp32_step, by_hand_step))
+    assert not all(torch.equal(a, b) for a, b in zip(fp32_step, bf16_step))
+
+
+def test_an_orthogonalization_put_there_by_someone_else_stays(monkeypatch):
+    """A test's float64 iteration (the DDP/FSDP comparisons put one there) is not replaced by the fp32 one."""
+    float64 = newton_schulz(torch.float64)
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float64)
+    called = []
+    with optim.orthogonalization_in(torch.float32):
+        called.append(torch.optim._muon._zeropower_via_newtonschulz)
+    assert called == [float64] and torch.optim._muon._zeropower_via_newtonschulz is float64
 
 
 # --- the schedule ------------------------------------------------------------------------------------------

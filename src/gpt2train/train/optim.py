@@ -5,10 +5,15 @@ for the weight matrices inside the transformer blocks (attention and MLP), whose
 and AdamW as above for the rest (embeddings, an untied head, LayerNorm gains, biases), the two stepped as
 one optimizer (MuonAdamW). The schedule scales both: each group gets lr_at(step) of its own peak, train.lr
 for AdamW's groups and train.muon_lr for Muon's.
+
+torch's Muon orthogonalizes in bf16. A CPU without native bf16 emulates it, many times slower than fp32:
+there MuonAdamW runs the same iteration in fp32 (newton_schulz), which made a step of the quickstart's
+modern recipe 1.6x faster on an AVX2-only CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
@@ -17,6 +22,10 @@ import torch
 
 from gpt2train.config import TrainConfig
 from gpt2train.model import GPTConfig
+from gpt2train.runtime import cpu_has_native_bf16
+
+_torch_muon = getattr(torch.optim, "_muon", None)  # where torch.optim.Muon looks up its orthogonalization
+TORCH_NEWTON_SCHULZ = getattr(_torch_muon, "_zeropower_via_newtonschulz", None)
 
 BLOCK_PARAM = re.compile(r"(^|\.)transformer\.h\.\d+\.")  # after any wrapper prefix (module., _orig_mod.)
 
@@ -40,7 +49,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
         return make_adamw([p for _, p in named], cfg, device_type, fused)
     muon = torch.optim.Muon([p for n, p in named if is_muon_param(n, p)], lr=cfg.muon_lr,
                             weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum)
-    return MuonAdamW(muon, make_adamw([p for n, p in named if not is_muon_param(n, p)], cfg, device_type, fused))
+    adamw = make_adamw([p for n, p in named if not is_muon_param(n, p)], cfg, device_type, fused)
+    emulated_bf16 = device_type == "cpu" and not cpu_has_native_bf16()
+    return MuonAdamW(muon, adamw, orthogonalize_in=torch.float32 if emulated_bf16 else None)
 
 
 def make_adamw(params: list[torch.Tensor], cfg: TrainConfig, device_type: str,
@@ -68,9 +79,10 @@ class MuonAdamW:
     (Muon's, then AdamW's; GradScaler and the LR go through them), state, step, zero_grad, and a state dict
     that keeps the two apart (so that an AdamW checkpoint does not load into it, nor it into AdamW)."""
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW, orthogonalize_in: torch.dtype | None = None):
         self.muon, self.adamw = muon, adamw
         self.optimizers = [muon, adamw]
+        self.orthogonalize_in = orthogonalize_in  # None: torch's own (bf16); else newton_schulz in this dtype
 
     @property
     def param_groups(self) -> list[dict]:
@@ -81,8 +93,9 @@ class MuonAdamW:
         return {**self.muon.state, **self.adamw.state}  # read-only view: each parameter is in one of them
 
     def step(self):
-        for opt in self.optimizers:
-            opt.step()
+        with orthogonalization_in(self.orthogonalize_in):
+            self.muon.step()
+        self.adamw.step()
 
     def zero_grad(self, set_to_none: bool = True):
         for opt in self.optimizers:
@@ -96,6 +109,39 @@ class MuonAdamW:
             raise ValueError("not a Muon + AdamW optimizer state")
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+
+
+def newton_schulz(dtype: torch.dtype):
+    """Muon's orthogonalization as torch.optim.Muon computes it (the quintic Newton-Schulz iteration on the
+    wide orientation, after scaling to Frobenius norm 1), in `dtype` instead of bf16; the signature of
+    torch.optim._muon._zeropower_via_newtonschulz, for which it stands in. Plain tensor ops, so that an
+    FSDP-sharded matrix (a DTensor) goes through it as through torch's."""
+
+    def orthogonalize(grad: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+        a, b, c = coefficients
+        tall = grad.size(0) > grad.size(1)
+        x = grad.to(dtype).T if tall else grad.to(dtype)
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return (x.T if tall else x).to(grad.dtype)
+
+    return orthogonalize
+
+
+@contextlib.contextmanager
+def orthogonalization_in(dtype: torch.dtype | None):
+    """While torch's Muon steps: its orthogonalization in `dtype` (None: torch's own). Only torch's own is
+    replaced: an orthogonalization someone else put there (a test's float64 one) stays."""
+    if dtype is None or TORCH_NEWTON_SCHULZ is None or _torch_muon._zeropower_via_newtonschulz is not TORCH_NEWTON_SCHULZ:
+        yield
+        return
+    _torch_muon._zeropower_via_newtonschulz = newton_schulz(dtype)
+    try:
+        yield
+    finally:
+        _torch_muon._zeropower_via_newtonschulz = TORCH_NEWTON_SCHULZ
 
 
 def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, step: int, cfg: TrainConfig) -> float:
