@@ -26,14 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_variant(src: Path, config: str, data: str, steps: int, overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="cpu-speed-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
         sets = [f"train.max_steps={steps}", "log.interval=1", "eval.interval=0", "checkpoint.every_steps=0",
                 "checkpoint.save_final=false", "checkpoint.save_best=false", "eval.sample_interval=0",
                 "log.progress=lines", f"data.dir={data}", *overrides]
         cmd = [sys.executable, "-m", "gpt2train", "train", "--config", config, "--out", f"{tmp}/run"]
         for s in sets:
             cmd += ["--set", s]
-        env = {**os.environ, "PYTHONPATH": str(src / "src")}
+        # this checkout first; what else is on the path stays (packages installed with --target, say)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(src / "src"), os.environ.get("PYTHONPATH")]))}
         start = time.time()
         with open(f"{tmp}/stderr", "w+") as err:
             proc = subprocess.Popen(cmd, cwd=src, env=env, stdout=subprocess.DEVNULL, stderr=err)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, tiny_config
 from gpt2train import runtime
 from gpt2train.bench import journey
 from gpt2train.bench.journey import (
@@ -24,6 +24,8 @@ from gpt2train.bench.journey import (
 from gpt2train.config import TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runlog import load_metrics
+from gpt2train.train.loop import train
 from gpt2train.train.optim import make_optimizer
 
 CPU = torch.device("cpu")
@@ -152,6 +154,18 @@ def test_naive_batches_are_next_token_windows_like_the_ram_loader(tmp_path):
     assert torch.equal(x[:, 1:], y[:, :-1])
     xr, yr = TokenLoader(data, "train", 3, 8, mode="ram").next_batch()  # the synthetic data feeds the real loader
     assert xr.shape == (3, 8) and torch.equal(xr[:, 1:], yr[:, :-1])
+
+
+def test_synthetic_data_with_a_val_split_trains(tmp_path):
+    """benchmarks/gpu_session.sh times `gpt2train train` on random ids: the trainer needs a val split too; the
+    train ids are those of the same seed without one."""
+    data = write_synthetic_data(tmp_path / "with", 5_000, vocab_size=100, val_tokens=1_000)
+    alone = write_synthetic_data(tmp_path / "alone", 5_000, vocab_size=100)
+    assert (data / "train_000000.bin").read_bytes() == (alone / "train_000000.bin").read_bytes()
+    cfg = tiny_config(data, max_steps=2)
+    cfg.eval.interval = 2
+    train(cfg, tmp_path / "run")
+    assert any(r["kind"] == "val" for r in load_metrics(tmp_path / "run"))
 
 
 def test_forced_fused_or_plain_adamw_keeps_the_library_groups():

@@ -136,14 +136,18 @@ def read_final_mfu(path: str | Path) -> tuple[float, str]:
 
 
 # --- data ----------------------------------------------------------------------------------------------
-def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB_SIZE, seed: int = 0) -> Path:
-    """A prepared dataset of uniformly random token ids (one train shard and meta.json)."""
+def write_synthetic_data(out_dir: str | Path, tokens: int, vocab_size: int = GPT2_VOCAB_SIZE, seed: int = 0,
+                         val_tokens: int = 0) -> Path:
+    """A prepared dataset of uniformly random token ids: one train shard, one val shard of val_tokens if any (the
+    trainer wants one, the journey does not), and meta.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = np.random.default_rng(seed).integers(0, vocab_size, size=tokens, dtype=np.int64)
-    write_shard(out / "train_000000.bin", ids, vocab_size)
+    rng = np.random.default_rng(seed)
+    sizes = {"train": tokens, "val": val_tokens} if val_tokens else {"train": tokens}
+    for split, n in sizes.items():
+        write_shard(out / f"{split}_000000.bin", rng.integers(0, vocab_size, size=n, dtype=np.int64), vocab_size)
     meta = {"source": "synthetic (uniform random ids)", "tokenizer": {"kind": "gpt2"}, "vocab_size": vocab_size,
-            "eot_id": vocab_size - 1, "shards": {"train": ["train_000000.bin"]}, "tokens": {"train": tokens}}
+            "eot_id": vocab_size - 1, "shards": {s: [f"{s}_000000.bin"] for s in sizes}, "tokens": sizes}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 

