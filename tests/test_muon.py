@@ -136,7 +136,7 @@ def test_newton_schulz_in_any_dtype_is_torchs_iteration():
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_a_cpu_that_emulates_bf16_orthogonalizes_in_fp32(monkeypatch, native_bf16):
-    """make_optimizer picks fp32 where oneDNN has no bf16 (emulated bf16 made a modern-recipe step 1.6x slower on
+    """make_optimizer picks fp32 where oneDNN has no bf16 (emulated bf16 made a modern-recipe step 1.9x slower on
     an AVX2 CPU); a step then equals torch's Muon running newton_schulz(fp32), differs from its bf16 step, and
     leaves torch's own function in place."""
     monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: native_bf16)
