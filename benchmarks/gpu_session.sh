@@ -10,7 +10,8 @@
 #   benchmarks/gpu_session.sh journey     # there: bench journey, GPT-2 124M                (issue 16 items 2-3)
 #   benchmarks/gpu_session.sh generate    # there: bench generate + deterministic cost      (issues 18 item 3, 19 item 3)
 #
-# Every stage works on a CPU too (tiny sizes with GPU_SESSION_TINY=1), which is how it was checked here.
+# GPU_SESSION_TINY=1 runs speed, journey and generate at tiny sizes on a CPU: how they (and pack) were checked
+# here on 2026-11-25. The tests stage runs the suite as it is; it has not run on a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate}
