@@ -90,11 +90,14 @@ def _train_in_child(argv: list[str], log: str, sleep_in_save: float):
     tqdm.set_lock(threading.RLock())
     from gpt2train import cli
 
-    sys.exit(cli.main(argv))
+    status = cli.main(argv)
+    Path(log + ".status").write_text(str(status or 0))  # see exit_status
+    sys.exit(status)
 
 
 def launch(config: Path, out: Path, resume: bool, sleep_in_save: float = 0.0):
     argv = ["train", "--config", str(config), "--out", str(out)] + (["--resume", "auto"] if resume else [])
+    Path(f"{log_file(out)}.status").unlink(missing_ok=True)
     proc = forkserver().Process(target=_train_in_child, args=(argv, str(log_file(out)), sleep_in_save))
     proc.start()
     return proc
@@ -104,15 +107,27 @@ def log_file(out: Path) -> Path:
     return out.parent / f"{out.name}.log"
 
 
+def exit_status(proc, out: Path) -> int | None:
+    """The child's exit status. multiprocessing's forkserver reports 255 when it cannot read the status back
+    (an EOF on its pipe: on 2026-11-25 a trainer that had logged "finished at step 8 (done)" came back as 255
+    in one full-suite run); the child writes cli.main's own status beside its log, which then says what
+    really happened. A child killed or crashed before that writes nothing, and its status stands."""
+    status = Path(f"{log_file(out)}.status")
+    if proc.exitcode == 255 and status.exists():
+        return int(status.read_text())
+    return proc.exitcode
+
+
 def failed(out: Path, proc) -> RuntimeError:
-    return RuntimeError(f"training in {out} failed with exit status {proc.exitcode}:\n{log_file(out).read_text()[-2000:]}")
+    log = log_file(out).read_text()[-2000:]
+    return RuntimeError(f"training in {out} failed with exit status {exit_status(proc, out)}:\n{log}")
 
 
 def run_to_end(config: Path, out: Path, resume: bool, sleep_in_save: float = 0.0) -> float:
     start = time.time()
     proc = launch(config, out, resume, sleep_in_save)
     proc.join(timeout=600)
-    if proc.exitcode != 0:
+    if exit_status(proc, out) != 0:
         proc.kill()
         raise failed(out, proc)
     return time.time() - start
@@ -131,7 +146,7 @@ def kill_when(proc, out: Path, due, timeout: float = 600) -> bool:
             raise TimeoutError(f"training in {out} ran past {timeout} s")
         time.sleep(0.005)
     proc.join()
-    if proc.exitcode != 0:
+    if exit_status(proc, out) != 0:
         raise failed(out, proc)
     return False
 
@@ -278,7 +293,7 @@ def run_trial(config: Path, out: Path, reference: Reference, steps: int, trial: 
         killed = kill is not None and kill_when(proc, out, kill.watch(out, launched))
         if kill is None:
             proc.join(timeout=600)
-            if proc.exitcode != 0:
+            if exit_status(proc, out) != 0:
                 raise failed(out, proc)
         for start in run_starts(out)[before:]:  # none when killed before it logged one
             if start["step"] != expected_start:

@@ -170,3 +170,21 @@ def test_sigkill_anywhere_then_resume_ends_with_the_same_losses_and_weights(char
     fired = [kind for t in done for kind in t.fired]
     assert set(fired) == set(fault_trials.KINDS), every_trial  # the seed's plans hit every kind of moment
     assert sum("(inside a save)" in note for t in done for note in t.notes) >= 3, every_trial
+
+
+def test_an_unreadable_exit_status_is_taken_from_what_the_trainer_wrote(tmp_path):
+    """multiprocessing's forkserver reports 255 when it cannot read a child's status back; the trainer's own
+    status, written beside its log, then decides. Without it, and for any other status, the exit code stands."""
+    out = tmp_path / "trial0"
+
+    class Child:
+        exitcode = 255
+
+    assert fault_trials.exit_status(Child(), out) == 255  # nothing written: a crash before the end
+    status = tmp_path / "trial0.log.status"
+    status.write_text("0")
+    assert fault_trials.exit_status(Child(), out) == 0
+    status.write_text("1")
+    assert fault_trials.exit_status(Child(), out) == 1
+    Child.exitcode = -9  # killed: the file (of an earlier launch) does not speak for it
+    assert fault_trials.exit_status(Child(), out) == -9
