@@ -23,7 +23,7 @@ def test_bench_generate_command_writes_json(tmp_path):
                      "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",
                      "--out", str(out))
     assert result.returncode == 0, result.stderr
-    assert "decode tok/s" in result.stdout and "decode: eager, KV cache, column-major weights, batch 2" in result.stdout
+    assert "decode tok/s" in result.stdout and "decode: eager, KV cache, matmuls in row blocks, batch 2" in result.stdout
     data = json.loads(out.read_text())
     assert {"model", "device", "dtype", "new_tokens", "prompt_tokens", "repeats", "peak_bandwidth_gb_s", "date",
             "torch", "transformers_note", "rows", "speedup_vs_transformers", "markdown"} <= data.keys()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.generate import (
+    BlockedLinear,
     Decoder,
     TextStream,
     filter_logits,
@@ -16,7 +19,6 @@ from gpt2train.generate import (
     generate_batch,
     generate_stream,
     sample_next,
-    store_weights_column_major,
 )
 from gpt2train.model import GPT, GPTConfig, KVCache
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -209,18 +211,41 @@ def test_an_eager_step_attends_over_the_used_slots_only():
     torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_column_major_weights_change_nothing_but_the_memory_order():
+class AtenOps(TorchDispatchMode):
+    """Records the aten ops that run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 32), (8, 1, 32), (2, 32, 32), (65, 32)])  # (65, 32): past MAX_ROWS
+def test_blocked_linear_equals_f_linear_and_blocks_only_a_few_rows(shape):
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(shape), torch.randn(48, 32), torch.randn(48)
+    with BlockedLinear(), AtenOps() as seen:
+        blocked, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
+    torch.testing.assert_close(blocked, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(no_bias, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert blocked.shape == (*shape[:-1], 48) and blocked.is_contiguous()
+    few_rows = x.numel() // 32 <= BlockedLinear.MAX_ROWS
+    assert ("bmm" in seen.ops) == few_rows and ("addmm" in seen.ops) != few_rows, seen.ops
+
+
+def test_blocked_decoding_on_a_cpu_in_fp32_only_and_the_same_greedy_tokens():
     model = tiny_model()
     prompts = [[1], [2, 3, 4, 5, 6, 7]]
-    idx = torch.randint(0, 70, (2, 9))
-    with torch.no_grad():
-        before, greedy = model(idx), generate_batch(model, prompts, 10, temperature=0)
-    store_weights_column_major(model)
-    assert not model.lm_head.weight.is_contiguous() and model.lm_head.weight.t().is_contiguous()
-    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx), before, atol=1e-5, rtol=1e-5)
-    assert generate_batch(model, prompts, 10, temperature=0) == greedy
+    decoder = Decoder(model, compile=False)
+    assert decoder.blocked and decoder.describe(2) == "decode: eager, KV cache, matmuls in row blocks, batch 2"
+    with AtenOps() as seen:
+        blocked = generate_batch(model, prompts, 10, temperature=0, decoder=decoder)
+    assert "bmm" in seen.ops and "addmm" not in seen.ops  # the prefill too
+    assert blocked == generate_batch(model, prompts, 10, temperature=0, decoder=Decoder(model, blocked=False))
+    assert not Decoder(tiny_model().to(torch.bfloat16), compile=False).blocked
 
 
 @pytest.mark.slow  # compiling takes ~20 s on 2 cores
@@ -231,7 +256,7 @@ def test_compiled_decode_step_equals_eager_greedy():
     compiled = generate_batch(model, prompts, 6, temperature=0, decoder=decoder)
     assert decoder.path.startswith("compiled"), decoder.path
     assert compiled == generate_batch(model, prompts, 6, temperature=0, decoder=Decoder(model, compile=False))
-    assert decoder.describe(2) == "decode: compiled (default), KV cache, column-major weights, batch 2"
+    assert decoder.describe(2) == "decode: compiled (default), KV cache, batch 2"
 
 
 def test_training_mode_is_restored():
@@ -266,7 +291,7 @@ def test_sample_command_prints_several_samples(tmp_path):
                      "--max-new-tokens", "5", "--temperature", "1.0")
     assert result.returncode == 0, result.stderr
     assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
-    assert "tok/s" in result.stderr and "decode: eager, KV cache, column-major weights, batch 2" in result.stderr
+    assert "tok/s" in result.stderr and "decode: eager, KV cache, matmuls in row blocks, batch 2" in result.stderr
     bad = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--num-samples", "0")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: argument --num-samples: 0 is out of range")
     for dtype in ("float32", "bfloat16"):  # the weights' dtype while sampling (auto: bf16 where native)

@@ -16,11 +16,13 @@ of the last block_size tokens, recomputed at every step, as nanoGPT does.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from gpt2train.model import GPT, KVCache
 
@@ -59,27 +61,66 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator)
 
 
-class Decoder:
-    """The decode step: logits (B, V) of the next token from one new id per row (B, 1) and the KV cache.
+class BlockedLinear(TorchFunctionMode):
+    """While active, every F.linear of at most MAX_ROWS rows (a decode step, a short prefill) runs as one
+    torch.bmm over the weight's row blocks (see linear_in_blocks); larger ones, and any other op, run as
+    they are. Used by Decoder on a CPU for fp32 weights: there MKL streams a (out, in) weight through
+    x @ W^T for a few rows at half the speed it streams the same weight split into blocks that bmm hands
+    to each core in turn (GPT-2 124M, 2-core AVX2 CPU: batch 1 ~1.2x, batch 8 ~2x tokens/s;
+    docs/benchmarks.md, Generation). It reads the weights as they are: nothing is copied or re-laid."""
 
-    Eager, or compiled once with torch.compile (its shapes never change: the cache is preallocated, the
-    input is (B, 1)): on CUDA in mode reduce-overhead, which replays the step as a CUDA graph instead of
-    launching ~100 small kernels. compile="auto" compiles on CUDA only: on a CPU the compiled step was
-    slower (docs/benchmarks.md, Generation). Where compiling fails, the step falls back to eager, with a
-    warning, and `path` says so. On a CPU (column_major="auto") the model's linear weights are first
-    stored column-major, in place (see store_weights_column_major).
+    MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            blocks = row_blocks(weight.size(0))
+            if blocks and x.numel() <= self.MAX_ROWS * x.size(-1):
+                return linear_in_blocks(x, weight, bias, blocks)
+        return func(*args, **kwargs)
+
+
+def row_blocks(out_features: int) -> int:
+    """How many row blocks a weight of out_features rows splits into evenly (16, 8, 4 or 2), 0 if none."""
+    return next((n for n in (16, 8, 4, 2) if out_features % n == 0), 0)
+
+
+def linear_in_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) as one bmm of x's rows by each of `blocks` row blocks of weight: the same
+    products, summed in another order (equal to F.linear within fp32 rounding)."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    per_block = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/blocks)
+    y = torch.bmm(rows.expand(blocks, -1, -1), per_block)  # (blocks, rows, out/blocks)
+    y = y.transpose(0, 1).reshape(rows.size(0), out_features)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], out_features)
+
+
+class Decoder:
+    """The model's forwards while generating: the prefill (the prompt, once) and the decode step: logits
+    (B, V) of the next token from one new id per row (B, 1) and the KV cache.
+
+    The decode step runs eagerly, or compiled once with torch.compile (its shapes never change: the cache
+    is preallocated, the input is (B, 1)): on CUDA in mode reduce-overhead, which replays the step as a
+    CUDA graph instead of launching ~100 small kernels. compile="auto" compiles on CUDA only: on a CPU the
+    compiled step was slower (docs/benchmarks.md, Generation). Where compiling fails, the step falls back
+    to eager, with a warning, and `path` says so. Eager forwards on a CPU with fp32 weights run their
+    matmuls in row blocks (blocked="auto"; see BlockedLinear).
     """
 
-    def __init__(self, model: GPT, compile: bool | str = "auto", column_major: bool | str = "auto"):
+    def __init__(self, model: GPT, compile: bool | str = "auto", blocked: bool | str = "auto"):
         self.model = model
-        self.device = next(model.parameters()).device
+        param = next(model.parameters())
+        self.device = param.device
         if compile == "auto":
             compile = self.device.type == "cuda"
-        if column_major == "auto":
-            column_major = self.device.type == "cpu"
-        self.column_major = bool(column_major)
-        if self.column_major:
-            store_weights_column_major(model)
+        if blocked == "auto":
+            blocked = self.device.type == "cpu" and param.dtype == torch.float32
+        self.blocked = bool(blocked)
         self.compiled = None
         self.path = "eager"
         if compile:
@@ -88,12 +129,22 @@ class Decoder:
             self.path = f"compiled ({mode})"
         self._static_cache = None
 
+    def eager(self):
+        """The context eager forwards run in: BlockedLinear, or nothing."""
+        return BlockedLinear() if self.blocked else contextlib.nullcontext()
+
+    def prefill(self, ids: torch.Tensor, padding_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (B, V) after the prompts (B, T), left-padded (padding_mask False there), filling the cache."""
+        with self.eager():
+            return self.model(ids, kv_cache=cache, padding_mask=padding_mask, last_only=True)[:, -1]
+
     def eager_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self.model(ids, kv_cache=cache, last_only=True)[:, -1]
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if self.compiled is None:
-            return self.eager_step(ids, cache)
+            with self.eager():
+                return self.eager_step(ids, cache)
         if cache is not self._static_cache:  # CUDA graphs may update a tensor in place only at a fixed address
             for t in (cache.k, cache.v, cache.real, cache.filled):
                 torch._dynamo.mark_static_address(t)
@@ -105,7 +156,8 @@ class Decoder:
         except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported backend...: eager still works
             warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=2)
             self.compiled, self.path = None, "eager (compile failed)"
-            return self.eager_step(ids, cache)
+            with self.eager():
+                return self.eager_step(ids, cache)
 
     def cache_size(self, needed: int) -> int:
         """Slots to preallocate: eagerly, what this generation needs (attention reads every slot); compiled,
@@ -116,21 +168,8 @@ class Decoder:
         return min(self.model.config.block_size, -(-needed // 128) * 128)
 
     def describe(self, batch_size: int) -> str:
-        layout = ", column-major weights" if self.column_major else ""
-        return f"decode: {self.path}, KV cache{layout}, batch {batch_size}"
-
-
-def store_weights_column_major(model: GPT) -> GPT:
-    """Store every linear weight (out, in) as the transpose of a contiguous (in, out) matrix, in place: the
-    same values and shapes, another memory order. A matmul of one row (a decode step of batch 1) then
-    streams the weight ~1.7x faster on a CPU (MKL's x @ W for a contiguous W beats its x @ W^T; measured on
-    GPT-2's lm_head, docs/benchmarks.md): 25 -> 33 tokens/s for GPT-2 124M. Batches of 8 gain nothing and
-    lose nothing. For a model that only generates: `.contiguous()` a weight before saving it elsewhere."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
-                module.weight.data = module.weight.data.t().contiguous().t()
-    return model
+        blocked = ", matmuls in row blocks" if self.blocked and self.compiled is None else ""
+        return f"decode: {self.path}, KV cache{blocked}, batch {batch_size}"
 
 
 def left_padded(prompts: list[list[int]], block_size: int, eot_id: int | None,
@@ -173,7 +212,7 @@ def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, t
     if not use_cache and not real.all():
         raise ValueError("prompts of different lengths need the KV cache (its padding mask)")
     generator = torch.Generator(device=param.device).manual_seed(seed) if seed is not None else None
-    decoder = decoder or Decoder(model, compile=False, column_major=False)
+    decoder = decoder or Decoder(model, compile=False)
     # The last new token is never fed back: the cache needs prompt + max_new_tokens - 1 slots at most.
     size = decoder.cache_size(min(cfg.block_size, tokens.size(1) + max_new_tokens - 1))
     finished = torch.zeros(B, dtype=torch.bool, device=param.device)
@@ -188,7 +227,7 @@ def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, t
             elif use_cache:  # the prefill; or the context is full: the last block_size tokens, afresh
                 window, window_real = tokens[:, -cfg.block_size:], real[:, -cfg.block_size:]
                 cache = KVCache(cfg, B, size, param.device, param.dtype)
-                logits = model(window, kv_cache=cache, padding_mask=window_real, last_only=True)[:, -1]
+                logits = decoder.prefill(window, window_real, cache)
                 cached = window.size(1)
             else:
                 logits = model(tokens[:, -cfg.block_size:])[:, -1]
