@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.generate import (
-    BlockedLinear,
     Decoder,
+    RowBlockLinears,
     TextStream,
     filter_logits,
     generate,
@@ -223,17 +222,21 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1, 32), (8, 1, 32), (2, 32, 32), (65, 32)])  # (65, 32): past MAX_ROWS
-def test_blocked_linear_equals_f_linear_and_blocks_only_a_few_rows(shape):
+def test_row_block_linears_equal_f_linear_and_block_only_a_few_rows(shape, bias):
     torch.manual_seed(0)
-    x, weight, bias = torch.randn(shape), torch.randn(48, 32), torch.randn(48)
-    with BlockedLinear(), AtenOps() as seen:
-        blocked, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
-    torch.testing.assert_close(blocked, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(no_bias, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    layers = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=bias), torch.nn.Linear(48, 7))  # 7 rows: no blocks
+    x = torch.randn(shape)
+    with RowBlockLinears(layers), AtenOps() as seen:
+        blocked = layers[0](x)
+        unsplit = layers[1](blocked)
+    torch.testing.assert_close(blocked, layers[0](x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unsplit, layers(x), atol=1e-5, rtol=1e-5)
     assert blocked.shape == (*shape[:-1], 48) and blocked.is_contiguous()
-    few_rows = x.numel() // 32 <= BlockedLinear.MAX_ROWS
-    assert ("bmm" in seen.ops) == few_rows and ("addmm" in seen.ops) != few_rows, seen.ops
+    few_rows = x.numel() // 32 <= RowBlockLinears.MAX_ROWS
+    assert seen.ops.count("bmm") + seen.ops.count("baddbmm") == few_rows, seen.ops  # layers[1]: addmm or mm
+    assert not any("forward" in vars(layer) for layer in layers)  # the class's forward again
 
 
 def test_blocked_decoding_on_a_cpu_in_fp32_only_and_the_same_greedy_tokens():

@@ -17,12 +17,13 @@ of the last block_size tokens, recomputed at every step, as nanoGPT does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from gpt2train.model import GPT, KVCache
 
@@ -61,25 +62,35 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return torch.multinomial(probs, 1, generator=generator)
 
 
-class BlockedLinear(TorchFunctionMode):
-    """While active, every F.linear of at most MAX_ROWS rows (a decode step, a short prefill) runs as one
-    torch.bmm over the weight's row blocks (see linear_in_blocks); larger ones, and any other op, run as
-    they are. Used by Decoder on a CPU for fp32 weights: there MKL streams a (out, in) weight through
-    x @ W^T for a few rows at half the speed it streams the same weight split into blocks that bmm hands
-    to each core in turn (GPT-2 124M, 2-core AVX2 CPU: batch 1 ~1.2x, batch 8 ~2x tokens/s;
-    docs/benchmarks.md, Generation). It reads the weights as they are: nothing is copied or re-laid."""
+class RowBlockLinears:
+    """A context in which every nn.Linear of a model computes an input of at most MAX_ROWS rows (a decode
+    step, a short prefill) by linear_in_blocks; larger inputs run F.linear as before. Decoder uses it on a
+    CPU for fp32 weights: there MKL streams a (out, in) weight through x @ W^T for a few rows at half the
+    speed it streams the same weight's row blocks through one bmm (GPT-2 124M, 2-core AVX2 CPU: about 1.3x
+    tokens/s at batch 1, 2x at batch 8; docs/benchmarks.md, Generation). The weights are read as they
+    are, nothing is copied. Each layer gets an instance attribute `forward` (nn.Module calls it in place
+    of the class's) while the context is open: a TorchFunctionMode would do the same for any F.linear,
+    but it intercepts every op of the forward, which cost more than the blocks won in a decode step."""
 
     MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            blocks = row_blocks(weight.size(0))
-            if blocks and x.numel() <= self.MAX_ROWS * x.size(-1):
-                return linear_in_blocks(x, weight, bias, blocks)
-        return func(*args, **kwargs)
+    def __init__(self, model: nn.Module):
+        self.forwards = {module: functools.partial(linear_forward_in_blocks, module) for module in model.modules()
+                         if isinstance(module, nn.Linear) and row_blocks(module.out_features)}
+
+    def __enter__(self):
+        for module, forward in self.forwards.items():
+            module.forward = forward
+
+    def __exit__(self, *exc):
+        for module in self.forwards:
+            del module.forward
+
+
+def linear_forward_in_blocks(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() > RowBlockLinears.MAX_ROWS * module.in_features:
+        return F.linear(x, module.weight, module.bias)
+    return linear_in_blocks(x, module.weight, module.bias, row_blocks(module.out_features))
 
 
 def row_blocks(out_features: int) -> int:
@@ -88,16 +99,16 @@ def row_blocks(out_features: int) -> int:
 
 
 def linear_in_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) as one bmm of x's rows by each of `blocks` row blocks of weight: the same
-    products, summed in another order (equal to F.linear within fp32 rounding)."""
+    """F.linear(x, weight, bias) as one batched matmul of x's rows by each of `blocks` row blocks of the
+    weight: the same products, summed in another order (equal to F.linear within fp32 rounding)."""
     out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features)
-    per_block = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/blocks)
-    y = torch.bmm(rows.expand(blocks, -1, -1), per_block)  # (blocks, rows, out/blocks)
-    y = y.transpose(0, 1).reshape(rows.size(0), out_features)
-    if bias is not None:
-        y += bias
-    return y.view(*x.shape[:-1], out_features)
+    rows = x.reshape(-1, in_features).expand(blocks, -1, -1)  # (blocks, rows, in), not copied
+    per_block = weight.view(blocks, -1, in_features).transpose(1, 2)  # (blocks, in, out / blocks)
+    if bias is None:
+        y = torch.bmm(rows, per_block)
+    else:
+        y = torch.baddbmm(bias.view(blocks, 1, -1), rows, per_block)
+    return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (blocks, rows, out/blocks) -> (..., out)
 
 
 class Decoder:
@@ -109,7 +120,7 @@ class Decoder:
     CUDA graph instead of launching ~100 small kernels. compile="auto" compiles on CUDA only: on a CPU the
     compiled step was slower (docs/benchmarks.md, Generation). Where compiling fails, the step falls back
     to eager, with a warning, and `path` says so. Eager forwards on a CPU with fp32 weights run their
-    matmuls in row blocks (blocked="auto"; see BlockedLinear).
+    matmuls in row blocks (blocked="auto"; see RowBlockLinears).
     """
 
     def __init__(self, model: GPT, compile: bool | str = "auto", blocked: bool | str = "auto"):
@@ -121,6 +132,7 @@ class Decoder:
         if blocked == "auto":
             blocked = self.device.type == "cpu" and param.dtype == torch.float32
         self.blocked = bool(blocked)
+        self.eager_context = RowBlockLinears(model) if self.blocked else contextlib.nullcontext()
         self.compiled = None
         self.path = "eager"
         if compile:
@@ -129,13 +141,9 @@ class Decoder:
             self.path = f"compiled ({mode})"
         self._static_cache = None
 
-    def eager(self):
-        """The context eager forwards run in: BlockedLinear, or nothing."""
-        return BlockedLinear() if self.blocked else contextlib.nullcontext()
-
     def prefill(self, ids: torch.Tensor, padding_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, V) after the prompts (B, T), left-padded (padding_mask False there), filling the cache."""
-        with self.eager():
+        with self.eager_context:
             return self.model(ids, kv_cache=cache, padding_mask=padding_mask, last_only=True)[:, -1]
 
     def eager_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -143,7 +151,7 @@ class Decoder:
 
     def __call__(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if self.compiled is None:
-            with self.eager():
+            with self.eager_context:
                 return self.eager_step(ids, cache)
         if cache is not self._static_cache:  # CUDA graphs may update a tensor in place only at a fixed address
             for t in (cache.k, cache.v, cache.real, cache.filled):
@@ -156,7 +164,7 @@ class Decoder:
         except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported backend...: eager still works
             warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=2)
             self.compiled, self.path = None, "eager (compile failed)"
-            with self.eager():
+            with self.eager_context:
                 return self.eager_step(ids, cache)
 
     def cache_size(self, needed: int) -> int:
