@@ -75,22 +75,24 @@ class RowBlockLinears:
     MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
 
     def __init__(self, model: nn.Module):
-        self.forwards = {module: functools.partial(linear_forward_in_blocks, module) for module in model.modules()
-                         if isinstance(module, nn.Linear) and row_blocks(module.out_features)}
+        self.forwards = {module: functools.partial(linear_forward_in_blocks, module, row_blocks(module.out_features))
+                         for module in model.modules() if isinstance(module, nn.Linear) and row_blocks(module.out_features)}
 
+    # Straight into the instance's __dict__: nn.Module's __setattr__ and __delattr__ checks, twice per layer
+    # and step, cost ~0.3 ms of a GPT-2 124M decode step here.
     def __enter__(self):
         for module, forward in self.forwards.items():
-            module.forward = forward
+            vars(module)["forward"] = forward
 
     def __exit__(self, *exc):
         for module in self.forwards:
-            del module.forward
+            vars(module).pop("forward", None)
 
 
-def linear_forward_in_blocks(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear_forward_in_blocks(module: nn.Linear, blocks: int, x: torch.Tensor) -> torch.Tensor:
     if x.numel() > RowBlockLinears.MAX_ROWS * module.in_features:
         return F.linear(x, module.weight, module.bias)
-    return linear_in_blocks(x, module.weight, module.bias, row_blocks(module.out_features))
+    return linear_in_blocks(x, module.weight, module.bias, blocks)
 
 
 def row_blocks(out_features: int) -> int:

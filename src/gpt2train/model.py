@@ -153,6 +153,7 @@ class KVCache:
         self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots used, the same in every row
         self.size = size
         self.reads = size  # slots the current forward's attention reads (set by start)
+        self.slots = torch.zeros(0, dtype=torch.long, device=device)  # the slots the current forward writes (start)
 
     @property
     def length(self) -> int:
@@ -171,7 +172,7 @@ class KVCache:
         that every decode step has one shape."""
         T = padding_mask.size(1)
         self.reads = self.size if torch.compiler.is_compiling() else self.length + T
-        slots = self.new_slots(T)
+        self.slots = slots = self.new_slots(T)
         self.real.index_copy_(1, slots, padding_mask)
         positions = (self.real.cumsum(1) - 1).clamp(min=0).index_select(1, slots)
         key = torch.arange(self.reads, device=slots.device)
@@ -182,11 +183,11 @@ class KVCache:
         return positions, visible[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's keys and values (B, nh, T, hs) into their slots; return the slots attention
-        reads (B, nh, reads, hs; see start): any unused ones are hidden by the mask."""
-        slots = self.new_slots(k.size(2))
-        self.k[layer].index_copy_(2, slots, k)
-        self.v[layer].index_copy_(2, slots, v)
+        """Write this forward's keys and values (B, nh, T, hs) into their slots (start chose them, once for
+        every layer); return the slots attention reads (B, nh, reads, hs; see start): any unused ones are
+        hidden by the mask."""
+        self.k[layer].index_copy_(2, self.slots, k)
+        self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, :self.reads], self.v[layer][:, :, :self.reads]
 
 
