@@ -66,8 +66,8 @@ class RowBlockLinears:
     """A context in which every nn.Linear of a model computes an input of at most MAX_ROWS rows (a decode
     step, a short prefill) by linear_in_blocks; larger inputs run F.linear as before. Decoder uses it on a
     CPU for fp32 weights: there MKL streams a (out, in) weight through x @ W^T for a few rows at half the
-    speed it streams the same weight's row blocks through one bmm (GPT-2 124M, 2-core AVX2 CPU: about 1.3x
-    tokens/s at batch 1, 2x at batch 8; docs/benchmarks.md, Generation). The weights are read as they
+    speed it streams the same weight's row blocks through one bmm (GPT-2 124M, 2-core AVX2 CPU: 1.2 - 1.4x
+    tokens/s at batch 1, 1.7x at batch 8; docs/benchmarks.md, Generation). The weights are read as they
     are, nothing is copied. Each layer gets an instance attribute `forward` (nn.Module calls it in place
     of the class's) while the context is open: a TorchFunctionMode would do the same for any F.linear,
     but it intercepts every op of the forward, which cost more than the blocks won in a decode step."""
