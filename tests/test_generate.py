@@ -239,6 +239,17 @@ def test_row_block_linears_equal_f_linear_and_block_only_a_few_rows(shape, bias)
     assert not any("forward" in vars(layer) for layer in layers)  # the class's forward again
 
 
+def test_a_weight_stored_transposed_runs_unblocked():
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(32, 48), torch.randn(2, 32)
+    expected = layer(x)
+    layer.weight.data = layer.weight.data.t().contiguous().t()  # the same values, (in, out) in memory
+    with RowBlockLinears(layer), AtenOps() as seen:
+        y = layer(x)
+    torch.testing.assert_close(y, expected)
+    assert "bmm" not in seen.ops and "baddbmm" not in seen.ops
+
+
 def test_blocked_decoding_on_a_cpu_in_fp32_only_and_the_same_greedy_tokens():
     model = tiny_model()
     prompts = [[1], [2, 3, 4, 5, 6, 7]]

@@ -90,8 +90,8 @@ class RowBlockLinears:
 
 
 def linear_forward_in_blocks(module: nn.Linear, blocks: int, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() > RowBlockLinears.MAX_ROWS * module.in_features:
-        return F.linear(x, module.weight, module.bias)
+    if x.numel() > RowBlockLinears.MAX_ROWS * module.in_features or not module.weight.is_contiguous():
+        return F.linear(x, module.weight, module.bias)  # many rows; or a weight stored transposed: no blocks to view
     return linear_in_blocks(x, module.weight, module.bias, blocks)
 
 
