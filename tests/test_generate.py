@@ -273,6 +273,22 @@ def test_compiled_decode_step_equals_eager_greedy():
     assert decoder.describe(2) == "decode: compiled (default), KV cache, batch 2"
 
 
+def test_a_failing_compiled_step_falls_back_to_the_eager_one_with_a_warning():
+    model = tiny_model()
+    prompts = [[1], [2, 3, 4, 5, 6, 7]]
+    decoder = Decoder(model, compile=False)
+    eager = generate_batch(model, prompts, 6, temperature=0, decoder=decoder)
+
+    def no_compiler(ids, cache):
+        raise RuntimeError("no C++ compiler")
+
+    decoder.compiled = no_compiler
+    with pytest.warns(UserWarning, match="compiled decode failed, decoding eagerly: RuntimeError: no C"):
+        assert generate_batch(model, prompts, 6, temperature=0, decoder=decoder) == eager
+    assert decoder.compiled is None
+    assert decoder.describe(2) == "decode: eager (compile failed), KV cache, matmuls in row blocks, batch 2"
+
+
 def test_training_mode_is_restored():
     model = tiny_model().train()
     for _ in generate_stream(model, [1, 2], 3):

@@ -75,8 +75,10 @@ class RowBlockLinears:
     MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
 
     def __init__(self, model: nn.Module):
-        self.forwards = {module: functools.partial(linear_forward_in_blocks, module, row_blocks(module.out_features))
-                         for module in model.modules() if isinstance(module, nn.Linear) and row_blocks(module.out_features)}
+        self.forwards = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and (blocks := row_blocks(module.out_features)):
+                self.forwards[module] = functools.partial(linear_forward_in_blocks, module, blocks)
 
     # Straight into the instance's __dict__: nn.Module's __setattr__ and __delattr__ checks, twice per layer
     # and step, cost ~0.3 ms of a GPT-2 124M decode step here.
@@ -166,8 +168,7 @@ class Decoder:
         except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported backend...: eager still works
             warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=2)
             self.compiled, self.path = None, "eager (compile failed)"
-            with self.eager_context:
-                return self.eager_step(ids, cache)
+            return self(ids, cache)
 
     def cache_size(self, needed: int) -> int:
         """Slots to preallocate: eagerly, what this generation needs (attention reads every slot); compiled,
