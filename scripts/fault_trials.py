@@ -118,18 +118,21 @@ def exit_status(proc, out: Path) -> int | None:
     return proc.exitcode
 
 
-def failed(out: Path, proc) -> RuntimeError:
-    log = log_file(out).read_text()[-2000:]
-    return RuntimeError(f"training in {out} failed with exit status {exit_status(proc, out)}:\n{log}")
+def check_finished(proc, out: Path) -> None:
+    """Raise, with the log's tail, unless the training in proc ended with status 0 (one still running after
+    its join's timeout is killed first)."""
+    status = exit_status(proc, out)
+    if status != 0:
+        proc.kill()
+        log = log_file(out).read_text()[-2000:]
+        raise RuntimeError(f"training in {out} failed with exit status {status}:\n{log}")
 
 
 def run_to_end(config: Path, out: Path, resume: bool, sleep_in_save: float = 0.0) -> float:
     start = time.time()
     proc = launch(config, out, resume, sleep_in_save)
     proc.join(timeout=600)
-    if exit_status(proc, out) != 0:
-        proc.kill()
-        raise failed(out, proc)
+    check_finished(proc, out)
     return time.time() - start
 
 
@@ -146,8 +149,7 @@ def kill_when(proc, out: Path, due, timeout: float = 600) -> bool:
             raise TimeoutError(f"training in {out} ran past {timeout} s")
         time.sleep(0.005)
     proc.join()
-    if exit_status(proc, out) != 0:
-        raise failed(out, proc)
+    check_finished(proc, out)
     return False
 
 
@@ -293,8 +295,7 @@ def run_trial(config: Path, out: Path, reference: Reference, steps: int, trial: 
         killed = kill is not None and kill_when(proc, out, kill.watch(out, launched))
         if kill is None:
             proc.join(timeout=600)
-            if exit_status(proc, out) != 0:
-                raise failed(out, proc)
+            check_finished(proc, out)
         for start in run_starts(out)[before:]:  # none when killed before it logged one
             if start["step"] != expected_start:
                 trial.problems.append(f"launch {i + 1} started at step {start['step']}, expected {expected_start} "
