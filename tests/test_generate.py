@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import DEVICES, run_cli
@@ -228,7 +229,7 @@ def test_row_block_linears_equal_f_linear_and_block_only_a_few_rows(shape, bias)
     torch.manual_seed(0)
     layers = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=bias), torch.nn.Linear(48, 7))  # 7 rows: no blocks
     x = torch.randn(shape)
-    with RowBlockLinears(layers), AtenOps() as seen:
+    with torch.no_grad(), RowBlockLinears(layers), AtenOps() as seen:
         blocked = layers[0](x)
         unsplit = layers[1](blocked)
     torch.testing.assert_close(blocked, layers[0](x), atol=1e-5, rtol=1e-5)
@@ -239,12 +240,28 @@ def test_row_block_linears_equal_f_linear_and_block_only_a_few_rows(shape, bias)
     assert not any("forward" in vars(layer) for layer in layers)  # the class's forward again
 
 
+def test_row_blocks_follow_a_replaced_weight_and_leave_gradients_to_f_linear():
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(32, 48), torch.randn(2, 32)
+    blocks = RowBlockLinears(layer)
+    with torch.no_grad(), blocks:
+        layer(x)  # the views of the first weights are made
+    layer.weight.data = torch.randn(48, 32)  # new memory, as model.to(...) or a load gives
+    with torch.no_grad(), blocks, AtenOps() as seen:
+        y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+    assert "baddbmm" in seen.ops
+    with blocks, AtenOps() as seen:  # gradients on: the blocks are detached views, so F.linear
+        layer(x).sum().backward()
+    assert "baddbmm" not in seen.ops and layer.weight.grad is not None
+
+
 def test_a_weight_stored_transposed_runs_unblocked():
     torch.manual_seed(0)
     layer, x = torch.nn.Linear(32, 48), torch.randn(2, 32)
-    expected = layer(x)
+    expected = layer(x).detach()
     layer.weight.data = layer.weight.data.t().contiguous().t()  # the same values, (in, out) in memory
-    with RowBlockLinears(layer), AtenOps() as seen:
+    with torch.no_grad(), RowBlockLinears(layer), AtenOps() as seen:
         y = layer(x)
     torch.testing.assert_close(y, expected)
     assert "bmm" not in seen.ops and "baddbmm" not in seen.ops

@@ -17,7 +17,6 @@ of the last block_size tokens, recomputed at every step, as nanoGPT does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections.abc import Iterator
 
@@ -64,55 +63,71 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 
 class RowBlockLinears:
     """A context in which every nn.Linear of a model computes an input of at most MAX_ROWS rows (a decode
-    step, a short prefill) by linear_in_blocks; larger inputs run F.linear as before. Decoder uses it on a
-    CPU for fp32 weights: there MKL streams a (out, in) weight through x @ W^T for a few rows at half the
-    speed it streams the same weight's row blocks through one bmm (GPT-2 124M, 2-core AVX2 CPU: 1.2 - 1.4x
-    tokens/s at batch 1, 1.7x at batch 8; docs/benchmarks.md, Generation). The weights are read as they
-    are, nothing is copied. Each layer gets an instance attribute `forward` (nn.Module calls it in place
-    of the class's) while the context is open: a TorchFunctionMode would do the same for any F.linear,
-    but it intercepts every op of the forward, which cost more than the blocks won in a decode step."""
+    step, a short prefill) as one batched matmul over row blocks of its weight (BlockedLinear); larger
+    inputs run F.linear as before. Decoder uses it on a CPU for fp32 weights: there MKL streams a (out, in)
+    weight through x @ W^T for a few rows at half the speed it streams the same weight's row blocks through
+    one bmm (GPT-2 124M, 2-core AVX2 CPU: 1.2 - 1.4x tokens/s at batch 1, 1.7x at batch 8;
+    docs/benchmarks.md, Generation). Nothing is copied: the blocks are views of the weights, made on the
+    first entry and again only after a weight was replaced or moved. Each layer gets an instance attribute
+    `forward` (nn.Module calls it in place of the class's) while the context is open: a TorchFunctionMode
+    would do the same for any F.linear, but it intercepts every op of the forward, which cost more than the
+    blocks won in a decode step."""
 
     MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
 
     def __init__(self, model: nn.Module):
-        self.forwards = {}
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and (blocks := row_blocks(module.out_features)):
-                self.forwards[module] = functools.partial(linear_forward_in_blocks, module, blocks)
+        self.layers = [m for m in model.modules() if isinstance(m, nn.Linear) and row_blocks(m.out_features)]
+        self.forwards: dict[nn.Linear, BlockedLinear | None] = {}
 
     # Straight into the instance's __dict__: nn.Module's __setattr__ and __delattr__ checks, twice per layer
     # and step, cost ~0.3 ms of a GPT-2 124M decode step here.
     def __enter__(self):
-        for module, forward in self.forwards.items():
-            vars(module)["forward"] = forward
+        for module in self.layers:
+            forward = self.forwards.get(module)
+            if forward is None or not forward.views(module.weight):
+                # A weight stored transposed (a view of an (in, out) tensor) has no row blocks to view.
+                forward = self.forwards[module] = BlockedLinear(module) if module.weight.is_contiguous() else None
+            if forward is not None:
+                vars(module)["forward"] = forward
 
     def __exit__(self, *exc):
-        for module in self.forwards:
+        for module in self.layers:
             vars(module).pop("forward", None)
 
 
-def linear_forward_in_blocks(module: nn.Linear, blocks: int, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() > RowBlockLinears.MAX_ROWS * module.in_features or not module.weight.is_contiguous():
-        return F.linear(x, module.weight, module.bias)  # many rows; or a weight stored transposed: no blocks to view
-    return linear_in_blocks(x, module.weight, module.bias, blocks)
+class BlockedLinear:
+    """An nn.Linear's forward for a few rows: F.linear(x, weight, bias) as one batched matmul of x's rows by
+    each of `blocks` row blocks of the weight, the same products summed in another order (equal to
+    F.linear within fp32 rounding). The views of the weight and bias are made once, detached: with
+    gradients on (or many rows), the layer's own F.linear runs."""
+
+    def __init__(self, module: nn.Linear):
+        self.weight, self.bias = module.weight, module.bias
+        self.address = module.weight.data_ptr()
+        self.out_features, self.in_features = module.weight.shape
+        self.blocks = row_blocks(self.out_features)
+        weight = module.weight.detach().view(self.blocks, -1, self.in_features)
+        self.weight_blocks = weight.transpose(1, 2)  # (blocks, in, out / blocks)
+        self.bias_blocks = None if module.bias is None else module.bias.detach().view(self.blocks, 1, -1)
+
+    def views(self, weight: torch.Tensor) -> bool:
+        """Whether this still views `weight` (not a new tensor, nor new memory after `.data =` or `.to()`)."""
+        return weight is self.weight and weight.data_ptr() == self.address
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > RowBlockLinears.MAX_ROWS * self.in_features or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(1, -1, self.in_features).expand(self.blocks, -1, -1)  # (blocks, rows, in), not copied
+        if self.bias_blocks is None:
+            y = torch.bmm(rows, self.weight_blocks)
+        else:
+            y = torch.baddbmm(self.bias_blocks, rows, self.weight_blocks)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)  # (blocks, rows, out/blocks) -> (..., out)
 
 
 def row_blocks(out_features: int) -> int:
     """How many row blocks a weight of out_features rows splits into evenly (16, 8, 4 or 2), 0 if none."""
     return next((n for n in (16, 8, 4, 2) if out_features % n == 0), 0)
-
-
-def linear_in_blocks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) as one batched matmul of x's rows by each of `blocks` row blocks of the
-    weight: the same products, summed in another order (equal to F.linear within fp32 rounding)."""
-    out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features).expand(blocks, -1, -1)  # (blocks, rows, in), not copied
-    per_block = weight.view(blocks, -1, in_features).transpose(1, 2)  # (blocks, in, out / blocks)
-    if bias is None:
-        y = torch.bmm(rows, per_block)
-    else:
-        y = torch.baddbmm(bias.view(blocks, 1, -1), rows, per_block)
-    return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (blocks, rows, out/blocks) -> (..., out)
 
 
 class Decoder:
@@ -158,7 +173,7 @@ class Decoder:
             with self.eager_context:
                 return self.eager_step(ids, cache)
         if cache is not self._static_cache:  # CUDA graphs may update a tensor in place only at a fixed address
-            for t in (cache.k, cache.v, cache.real, cache.filled):
+            for t in (*cache.k, *cache.v, cache.real, cache.filled):
                 torch._dynamo.mark_static_address(t)
             self._static_cache = cache
         try:

@@ -146,9 +146,11 @@ class KVCache:
     def __init__(self, cfg: GPTConfig, batch_size: int, size: int, device, dtype):
         if size > cfg.block_size:
             raise ValueError(f"a KV cache of {size} slots exceeds block_size {cfg.block_size}")
-        shape = (cfg.n_layer, batch_size, cfg.n_head, size, cfg.n_embd // cfg.n_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # A tensor per layer, not one for all: a compiled step that wrote into a layer's slice of one
+        # tensor rewrote the whole tensor at every layer (inductor cannot update a slice of an input in place).
+        shape = (batch_size, cfg.n_head, size, cfg.n_embd // cfg.n_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.real = torch.zeros(batch_size, size, dtype=torch.bool, device=device)  # False: padding or unused
         self.filled = torch.zeros((), dtype=torch.long, device=device)  # slots used, the same in every row
         self.size = size
