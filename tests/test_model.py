@@ -169,6 +169,16 @@ def test_kv_cache_gives_the_full_forward_logits(attention):
         model(idx[:, :1], kv_cache=cache)
 
 
+def test_kv_cache_keeps_each_layer_in_a_tensor_of_its_own():
+    # Views of one tensor for all layers made a compiled decode step rewrite the whole cache at every
+    # layer (inductor copies an input of which a slice is updated; docs/benchmarks.md, Generation).
+    cfg = tiny()
+    cache = KVCache(cfg, 2, 16, "cpu", torch.float32)
+    storages = {t.untyped_storage().data_ptr() for t in (*cache.k, *cache.v)}
+    assert len(cache.k) == len(cache.v) == cfg.n_layer and len(storages) == 2 * cfg.n_layer
+    assert cache.k[0].shape == (2, cfg.n_head, 16, cfg.n_embd // cfg.n_head)
+
+
 def _loss_and_grads(model, idx, targets):
     model.zero_grad()
     _, loss = model(idx, targets)
