@@ -240,17 +240,18 @@ def test_row_block_linears_equal_f_linear_and_block_only_a_few_rows(shape, bias)
     assert not any("forward" in vars(layer) for layer in layers)  # the class's forward again
 
 
-def test_row_blocks_follow_a_replaced_weight_and_leave_gradients_to_f_linear():
+def test_row_blocks_follow_a_weight_or_bias_moved_and_leave_gradients_to_f_linear():
     torch.manual_seed(0)
     layer, x = torch.nn.Linear(32, 48), torch.randn(2, 32)
     blocks = RowBlockLinears(layer)
     with torch.no_grad(), blocks:
         layer(x)  # the views of the first weights are made
-    layer.weight.data = torch.randn(48, 32)  # new memory, as model.to(...) or a load gives
-    with torch.no_grad(), blocks, AtenOps() as seen:
-        y = layer(x)
-    torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
-    assert "baddbmm" in seen.ops
+    for new_memory in (layer.weight, layer.bias):  # as model.to(...) gives
+        new_memory.data = torch.randn_like(new_memory)
+        with torch.no_grad(), blocks, AtenOps() as seen:
+            y = layer(x)
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias))
+        assert "baddbmm" in seen.ops
     with blocks, AtenOps() as seen:  # gradients on: the blocks are detached views, so F.linear
         layer(x).sum().backward()
     assert "baddbmm" not in seen.ops and layer.weight.grad is not None

@@ -84,7 +84,7 @@ class RowBlockLinears:
     def __enter__(self):
         for module in self.layers:
             forward = self.forwards.get(module)
-            if forward is None or not forward.views(module.weight):
+            if forward is None or not forward.current():
                 # A weight stored transposed (a view of an (in, out) tensor) has no row blocks to view.
                 forward = self.forwards[module] = BlockedLinear(module) if module.weight.is_contiguous() else None
             if forward is not None:
@@ -102,27 +102,31 @@ class BlockedLinear:
     gradients on (or many rows), the layer's own F.linear runs."""
 
     def __init__(self, module: nn.Linear):
-        self.weight, self.bias = module.weight, module.bias
-        self.address = module.weight.data_ptr()
+        self.module = module
+        self.memory = memory_of(module)
         self.out_features, self.in_features = module.weight.shape
         self.blocks = row_blocks(self.out_features)
         weight = module.weight.detach().view(self.blocks, -1, self.in_features)
         self.weight_blocks = weight.transpose(1, 2)  # (blocks, in, out / blocks)
         self.bias_blocks = None if module.bias is None else module.bias.detach().view(self.blocks, 1, -1)
 
-    def views(self, weight: torch.Tensor) -> bool:
-        """Whether this still views `weight` (not a new tensor, nor new memory after `.data =` or `.to()`)."""
-        return weight is self.weight and weight.data_ptr() == self.address
+    def current(self) -> bool:
+        """Whether the views still show the layer's weight and bias (`.data =` or `.to()` gives them new memory)."""
+        return memory_of(self.module) == self.memory
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > RowBlockLinears.MAX_ROWS * self.in_features or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.module.weight, self.module.bias)
         rows = x.reshape(1, -1, self.in_features).expand(self.blocks, -1, -1)  # (blocks, rows, in), not copied
         if self.bias_blocks is None:
             y = torch.bmm(rows, self.weight_blocks)
         else:
             y = torch.baddbmm(self.bias_blocks, rows, self.weight_blocks)
         return y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)  # (blocks, rows, out/blocks) -> (..., out)
+
+
+def memory_of(module: nn.Linear) -> tuple[int, int]:
+    return module.weight.data_ptr(), 0 if module.bias is None else module.bias.data_ptr()
 
 
 def row_blocks(out_features: int) -> int:
