@@ -171,7 +171,7 @@ def test_kv_cache_gives_the_full_forward_logits(attention):
 
 def test_kv_cache_keeps_each_layer_in_a_tensor_of_its_own():
     # Views of one tensor for all layers made a compiled decode step rewrite the whole cache at every
-    # layer (inductor copies an input of which a slice is updated; docs/benchmarks.md, Generation).
+    # layer (so inductor compiled the update of one layer's slice; docs/benchmarks.md, Generation).
     cfg = tiny()
     cache = KVCache(cfg, 2, 16, "cpu", torch.float32)
     storages = {t.untyped_storage().data_ptr() for t in (*cache.k, *cache.v)}

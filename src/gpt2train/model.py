@@ -147,7 +147,7 @@ class KVCache:
         if size > cfg.block_size:
             raise ValueError(f"a KV cache of {size} slots exceeds block_size {cfg.block_size}")
         # A tensor per layer, not one for all: a compiled step that wrote into a layer's slice of one
-        # tensor rewrote the whole tensor at every layer (inductor cannot update a slice of an input in place).
+        # tensor rewrote the whole tensor at every layer (so inductor compiled cache.k[layer].index_copy_).
         shape = (batch_size, cfg.n_head, size, cfg.n_embd // cfg.n_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
