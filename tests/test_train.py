@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -163,6 +164,30 @@ def test_dtype_auto_on_cpu_is_bf16_only_where_native(char_data, monkeypatch, nat
     trainer = Trainer(tiny_config(char_data, dtype="auto"), None)
     assert trainer.runtime.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert not trainer.scaler.is_enabled()  # bf16 needs no loss scaling
+
+
+@pytest.mark.parametrize("capability, flags, native", [
+    ("AVX512", {"avx512f", "avx512_bf16"}, True),  # AMD Zen 4, Intel Cooper Lake
+    ("AVX512", {"avx512f", "amx_bf16"}, True),  # Intel Sapphire Rapids
+    ("AVX512", {"avx512f"}, False),  # Skylake-X: AVX-512 without bf16 products
+    ("AVX2", {"avx512f", "avx512_bf16"}, False),  # ATEN_CPU_CAPABILITY=avx2 on a CPU that has them
+    ("DEFAULT", set(), False),
+])
+def test_native_bf16_is_avx512_with_a_bf16_product_instruction(monkeypatch, capability, flags, native):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    assert runtime.cpu_has_native_bf16() is native
+
+
+def test_cpu_flags_are_read_and_torchs_avx2_setting_makes_auto_fp32():
+    """Any x86-64 Linux lists sse2; ATEN_CPU_CAPABILITY=avx2 (torch's setting) resolves auto as on a CPU with
+    AVX2 alone, whatever this CPU is."""
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert "sse2" in runtime.cpu_flags()
+    code = "from gpt2train.runtime import resolve_dtype; print(resolve_dtype('auto', 'cpu'))"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": str(REPO / "src")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "torch.float32"
 
 
 def test_compile_auto_is_cuda_only():

@@ -85,13 +85,29 @@ def accumulation_steps(cfg: Config, world_size: int) -> int:
     return cfg.train.total_batch_tokens // per_pass
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls in hardware on this CPU (AVX-512 BF16 or AMX). Without it autocast
-    would emulate bf16, many times slower than fp32."""
+# CPU flags of the instructions that compute bf16 products in hardware (Linux's names in /proc/cpuinfo).
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them; empty where /proc/cpuinfo is not there (macOS, Windows)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
-        return "AVX512" in torch.backends.cpu.get_cpu_capability()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls in hardware (AVX-512 BF16 or AMX) and torch may use AVX-512
+    here. Without it autocast would emulate bf16, many times slower than fp32. torch's own setting
+    ATEN_CPU_CAPABILITY=avx2 makes a process run, and resolve `auto`, as on a CPU with AVX2 alone."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    return bool(NATIVE_BF16_FLAGS & cpu_flags())
 
 
 def resolve_dtype(name: str, device_type: str, bf16_supported: bool | None = None) -> torch.dtype:
