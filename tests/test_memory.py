@@ -49,8 +49,14 @@ def test_gpt2_parameter_gradient_and_optimizer_bytes_are_exact():
 
 
 def test_parameter_count_matches_the_model_without_bias():
+    """Written out by hand for C = 48, L = 3, no biases: a block is ln_1 (C) + c_attn (3C^2) + attn c_proj
+    (C^2) + ln_2 (C) + c_fc (4C^2) + mlp c_proj (4C^2) = 27,744; then ln_f (C), the token embedding
+    (333 padded to 384 rows x C, tied with the head) and the positions (40 x C)."""
     m = GPTConfig(n_layer=3, n_head=2, n_embd=48, block_size=40, vocab_size=333, bias=False)
-    assert parameter_count(m) == GPT(m).num_params()
+    by_hand = 3 * 27_744 + 48 + 384 * 48 + 40 * 48
+    assert by_hand == 103_632
+    assert parameter_count(m) == by_hand
+    assert sum(p.numel() for p in GPT(m).parameters()) == by_hand  # the modules themselves (tied: counted once)
 
 
 def test_activations_scale_with_batch_and_states_do_not():

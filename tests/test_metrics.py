@@ -27,7 +27,7 @@ def test_flops_per_token_gpt2_124m_by_hand():
 def test_flops_per_token_counts_every_parameter_but_position_embeddings(bias):
     cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=66, bias=bias)
     model = GPT(cfg)
-    n = model.num_params() - model.transformer.wpe.weight.numel()
+    n = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel()  # the modules' own count
     assert flops_per_token(cfg, 16) == 6 * n + 12 * 3 * 32 * 16
 
 
@@ -40,7 +40,7 @@ def test_mfu_is_tokens_per_second_times_flops_over_peak(char_data, tmp_path):
     rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-2]
     tokens_per_s = 4 * 32 / 0.5
     assert rec["tokens_per_s"] == tokens_per_s
-    assert rec["mfu"] == pytest.approx(tokens_per_s * flops_per_token(trainer.cfg.model, 32) / 1e12, rel=1e-12)
+    assert rec["mfu"] == pytest.approx(tokens_per_s * 201_984 / 1e12, rel=1e-12)  # 6N + 12LCT, written out in the next test
     assert rec["step_ms"] == 500 and rec["loss"] == out["loss"]
 
 
@@ -60,7 +60,10 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
         assert r["mfu"] is None and r["peak_mem_mb"] is None and "compile_ms" not in r
         assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] > 0
     start = next(r for r in records if r["kind"] == "run_start")
-    assert start["flops_per_token"] == flops_per_token(trainer.cfg.model, 32) and start["peak_flops"] is None
+    # 6N + 12 L C T (docs/plan-and-doctor.md) for L = 2, C = 32, T = 32, the 66 characters padded to 128 rows:
+    # N = L (12 C^2 + 13 C) + 2 C (ln_f) + 128 C (the tied head) = 29,568; 6N = 177,408; 12 L C T = 24,576
+    assert trainer.cfg.model.padded_vocab_size == 128
+    assert start["flops_per_token"] == 201_984 and start["peak_flops"] is None
     # what the report shows: hardware and the code's revision, recorded when the run starts
     assert start["hardware"] == {"device": "cpu", "device_name": "cpu", "torch": torch.__version__, "world_size": 1,
                                  "cuda": torch.version.cuda}
