@@ -11,9 +11,9 @@ import torch
 
 import gpt2train.data.loader as loader_module
 import gpt2train.data.prepare as prepare_module
-from conftest import one_line
+from conftest import one_line, run_cli
 from gpt2train.data.loader import DataError, TokenLoader
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepare import load_meta, prepare_shakespeare
 from gpt2train.data.shards import ShardError, write_shard
 from gpt2train.eval.val import ValWindows
 
@@ -322,6 +322,33 @@ def test_a_shard_whose_count_differs_from_meta_is_one_line(tmp_path):
     folder = with_recorded_ids(make_dataset(tmp_path / "d"))
     write_shard(folder / "train_000001.bin", np.arange(60), 1000)  # a valid shard from another prepare
     assert "meta.json records 50" in one_line(ShardError, TokenLoader, folder, "train", 2, T)
+
+
+@pytest.mark.parametrize("mode", ["ram", "memmap"])
+def test_a_shard_changed_after_prepare_fails_on_open_not_at_the_batch_that_reads_it(tmp_path, mode):
+    """Same size, ids still inside the vocabulary: only the checksum prepare recorded tells the change."""
+    folder = tmp_path / "d"
+    prepare_shakespeare(folder, tokenizer="char")
+    shard = folder / "train_000000.bin"
+    TokenLoader(folder, "train", 2, T, mode=mode)  # as prepared: opens
+    body = np.fromfile(shard, dtype="<u2")
+    body[512 + body.size // 2] = (body[512 + body.size // 2] + 1) % 65  # one token in the middle
+    body.tofile(shard)
+    message = one_line(ShardError, TokenLoader, folder, "train", 2, T, mode=mode)
+    assert "train_000000.bin changed after `gpt2train prepare` wrote it" in message and "re-run" in message
+
+
+def test_training_on_a_shard_changed_after_prepare_stops_in_one_line(tmp_path):
+    folder = tmp_path / "d"
+    prepare_shakespeare(folder, tokenizer="char")
+    body = np.fromfile(folder / "val_000000.bin", dtype="<u2")
+    body[-1] = (body[-1] + 1) % 65  # the last val token: no training batch would read it
+    body.tofile(folder / "val_000000.bin")
+    result = run_cli("train", "--config", "shakespeare-cpu", "--set", f"data.dir={folder}", "--set", "train.max_steps=1",
+                     "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+                     "--out", str(tmp_path / "run"))
+    assert result.returncode == 1 and result.stderr.strip().startswith("error: "), result.stderr
+    assert "val_000000.bin changed after `gpt2train prepare`" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
 def test_a_missing_shard_is_one_line(tmp_path):

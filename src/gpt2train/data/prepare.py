@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2train.data.shards import ShardError, open_tokens, out_of_vocab, read_header, write_shard
+from gpt2train.data.shards import ShardError, open_tokens, out_of_vocab, read_header, tokens_crc32, write_shard
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
@@ -91,12 +91,12 @@ def write_split_dataset(out_dir: str | Path, tokenizer, train_docs: list[str], v
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"format": "llmc", "source": source, "tokenizer": tokenizer.spec(), "vocab_size": tokenizer.vocab_size,
-            "eot_id": tokenizer.eot_id, "shards": {}, "shard_tokens": {}, "max_token_id": {}, "tokens": {},
-            "documents": {}, "invalid_utf8_replacements": 0}
+            "eot_id": tokenizer.eot_id, "shards": {}, "shard_tokens": {}, "max_token_id": {}, "shard_crc32": {},
+            "tokens": {}, "documents": {}, "invalid_utf8_replacements": 0}
     for split, docs in (("train", train_docs), ("val", val_docs)):
         tokens = tokenize_documents(tokenizer, docs)
         name = f"{split}_000000.bin"
-        write_shard(out / name, tokens, tokenizer.vocab_size)
+        meta["shard_crc32"][split] = [write_shard(out / name, tokens, tokenizer.vocab_size)]
         meta["shards"][split] = [name]
         meta["shard_tokens"][split] = [int(tokens.size)]
         meta["max_token_id"][split] = [max_token_id(tokens)]
@@ -222,11 +222,14 @@ class SplitWriter:
 
     def __init__(self, split: str, folder: Path, shard_tokens: int, vocab_size: int, state: dict | None = None):
         self.split, self.folder, self.shard_tokens, self.vocab_size = split, folder, shard_tokens, vocab_size
-        state = state or {"shards": [], "counts": [], "max_ids": [], "marker": [0, 0], "closed": False}
+        state = state or {"shards": [], "counts": [], "max_ids": [], "crcs": [], "marker": [0, 0], "closed": False}
         self.shards, self.counts = list(state["shards"]), list(state["counts"])
-        self.max_ids = list(state.get("max_ids") or [])
-        if len(self.max_ids) != len(self.shards):  # a state saved before max ids were recorded: read them once
-            self.max_ids = [max_token_id(open_tokens(folder / name)) for name in self.shards]
+        self.max_ids, self.crcs = list(state.get("max_ids") or []), list(state.get("crcs") or [])
+        if len(self.max_ids) != len(self.shards) or len(self.crcs) != len(self.shards):
+            # a state saved before these were recorded: read the written shards once
+            written = [open_tokens(folder / name) for name in self.shards]
+            self.max_ids = [max_token_id(tokens) for tokens in written]
+            self.crcs = [tokens_crc32(tokens) for tokens in written]
         self.marker, self.closed = tuple(state["marker"]), state["closed"]
         self.parts: list[np.ndarray] = []
         self.docs: list[np.ndarray] = []  # per buffered document: index, first buffered offset, buffered length
@@ -236,7 +239,7 @@ class SplitWriter:
         marker = self._first_buffered() if self.buffered else (next_doc, 0)
         if self.closed:
             marker = (sys.maxsize, 0)
-        return {"shards": self.shards, "counts": self.counts, "max_ids": self.max_ids,
+        return {"shards": self.shards, "counts": self.counts, "max_ids": self.max_ids, "crcs": self.crcs,
                 "marker": list(map(int, marker)), "closed": self.closed}
 
     def _first_buffered(self) -> tuple[int, int]:
@@ -262,7 +265,7 @@ class SplitWriter:
         tokens = np.concatenate(self.parts) if len(self.parts) != 1 else self.parts[0]
         docs = np.concatenate(self.docs, axis=1)
         name = f"{self.split}_{len(self.shards):06d}.bin"
-        write_shard(self.folder / name, tokens[:n], self.vocab_size)
+        self.crcs.append(write_shard(self.folder / name, tokens[:n], self.vocab_size))
         self.shards.append(name)
         self.counts.append(int(n))
         self.max_ids.append(max_token_id(tokens[:n]))
@@ -407,6 +410,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
             "eot_id": tok.eot_id, "tokens": tokens, "shards": {s: w.shards for s, w in writers.items()},
             "shard_tokens": {s: w.counts for s, w in writers.items()},
             "max_token_id": {s: w.max_ids for s, w in writers.items()},
+            "shard_crc32": {s: w.crcs for s, w in writers.items()},
             "documents": {"train": n_docs - n_val_docs, "val": n_val_docs},
             "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
     install(staging, out, meta)
@@ -582,9 +586,11 @@ def split_paths(data_dir: str | Path, meta: dict, split: str) -> list[Path]:
 def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None = None,
                in_memory: bool = False) -> list[np.ndarray]:
     """The tokens of each shard. Each header is checked (magic, version, size); its token count must equal the
-    count meta.json recorded, and the largest id recorded at prepare time must be below vocab_size, so that a
-    model too small for the data fails before training starts. Shards without recorded ids (other tools, older
-    prepares) are not scanned (gigabytes); readers check every batch as they read it (check_ids_below)."""
+    count meta.json recorded, its checksum the one recorded (one read of every shard: a file changed after
+    prepare fails here, not at the batch that happens to read the change), and the largest id recorded at
+    prepare time must be below vocab_size, so that a model too small for the data fails before training starts.
+    Shards without recorded checksums or ids (other tools, older prepares) are only structurally checked;
+    readers check every batch's ids as they read it (check_ids_below)."""
     fmt = meta.get("format", "llmc")
     shards = [open_tokens(p, fmt, in_memory=in_memory) for p in paths]
     counts = (meta.get("shard_tokens") or {}).get(split)
@@ -593,6 +599,12 @@ def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None
             if len(tokens) != count:
                 raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
                                  f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
+    crcs = (meta.get("shard_crc32") or {}).get(split)
+    if isinstance(crcs, list) and len(crcs) == len(shards):
+        for path, tokens, crc in zip(paths, shards, crcs):
+            if tokens_crc32(tokens) != crc:
+                raise ShardError(f"{path} changed after `gpt2train prepare` wrote it (its checksum is not the one "
+                                 f"meta.json records): re-run `gpt2train prepare` for this folder, or restore the file")
     max_ids = (meta.get("max_token_id") or {}).get(split)
     if vocab_size is not None and isinstance(max_ids, list) and len(max_ids) == len(shards):
         for path, highest in zip(paths, max_ids):

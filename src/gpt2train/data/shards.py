@@ -13,6 +13,7 @@ Two headerless layouts from other projects are read too (`open_tokens`): nanoGPT
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
-def write_shard(path: str | Path, tokens, vocab_size: int) -> None:
-    """Write tokens (ids < vocab_size) as one shard, atomically."""
+def tokens_crc32(tokens: np.ndarray, chunk: int = 1 << 25) -> int:
+    """CRC-32 of the tokens' bytes as stored (little-endian), read a chunk at a time so a memory-mapped shard is
+    never copied whole. prepare records it per shard; opening compares it, so a shard changed on disk is found
+    before training, not when (if ever) a batch reads the changed part."""
+    crc = 0
+    for start in range(0, tokens.size, chunk):
+        crc = zlib.crc32(np.ascontiguousarray(tokens[start:start + chunk]).view(np.uint8), crc)
+    return crc
+
+
+def write_shard(path: str | Path, tokens, vocab_size: int) -> int:
+    """Write tokens (ids < vocab_size) as one shard, atomically; returns its tokens_crc32."""
     path = Path(path)
     dtype = token_dtype(vocab_size)
     tokens = np.asarray(tokens)
@@ -64,12 +75,14 @@ def write_shard(path: str | Path, tokens, vocab_size: int) -> None:
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (magic, FORMATS[magic][0], tokens.size)
     tmp = path.with_name(path.name + ".tmp")
+    stored = tokens.astype(dtype, copy=False)
     with open(tmp, "wb") as f:
         f.write(header.tobytes())
-        f.write(tokens.astype(dtype, copy=False).tobytes())
+        f.write(stored.tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return tokens_crc32(stored)
 
 
 def read_header(path: str | Path) -> tuple[np.dtype, int]:
