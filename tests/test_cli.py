@@ -133,10 +133,12 @@ def test_an_internal_error_is_one_line_that_names_it_and_points_to_debug(monkeyp
 
 
 def test_the_error_line_comes_after_the_progress_bar_is_closed(monkeypatch, capsys):
-    from tqdm import tqdm
+    from gpt2train import progress
+
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
 
     def fails_mid_bar(args):
-        bar = tqdm(total=10, desc="tokenizing", file=sys.stderr)  # left open, as an exception leaves a bar
+        bar = progress.show_progress(total=10, desc="tokenizing")  # left open, as an exception leaves a bar
         bar.update(3)
         raise OSError("disk full")
 

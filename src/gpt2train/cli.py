@@ -578,11 +578,10 @@ def error_line(e: Exception) -> str:
 
 
 def close_progress_bars():
-    """Close the tqdm bars an exception left open (tqdm keeps a set of the open ones), so that each ends its
-    line before the error is printed."""
-    tqdm = sys.modules.get("tqdm")
-    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
-        bar.close()
+    """Close the progress bars an exception left open, so that each ends its line before the error is printed."""
+    from gpt2train.progress import close_open_bars
+
+    close_open_bars()
 
 
 if __name__ == "__main__":
