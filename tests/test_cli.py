@@ -192,3 +192,94 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_
     capsys.readouterr()
     assert cli.main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "0", "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: character '0' is not in this char tokenizer's vocabulary"]
+
+
+# --- defaults said (issue 30) ---------------------------------------------------------------------------------
+def _all_parsers(parser, command=()):
+    """(command words, parser) for the parser and every subcommand's, at any depth."""
+    yield command, parser
+    for action in parser._actions:  # argparse keeps no public list of a parser's subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, (*command, name))
+
+
+def _help_of(help_text: str, first_word: str) -> str:
+    """One argument's entry in a parser's --help: its line and the lines indented under it, on one line."""
+    lines = help_text.splitlines()
+    for i, line in enumerate(lines):
+        words = line.split()
+        if line.startswith("  ") and not line.startswith("   ") and words and words[0].rstrip(",") == first_word:
+            entry = line.strip()
+            for more in lines[i + 1:]:
+                if not more.startswith("   "):
+                    break
+                joint = "" if entry.endswith("-") else " "  # argparse may wrap a line after a hyphen
+                entry += joint + more.strip()
+            return " ".join(entry.split())
+    raise AssertionError(f"{first_word} is not in:\n{help_text}")
+
+
+def test_every_argument_says_what_it_does_and_its_default():
+    """Found walking the first hour: `sample --help` showed none of its defaults, --max-new-tokens had no help."""
+    missing = []
+    for command, parser in _all_parsers(cli.build_parser()):
+        help_text = parser.format_help()
+        for action in parser._actions:
+            # A flag's default is off; --debug on subcommands is hidden; subcommands are walked on their own.
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            name = action.option_strings[0] if action.option_strings else (action.metavar or action.dest)
+            entry = _help_of(help_text, name)
+            said = entry.split(None, 1 + (action.nargs != 0 and bool(action.option_strings)))[-1]
+            if not action.help:
+                missing.append(f"{' '.join(command)} {name}: no help")
+            elif action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS) \
+                    and f"default {'empty' if action.default == '' else action.default}" not in said:
+                missing.append(f"{' '.join(command)} {name}: default {action.default!r} not said in {said!r}")
+    assert missing == []
+
+
+def test_sample_help_says_its_defaults():
+    help_text = run_cli("sample", "--help").stdout
+    for option, default in [("--max-new-tokens", "200"), ("--temperature", "0.8"), ("--top-k", "200"),
+                            ("--seed", "1337")]:
+        assert f"default {default}" in _help_of(help_text, option), option
+
+
+def test_every_dtype_auto_says_the_one_rule_that_runs():
+    """Found walking the first hour: `eval --help` said auto is fp32 on a CPU, where it ran bfloat16."""
+    dtype_helps = [_help_of(parser.format_help(), "--dtype") for command, parser in _all_parsers(cli.build_parser())
+                   if "--dtype" in parser.format_help() and "auto" in _help_of(parser.format_help(), "--dtype")]
+    assert len(dtype_helps) == 3  # sample, eval, bench generate
+    rule = " ".join(cli.AUTO_DTYPE_HELP.split())
+    assert all(rule in entry for entry in dtype_helps), dtype_helps
+    assert "bf16 on CPUs with native bf16, else fp32" in rule
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_dtype_rule_is_what_resolve_dtype_does_on_each_cpu_kind(native, monkeypatch):
+    import torch
+
+    from gpt2train import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native)
+    assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert runtime.resolve_dtype("auto", "cuda", bf16_supported=True) == torch.bfloat16
+    assert runtime.resolve_dtype("auto", "cuda", bf16_supported=False) == torch.float16
+
+
+def test_bench_model_names_are_the_model_tables_in_help_and_readme():
+    """Found walking the first hour: bench --model took gpt2-tiny and gpt2-mini, which no help named."""
+    from gpt2train.model import PRESETS
+
+    for bench in ("journey", "generate"):
+        entry = _help_of(run_cli("bench", bench, "--help").stdout, "--model")
+        assert all(name in entry.replace(",", " ").split() for name in PRESETS), entry
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `gpt2train bench journey")
+            or line.startswith("| `gpt2train bench generate")]
+    assert len(rows) == 2, rows
+    for row in rows:
+        named = row.split("[--model ", 1)[1].split("]", 1)[0]
+        assert named.split("\\|") == list(PRESETS), row
