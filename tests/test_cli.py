@@ -283,3 +283,18 @@ def test_bench_model_names_are_the_model_tables_in_help_and_readme():
     for row in rows:
         named = row.split("[--model ", 1)[1].split("]", 1)[0]
         assert named.split("\\|") == list(PRESETS), row
+
+
+def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, capsys, tmp_path):
+    """Found walking the first hour: `train` with no --config trained GPT-2 124M (25 s a step on a CPU) silently."""
+    from gpt2train.train import loop
+
+    monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=None: {"step": 0, "reason": "faked",
+                                                                           "best_val_loss": float("nan")})
+    assert cli.main(["train", "--out", str(tmp_path / "r")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("no --config: training the built-in defaults, a GPT-2 of 124.48M parameters "
+                            "(12 layers x 768, context 1024) for 1,000 steps on data/shakespeare"), first
+    assert "--config shakespeare-cpu" in first
+    assert cli.main(["train", "--config", "shakespeare-cpu", "--out", str(tmp_path / "s")]) == 0
+    assert "no --config" not in capsys.readouterr().out

@@ -122,6 +122,8 @@ def cmd_train(args) -> int:
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
+    if args.config is None and os.environ.get("RANK", "0") == "0":
+        print(no_config_line(cfg), flush=True)
     run_dir = args.out or default_run_dir(args.config)
     out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
@@ -129,6 +131,21 @@ def cmd_train(args) -> int:
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
           f"run directory {run_dir}")
     return 0
+
+
+def no_config_line(cfg) -> str:
+    """What `train` without --config trains: the built-in defaults, a GPT-2 124M, slow on a CPU; said first."""
+    from dataclasses import replace
+
+    from gpt2train.model import parameter_count
+    from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+    from gpt2train.units import format_count
+
+    m, t = cfg.model, cfg.train
+    params = parameter_count(replace(m, vocab_size=m.vocab_size or GPT2_VOCAB_SIZE))
+    return (f"no --config: training the built-in defaults, a GPT-2 of {format_count(params)} parameters "
+            f"({m.n_layer} layers x {m.n_embd}, context {m.block_size}) for {t.max_steps:,} steps on {cfg.data.dir} "
+            "(`gpt2train config show`); on a CPU try --config shakespeare-cpu (`gpt2train config list`)")
 
 
 def default_run_dir(config: str | None) -> Path:
