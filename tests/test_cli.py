@@ -298,3 +298,39 @@ def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, c
     assert "--config shakespeare-cpu" in first
     assert cli.main(["train", "--config", "shakespeare-cpu", "--out", str(tmp_path / "s")]) == 0
     assert "no --config" not in capsys.readouterr().out
+
+
+# --- output fit for a log (issue 30) ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(char_data, tmp_path_factory):
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    run = tmp_path_factory.mktemp("tiny_run") / "run"
+    train(tiny_config(char_data, max_steps=1), run)  # block_size 32
+    return run
+
+
+@pytest.mark.parametrize("samples", ["1", "2"])
+def test_sample_text_ends_with_a_newline(tiny_run, capsys, samples):
+    """Found walking the first hour: the sample ended without one, so the shell prompt followed the text."""
+    capsys.readouterr()
+    assert cli.main(["sample", "--ckpt", str(tiny_run), "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                     "--num-samples", samples, "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ROMEO:" if samples == "1" else "--- sample 1 of 2\nROMEO:") and out.out.endswith("\n")
+    assert out.err.splitlines()[-2].startswith("--- ")  # the tokens/s line, with no blank line before it
+
+
+def test_a_cropped_prompt_is_one_warning_line_in_our_words(tiny_run, capsys):
+    """Found walking the first hour: a long prompt printed Python's raw UserWarning with its source line."""
+    import warnings
+
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Python warning would fail the command
+        assert cli.main(["sample", "--ckpt", str(tiny_run), "--prompt", "ROMEO " * 8, "--max-new-tokens", "4",
+                         "--device", "cpu"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "warning: the prompt's 48 tokens are cropped to its last 32 (the model's context)" in err, err
+    assert not any("UserWarning" in line or "warnings.warn" in line for line in err)

@@ -168,6 +168,7 @@ def cmd_sample(args) -> int:
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
     print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
+    ids = cropped_to_context(ids, model.config.block_size)
     decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
                    seed=args.seed, decoder=decoder)
@@ -179,17 +180,26 @@ def cmd_sample(args) -> int:
             n += 1
             if token != tok.eot_id:
                 print(text.push(token), end="", flush=True)
-        print(text.flush(), end="", flush=True)
+        print(text.flush(), flush=True)  # the text ends its line, like all our output
     else:  # several: one batch, printed when all are done
         samples = generate_batch(model, [ids] * args.num_samples, args.max_new_tokens, **options)
         for i, new in enumerate(samples):
             n += len(new)
-            print(("\n" if i else "") + f"--- sample {i + 1} of {args.num_samples}", flush=True)
-            print(prompt + tok.decode([t for t in new if t != tok.eot_id]), end="", flush=True)
+            print(f"--- sample {i + 1} of {args.num_samples}", flush=True)
+            print(prompt + tok.decode([t for t in new if t != tok.eot_id]), flush=True)
     elapsed = time.perf_counter() - start
-    print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    print(f"--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
     print(decoder.describe(args.num_samples), file=sys.stderr)
     return 0
+
+
+def cropped_to_context(ids: list[int], context: int) -> list[int]:
+    """The prompt's last `context` tokens, saying so on stderr when that drops some: the model sees no more."""
+    if len(ids) <= context:
+        return ids
+    print(f"warning: the prompt's {len(ids)} tokens are cropped to its last {context} (the model's context)",
+          file=sys.stderr)
+    return ids[-context:]
 
 
 def cmd_import_hf(args) -> int:
