@@ -44,7 +44,7 @@ def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--model", "gpt3"], "unknown model preset 'gpt3'"),
+    (["--model", "gpt3"], "argument --model: invalid choice: 'gpt3' (choose from 'gpt2', "),
     (["--batch-sizes", "1,x"], "'x' is not an integer"),
     (["--batch-sizes", "0"], "0 is out of range"),
     (["--prompt-tokens", "-1"], "-1 is out of range"),

@@ -133,10 +133,12 @@ def test_an_internal_error_is_one_line_that_names_it_and_points_to_debug(monkeyp
 
 
 def test_the_error_line_comes_after_the_progress_bar_is_closed(monkeypatch, capsys):
-    from tqdm import tqdm
+    from gpt2train import progress
+
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
 
     def fails_mid_bar(args):
-        bar = tqdm(total=10, desc="tokenizing", file=sys.stderr)  # left open, as an exception leaves a bar
+        bar = progress.show_progress(total=10, desc="tokenizing")  # left open, as an exception leaves a bar
         bar.update(3)
         raise OSError("disk full")
 
@@ -190,3 +192,145 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_
     capsys.readouterr()
     assert cli.main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "0", "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: character '0' is not in this char tokenizer's vocabulary"]
+
+
+# --- defaults said (issue 30) ---------------------------------------------------------------------------------
+def _all_parsers(parser, command=()):
+    """(command words, parser) for the parser and every subcommand's, at any depth."""
+    yield command, parser
+    for action in parser._actions:  # argparse keeps no public list of a parser's subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, (*command, name))
+
+
+def _help_of(help_text: str, first_word: str) -> str:
+    """One argument's entry in a parser's --help: its line and the lines indented under it, on one line."""
+    lines = help_text.splitlines()
+    for i, line in enumerate(lines):
+        words = line.split()
+        if line.startswith("  ") and not line.startswith("   ") and words and words[0].rstrip(",") == first_word:
+            entry = line.strip()
+            for more in lines[i + 1:]:
+                if not more.startswith("   "):
+                    break
+                joint = "" if entry.endswith("-") else " "  # argparse may wrap a line after a hyphen
+                entry += joint + more.strip()
+            return " ".join(entry.split())
+    raise AssertionError(f"{first_word} is not in:\n{help_text}")
+
+
+def test_every_argument_says_what_it_does_and_its_default():
+    """Found walking the first hour: `sample --help` showed none of its defaults, --max-new-tokens had no help."""
+    missing = []
+    for command, parser in _all_parsers(cli.build_parser()):
+        help_text = parser.format_help()
+        for action in parser._actions:
+            # A flag's default is off; --debug on subcommands is hidden; subcommands are walked on their own.
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            name = action.option_strings[0] if action.option_strings else (action.metavar or action.dest)
+            entry = _help_of(help_text, name)
+            said = entry.split(None, 1 + (action.nargs != 0 and bool(action.option_strings)))[-1]
+            if not action.help:
+                missing.append(f"{' '.join(command)} {name}: no help")
+            elif action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS) \
+                    and f"default {'empty' if action.default == '' else action.default}" not in said:
+                missing.append(f"{' '.join(command)} {name}: default {action.default!r} not said in {said!r}")
+    assert missing == []
+
+
+def test_sample_help_says_its_defaults():
+    help_text = run_cli("sample", "--help").stdout
+    for option, default in [("--max-new-tokens", "200"), ("--temperature", "0.8"), ("--top-k", "200"),
+                            ("--seed", "1337")]:
+        assert f"default {default}" in _help_of(help_text, option), option
+
+
+def test_every_dtype_auto_says_the_one_rule_that_runs():
+    """Found walking the first hour: `eval --help` said auto is fp32 on a CPU, where it ran bfloat16."""
+    dtype_helps = [_help_of(parser.format_help(), "--dtype") for command, parser in _all_parsers(cli.build_parser())
+                   if "--dtype" in parser.format_help() and "auto" in _help_of(parser.format_help(), "--dtype")]
+    assert len(dtype_helps) == 3  # sample, eval, bench generate
+    rule = " ".join(cli.AUTO_DTYPE_HELP.split())
+    assert all(rule in entry for entry in dtype_helps), dtype_helps
+    assert "bf16 on CPUs with native bf16, else fp32" in rule
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_dtype_rule_is_what_resolve_dtype_does_on_each_cpu_kind(native, monkeypatch):
+    import torch
+
+    from gpt2train import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: native)
+    assert runtime.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert runtime.resolve_dtype("auto", "cuda", bf16_supported=True) == torch.bfloat16
+    assert runtime.resolve_dtype("auto", "cuda", bf16_supported=False) == torch.float16
+
+
+def test_bench_model_names_are_the_model_tables_in_help_and_readme():
+    """Found walking the first hour: bench --model took gpt2-tiny and gpt2-mini, which no help named."""
+    from gpt2train.model import PRESETS
+
+    for bench in ("journey", "generate"):
+        entry = _help_of(run_cli("bench", bench, "--help").stdout, "--model")
+        assert all(name in entry.replace(",", " ").split() for name in PRESETS), entry
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `gpt2train bench journey")
+            or line.startswith("| `gpt2train bench generate")]
+    assert len(rows) == 2, rows
+    for row in rows:
+        named = row.split("[--model ", 1)[1].split("]", 1)[0]
+        assert named.split("\\|") == list(PRESETS), row
+
+
+def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, capsys, tmp_path):
+    """Found walking the first hour: `train` with no --config trained GPT-2 124M (25 s a step on a CPU) silently."""
+    from gpt2train.train import loop
+
+    monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=None: {"step": 0, "reason": "faked",
+                                                                           "best_val_loss": float("nan")})
+    assert cli.main(["train", "--out", str(tmp_path / "r")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("no --config: training the built-in defaults, a GPT-2 of 124.48M parameters "
+                            "(12 layers x 768, context 1024) for 1,000 steps on data/shakespeare"), first
+    assert "--config shakespeare-cpu" in first
+    assert cli.main(["train", "--config", "shakespeare-cpu", "--out", str(tmp_path / "s")]) == 0
+    assert "no --config" not in capsys.readouterr().out
+
+
+# --- output fit for a log (issue 30) ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(char_data, tmp_path_factory):
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    run = tmp_path_factory.mktemp("tiny_run") / "run"
+    train(tiny_config(char_data, max_steps=1), run)  # block_size 32
+    return run
+
+
+@pytest.mark.parametrize("samples", ["1", "2"])
+def test_sample_text_ends_with_a_newline(tiny_run, capsys, samples):
+    """Found walking the first hour: the sample ended without one, so the shell prompt followed the text."""
+    capsys.readouterr()
+    assert cli.main(["sample", "--ckpt", str(tiny_run), "--prompt", "ROMEO:", "--max-new-tokens", "8",
+                     "--num-samples", samples, "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("ROMEO:" if samples == "1" else "--- sample 1 of 2\nROMEO:") and out.out.endswith("\n")
+    assert out.err.splitlines()[-2].startswith("--- ")  # the tokens/s line, with no blank line before it
+
+
+def test_a_cropped_prompt_is_one_warning_line_in_our_words(tiny_run, capsys):
+    """Found walking the first hour: a long prompt printed Python's raw UserWarning with its source line."""
+    import warnings
+
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Python warning would fail the command
+        assert cli.main(["sample", "--ckpt", str(tiny_run), "--prompt", "ROMEO " * 8, "--max-new-tokens", "4",
+                         "--device", "cpu"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "warning: the prompt's 48 tokens are cropped to its last 32 (the model's context)" in err, err
+    assert not any("UserWarning" in line or "warnings.warn" in line for line in err)

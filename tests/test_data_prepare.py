@@ -459,15 +459,19 @@ def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
 
 
-def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_path, capsys):
+@pytest.mark.parametrize("terminal", [True, False])
+def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_path, capsys, monkeypatch, terminal):
     """Found by tests/test_properties_files.py: the bar was left open, so `error:` followed it on its line and
-    the bar was redrawn after it."""
+    the bar was redrawn after it. Without a terminal, the progress line ends before the error's."""
+    from gpt2train import progress
     from gpt2train.cli import main
 
+    monkeypatch.setattr(progress, "on_terminal", lambda: terminal)
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
     assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("\r") and "\nerror: " in err and err.endswith("fix or remove that line\n"), err
+    assert err.startswith("\r" if terminal else "tokenizing: ") and "\nerror: " in err, err
+    assert err.endswith("fix or remove that line\n") and ("\r" in err) == terminal, err
 
 
 @pytest.mark.parametrize("damaged", ["[]", '{"shards": [1, 2]}', '{"shards": {"train": [7, null]}}'])

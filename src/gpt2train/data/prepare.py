@@ -27,6 +27,7 @@ import numpy as np
 
 from gpt2train.data.shards import ShardError, open_tokens, out_of_vocab, read_header, tokens_crc32, write_shard
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
+from gpt2train.progress import show_progress
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -424,8 +425,6 @@ def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, 
                  state_path: Path, stop_after_shards: int | None) -> tuple[int, int]:
     """Stream documents through the workers into the split writers; returns (documents, val documents).
     Documents before `resume_from` are only counted."""
-    from tqdm import tqdm
-
     work = chunks(reader, resume_from)
     starts: deque = deque()
 
@@ -437,7 +436,7 @@ def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, 
     n_docs = n_val = 0
     t0, total_tokens = time.perf_counter(), 0
     # closed on any exit: an error line must start a line of its own, not follow the bar
-    with tqdm(unit=" docs", unit_scale=True, disable=not progress, file=sys.stderr, desc="tokenizing") as bar:
+    with show_progress(desc="tokenizing", unit=" docs", unit_scale=True, enabled=progress) as bar:
         for tokens, lengths in ordered_map(tokenize_chunk, texts_only(), workers, tok):
             first = starts.popleft()
             is_val = rule.assign(first, lengths)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
+from gpt2train.progress import show_progress
 from gpt2train.tokenizer import package_file
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -222,7 +222,7 @@ def evaluate_hellaswag(model: torch.nn.Module, tokenizer, examples: list[Example
     block_size = model.config.block_size
     correct = correct_norm = n = 0
     batches = rank_batches(len(examples), batch_size)
-    bar = tqdm(batches, desc="hellaswag", unit="batch", disable=not progress or rank_and_world()[0] != 0)
+    bar = show_progress(batches, desc="hellaswag", unit="batch", enabled=progress and rank_and_world()[0] == 0)
     for ids in bar:
         if len(ids) == 0:
             idle_forward(model, device)

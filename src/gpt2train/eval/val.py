@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta, open_split, split_paths
 from gpt2train.data.shards import check_ids_below
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
+from gpt2train.progress import show_progress
 
 
 class ValWindows:
@@ -95,7 +95,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
         source.reset()
         seq_len = source.T
         n = batches or max(1, int(source.cum_starts[-1]) // (source.B * source.world_size))
-        for _ in tqdm(range(n), desc="val", unit="batch", disable=not progress or rank_and_world()[0] != 0):
+        for _ in show_progress(range(n), desc="val", unit="batch", enabled=progress and rank_and_world()[0] == 0):
             x, y = source.next_batch()
             total += summed_loss(model, x, y, autocast)
             n_bytes += bytes_of[y].sum() if bytes_of is not None else 0
@@ -104,8 +104,8 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
         seq_len = seq_len or model.config.block_size
         data = ValWindows(source, seq_len, vocab_size=model.config.vocab_size)
         ids = data.spread(windows or batches * batch_size)
-        for rows in tqdm(rank_batches(len(ids), batch_size), desc="val", unit="batch",
-                         disable=not progress or rank_and_world()[0] != 0):
+        for rows in show_progress(rank_batches(len(ids), batch_size), desc="val", unit="batch",
+                                enabled=progress and rank_and_world()[0] == 0):
             if len(rows) == 0:
                 idle_forward(model, device)
                 continue

@@ -7,7 +7,6 @@ Only rank 0 prints and writes; on the other ranks every call is a no-op.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 import gpt2train
 from gpt2train.config import Config, to_dict
+from gpt2train.progress import on_terminal, terminal_bar
 from gpt2train.runlog import MetricsLogger
 from gpt2train.units import format_count, format_duration
 
@@ -86,12 +86,10 @@ class Console:
         self.open_bar(step)
 
     def open_bar(self, step: int):
+        """On a terminal (or with log.progress = "bar") a bar; otherwise the step lines are the progress."""
         mode = self.cfg.log.progress
-        if not self.is_main or mode == "lines" or (mode == "auto" and not sys.stderr.isatty()):
-            return
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.cfg.train.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        if self.is_main and (mode == "bar" or (mode == "auto" and on_terminal())):
+            self.bar = terminal_bar(total=self.cfg.train.max_steps, initial=step, desc="train", unit="step")
 
     def redo_from(self, step: int):
         """Training goes back to redo `step` and on (a rollback): the TensorBoard mirror hides those steps."""
