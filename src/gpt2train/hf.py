@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runtime import DTYPES
@@ -213,6 +213,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     the stored tensors' (bfloat16 / float16 halve the files, as the Hub's larger checkpoints are shared)."""
     if dtype not in DTYPES:
         raise HFConversionError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    from gpt2train.checkpoint import save_safetensors
     from gpt2train.distributed import unwrap
 
     cfg: GPTConfig = unwrap(model).config
@@ -225,7 +226,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     out.mkdir(parents=True, exist_ok=True)
     eot_id = _eot_id(cfg, tokenizer_spec)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
     if tokenizer_spec and tokenizer_spec.get("kind") == "gpt2":
