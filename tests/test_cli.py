@@ -190,3 +190,37 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_
     capsys.readouterr()
     assert cli.main(["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "0", "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == ["error: character '0' is not in this char tokenizer's vocabulary"]
+
+
+def test_a_warning_is_one_line_in_our_words_without_pythons_source_line(char_data, tmp_path):
+    from conftest import tiny_config
+    from gpt2train.train.loop import train
+
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")  # block_size 32
+    prompt = "ROMEO: " * 8  # 56 characters: cropped to the model's context, which warns
+    r = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", prompt, "--max-new-tokens", "4",
+                "--device", "cpu", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "cropped" in line]
+    assert warned == ["warning: prompt of 56 tokens cropped to its last 32 (the model's context)"], r.stderr
+    assert "Warning" not in r.stderr and ".py:" not in r.stderr and "warnings.warn" not in r.stderr, r.stderr
+
+
+def test_a_warning_under_a_progress_bar_is_one_line_of_its_own(monkeypatch, capsys):
+    import warnings
+
+    from tqdm import tqdm
+
+    def warns_mid_bar(args):
+        with tqdm(total=10, desc="tokenizing", file=sys.stderr) as bar:
+            bar.update(3)
+            warnings.warn("a message\n  over two lines", UserWarning, stacklevel=1)
+            bar.update(7)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_config_list", warns_mid_bar)
+    shown = warnings.showwarning
+    assert cli.main(["config", "list"]) == 0
+    assert warnings.showwarning is shown  # put back when the command ends
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "warning: a message over two lines" in lines and not any("UserWarning" in line for line in lines)
