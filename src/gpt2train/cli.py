@@ -178,10 +178,12 @@ def cmd_sample(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from gpt2train.hf import import_hf_to_run
+    from gpt2train.checkpoint import read_meta
+    from gpt2train.hf import describe_tokenizer, import_hf_to_run
 
     ckpt = import_hf_to_run(args.source, args.out)
-    print(f"imported {args.source} into {ckpt}; try `gpt2train sample --ckpt {args.out}`")
+    tokenizer = describe_tokenizer(read_meta(ckpt)["tokenizer"])
+    print(f"imported {args.source} into {ckpt} (tokenizer: {tokenizer}); try `gpt2train sample --ckpt {args.out}`")
     return 0
 
 
