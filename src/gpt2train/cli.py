@@ -114,7 +114,9 @@ def cmd_tokenizer_train(args) -> int:
 
     reader = DocumentReader(args.files, text_field=args.text_field)
     tok = train_bpe(reader, args.vocab_size, args.out)
-    print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}, <|endoftext|> = {tok.eot_id}; "
+    short = (f" (asked {args.vocab_size:,}: the corpus has no more merges to learn)"
+             if tok.vocab_size < args.vocab_size else "")
+    print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}{short}, <|endoftext|> = {tok.eot_id}; "
           f"use it with `gpt2train prepare files ... --tokenizer bpe:{args.out}`")
     return 0
 
