@@ -3,6 +3,7 @@ usable, `ckpt inspect`, and sharded (DCP) checkpoints of FSDP runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -175,6 +176,32 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     (damaged / "meta.json").write_text('{"step": 10, "conf')
     r = run_cli("ckpt", "inspect", str(damaged), env=env)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
+
+
+@contextlib.contextmanager
+def process_umask(mask: int):
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_file_of_a_run_and_its_export_is_as_readable_as_the_umask_allows(gpt2_data, tmp_path, umask):
+    """safetensors writes through a temporary file created 0600: the weights must still get the mode any file
+    created under the umask gets (0644 under umask 022), like meta.json, state.pt and the rest."""
+    from gpt2train.hf import export_hf
+
+    with process_umask(umask):
+        train(tiny_config(gpt2_data, max_steps=5), tmp_path / "run")
+        model, _, meta = C.load_model(tmp_path / "run")
+        export_hf(model, tmp_path / "hf", tokenizer_spec=meta["tokenizer"])
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert {"run/checkpoints/step_00000005/model.safetensors", "run/checkpoints/step_00000005/meta.json",
+            "run/checkpoints/best/model.safetensors", "hf/model.safetensors", "hf/config.json",
+            "hf/vocab.json"} <= modes.keys()
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
 
 
 @pytest.mark.slow

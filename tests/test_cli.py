@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -334,3 +336,34 @@ def test_a_cropped_prompt_is_one_warning_line_in_our_words(tiny_run, capsys):
     err = capsys.readouterr().err.splitlines()
     assert "warning: the prompt's 48 tokens are cropped to its last 32 (the model's context)" in err, err
     assert not any("UserWarning" in line or "warnings.warn" in line for line in err)
+
+
+def test_a_warning_is_one_line_in_our_words_without_pythons_source_line():
+    """A real process's stderr: a library warning raised while a command runs prints as `warning: ...` alone."""
+    code = ("import sys, warnings; from gpt2train import cli; "
+            "cli.cmd_config_list = lambda args: warnings.warn('compiled decode failed,\\n  decoding eagerly') or 0; "
+            "sys.exit(cli.main(['config', 'list']))")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["warning: compiled decode failed, decoding eagerly"], r.stderr
+
+
+def test_a_warning_under_a_progress_bar_is_one_line_of_its_own(monkeypatch, capsys):
+    import warnings
+
+    from tqdm import tqdm
+
+    def warns_mid_bar(args):
+        with tqdm(total=10, desc="tokenizing", file=sys.stderr) as bar:
+            bar.update(3)
+            warnings.warn("a message\n  over two lines", UserWarning, stacklevel=1)
+            bar.update(7)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_config_list", warns_mid_bar)
+    shown = warnings.showwarning
+    assert cli.main(["config", "list"]) == 0
+    assert warnings.showwarning is shown  # put back when the command ends
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert "warning: a message over two lines" in lines and not any("UserWarning" in line for line in lines)

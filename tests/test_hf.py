@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import run_cli, tiny_config
-from gpt2train.checkpoint import load_model
-from gpt2train.data.prepare import shakespeare_text
+from conftest import one_line, run_cli, tiny_config
+from gpt2train.checkpoint import load_model, read_meta, resolve_checkpoint
+from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.generate import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.tokenizer import GPT2Tokenizer
+from gpt2train.tokenizer import BPETokenizer, GPT2Tokenizer, train_bpe
 from gpt2train.train.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
@@ -272,3 +272,94 @@ def test_import_and_init_from_read_sharded_safetensors(tmp_path, gpt2_data):
             assert torch.equal(a, b), name
     finally:
         trainer.close()
+
+
+# ---------------------------------------------------------------- tokenizers through export and import
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """A tiny model trained on Tiny Shakespeare tokenized with a byte-level BPE of our own (vocab 400)."""
+    root = tmp_path_factory.mktemp("bpe_run")
+    train_bpe([shakespeare_text()], 400, root / "tokenizer.json")
+    prepare_shakespeare(root / "data", tokenizer=f"bpe:{root / 'tokenizer.json'}")
+    train(tiny_config(root / "data", max_steps=10, lr=3e-3), root / "run")
+    return root
+
+
+def recorded_tokenizer(run_dir) -> dict:
+    return read_meta(resolve_checkpoint(run_dir))["tokenizer"]
+
+
+def test_a_run_with_our_own_bpe_exports_its_tokenizer_and_imports_back_sampling_the_same_text(bpe_run, tmp_path):
+    offline = {"HF_HUB_OFFLINE": "1"}
+    r = run_cli("export-hf", "--ckpt", str(bpe_run / "run"), "--out", str(tmp_path / "hf"), env=offline)
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer.json" in r.stdout and "tokenizer_config.json" in r.stdout
+    ours = BPETokenizer(bpe_run / "tokenizer.json")
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    text = shakespeare_text()[:3000] + "\n\n  Unicode: café, 東京, 😀;   tabs\tand  spaces  "
+    assert hf_tok(text)["input_ids"] == ours.encode(text) and hf_tok.decode(ours.encode(text)) == text
+    assert hf_tok.eos_token_id == hf_tok.bos_token_id == ours.eot_id
+    assert GPT2LMHeadModel.from_pretrained(tmp_path / "hf", local_files_only=True).config.vocab_size == 400
+
+    r = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported"), env=offline)
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # no warning: the tokenizer came along
+    assert "tokenizer: a byte-level BPE of its own" in r.stdout
+    spec = recorded_tokenizer(tmp_path / "imported")
+    assert spec["kind"] == "bpe" and spec["json"] == recorded_tokenizer(bpe_run / "run")["json"]
+    from gpt2train import load_tokenizer
+
+    assert load_tokenizer(tmp_path / "hf").encode(text) == ours.encode(text)  # the HF folder itself, too
+
+    samples = []
+    for run in (bpe_run / "run", tmp_path / "imported"):
+        r = run_cli("sample", "--ckpt", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "7",
+                    "--temperature", "1.0", "--device", "cpu", "--dtype", "float32")
+        assert r.returncode == 0, r.stderr
+        samples.append(r.stdout)
+    assert samples[0] == samples[1] and len(samples[0]) > len("ROMEO:") + 10
+    r = run_cli("ckpt", "inspect", str(tmp_path / "imported"))
+    assert r.returncode == 0 and "tokenizer   bpe" in r.stdout and "vocab 400" in r.stdout
+
+
+def test_a_char_run_is_refused_by_export_hf_before_anything_is_written(char_data, tmp_path):
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")
+    r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf" / "char"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: a run with the char tokenizer cannot be exported") and "bpe:" in r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_hf_refuses_a_model_its_tokenizer_does_not_fit_before_writing(bpe_run, tmp_path):
+    random_hf_model(vocab_size=386).save_pretrained(tmp_path / "no_tokenizer")
+    r = run_cli("import-hf", str(tmp_path / "no_tokenizer"), "--out", str(tmp_path / "run1"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "holds no tokenizer" in r.stderr and "vocab_size 386 is not GPT-2's 50257" in r.stderr
+    assert "Warning" not in r.stderr and not (tmp_path / "run1").exists()
+
+    random_hf_model(vocab_size=300).save_pretrained(tmp_path / "small")
+    (tmp_path / "small" / "tokenizer.json").write_text((bpe_run / "tokenizer.json").read_text())
+    message = one_line(HFConversionError, import_hf_to_run, tmp_path / "small", tmp_path / "run2")
+    assert "vocab_size 300 is smaller than its tokenizer's 400" in message and not (tmp_path / "run2").exists()
+
+    random_hf_model(vocab_size=448).save_pretrained(tmp_path / "padded")  # more rows than ids: fine, as in training
+    (tmp_path / "padded" / "tokenizer.json").write_text((bpe_run / "tokenizer.json").read_text())
+    import_hf_to_run(tmp_path / "padded", tmp_path / "run3")
+    assert recorded_tokenizer(tmp_path / "run3")["kind"] == "bpe"
+
+
+def test_gpt2s_tokenizer_imports_as_gpt2_from_its_slow_and_fast_files(tmp_path):
+    export_hf(random_gpt(vocab_size=50257), tmp_path / "slow", tokenizer_spec={"kind": "gpt2"})  # vocab + merges
+    import_hf_to_run(tmp_path / "slow", tmp_path / "run_slow")
+    assert recorded_tokenizer(tmp_path / "run_slow") == {"kind": "gpt2"}
+
+    fast = AutoTokenizer.from_pretrained(tmp_path / "slow", local_files_only=True)
+    fast.save_pretrained(tmp_path / "fast")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "fast" / name).write_bytes((tmp_path / "slow" / name).read_bytes())
+    (tmp_path / "fast" / "vocab.json").unlink(missing_ok=True)  # tokenizer.json alone decides
+    (tmp_path / "fast" / "merges.txt").unlink(missing_ok=True)
+    assert (tmp_path / "fast" / "tokenizer.json").is_file()
+    import_hf_to_run(tmp_path / "fast", tmp_path / "run_fast")
+    assert recorded_tokenizer(tmp_path / "run_fast") == {"kind": "gpt2"}

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from conftest import one_line
+from conftest import one_line, run_cli
 from gpt2train.tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -210,3 +210,32 @@ def test_bpe_without_endoftext_is_refused(tmp_path):
     path = tmp_path / "noeot.json"
     tok.save(str(path))
     assert "<|endoftext|>" in one_line(ValueError, BPETokenizer, path)
+
+
+def test_tokenizer_train_says_when_the_corpus_gives_fewer_entries_than_asked(tmp_path):
+    (tmp_path / "small.txt").write_text("the cat sat on the mat\n" * 50)
+    r = run_cli("tokenizer", "train", str(tmp_path / "small.txt"), "--vocab-size", "32768", "--out",
+                str(tmp_path / "small.json"))
+    assert r.returncode == 0, r.stderr
+    vocab = BPETokenizer(tmp_path / "small.json").vocab_size
+    assert vocab < 300 and f"vocab {vocab} (asked 32,768: the corpus has no more merges to learn)" in r.stdout
+    assert r.stdout.count("\n") == 1
+
+    from gpt2train.data.prepare import shakespeare_text
+
+    (tmp_path / "rich.txt").write_text(shakespeare_text()[:20000])
+    r = run_cli("tokenizer", "train", str(tmp_path / "rich.txt"), "--vocab-size", "300", "--out",
+                str(tmp_path / "rich.json"))
+    assert r.returncode == 0 and "vocab 300," in r.stdout and "asked" not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("content", ["", " \n\t\n   \n"])
+def test_tokenizer_train_refuses_a_corpus_without_text_and_writes_nothing(tmp_path, content):
+    (tmp_path / "blank.txt").write_text(content)
+    r = run_cli("tokenizer", "train", str(tmp_path / "blank.txt"), "--vocab-size", "300", "--out",
+                str(tmp_path / "tok.json"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stdout == "", r.stderr
+    assert r.stderr.startswith("error: ") and "no text" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
+    assert "no text" in one_line(ValueError, train_bpe, ["", "  \n"], 300, tmp_path / "lib.json")
+    assert not (tmp_path / "lib.json").exists()

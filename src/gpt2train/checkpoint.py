@@ -30,6 +30,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 import zipfile
@@ -167,6 +168,29 @@ def _fsync_tree(folder: Path):
     _fsync_dir(folder)
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, leaving the file as readable as any file created under the umask. safetensors
+    (0.8) writes through a temporary file it creates 0600 and renames that into place; the chmod after it only
+    widens the mode to what a plain open() would have given, so no moment is more open than that."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
+
+
+def process_umask() -> int:
+    """This process's umask, read without setting it (os.umask reads it only by changing it, which would race
+    with other threads creating files): from /proc on Linux, else from the mode a new file gets."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with tempfile.TemporaryDirectory() as folder:
+        probe = Path(folder) / "probe"
+        probe.touch(mode=0o777)
+        return 0o777 & ~probe.stat().st_mode
+
+
 def _pause_for_fault_tests():
     """Widen the windows between a save's steps so that fault tests can kill a process inside one."""
     seconds = float(os.environ.get(FAULT_SLEEP_ENV) or 0)
@@ -190,7 +214,7 @@ def _file_sizes(folder: Path) -> dict[str, int]:
 def publish(root: Path, name: str, staged: Path, weights: dict | None, state: dict, meta: dict) -> Path:
     """Write the files into `staged` (which may already hold DCP shards), make them durable, rename into place."""
     if weights is not None:
-        save_file(weights, str(staged / "model.safetensors"))
+        save_safetensors(weights, staged / "model.safetensors")
         _pause_for_fault_tests()
     torch.save(state, staged / "state.pt")
     _pause_for_fault_tests()

@@ -12,9 +12,11 @@ bar has been closed, and exits with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, UsageError, above, at_least, between, is_device_name
@@ -112,7 +114,9 @@ def cmd_tokenizer_train(args) -> int:
 
     reader = DocumentReader(args.files, text_field=args.text_field)
     tok = train_bpe(reader, args.vocab_size, args.out)
-    print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}, <|endoftext|> = {tok.eot_id}; "
+    short = (f" (asked {args.vocab_size:,}: the corpus has no more merges to learn)"
+             if tok.vocab_size < args.vocab_size else "")
+    print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}{short}, <|endoftext|> = {tok.eot_id}; "
           f"use it with `gpt2train prepare files ... --tokenizer bpe:{args.out}`")
     return 0
 
@@ -203,10 +207,12 @@ def cropped_to_context(ids: list[int], context: int) -> list[int]:
 
 
 def cmd_import_hf(args) -> int:
-    from gpt2train.hf import import_hf_to_run
+    from gpt2train.checkpoint import read_meta
+    from gpt2train.hf import describe_tokenizer, import_hf_to_run
 
     ckpt = import_hf_to_run(args.source, args.out)
-    print(f"imported {args.source} into {ckpt}; try `gpt2train sample --ckpt {args.out}`")
+    tokenizer = describe_tokenizer(read_meta(ckpt)["tokenizer"])
+    print(f"imported {args.source} into {ckpt} (tokenizer: {tokenizer}); try `gpt2train sample --ckpt {args.out}`")
     return 0
 
 
@@ -622,17 +628,40 @@ EXPECTED_ERRORS = (ValueError, OSError, ImportError)
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or bool(os.environ.get("GPT2TRAIN_DEBUG"))
     try:
-        return args.func(args)
+        with contextlib.nullcontext() if debug else one_line_warnings():
+            return args.func(args)
     except KeyboardInterrupt:
         close_progress_bars()
         return 130
     except Exception as e:  # noqa: BLE001 - every failure ends as one line unless --debug asks for more
         close_progress_bars()  # the error line must not land on the end of a bar
-        if args.debug or os.environ.get("GPT2TRAIN_DEBUG"):
+        if debug:
             raise
         print(f"error: {error_line(e)}", file=sys.stderr)
         return 2 if is_usage_error(e) else 1
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """While a command runs, every Python warning prints as one line, `warning: MESSAGE` on stderr, without the
+    category, file and source line Python adds (`--debug` keeps Python's form)."""
+    shown = warnings.showwarning
+    warnings.showwarning = show_warning_line
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+def show_warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    text = "warning: " + " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:  # above an open progress bar, which tqdm redraws below the line
+        tqdm.tqdm.write(text, file=file or sys.stderr)
+    else:
+        print(text, file=file or sys.stderr)
 
 
 def is_usage_error(e: Exception) -> bool:

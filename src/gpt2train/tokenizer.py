@@ -177,7 +177,9 @@ class BPETokenizer:
 def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     """Train a byte-level BPE (GPT-2 style: no unknown tokens, any bytes round-trip) and save tokenizer.json.
 
-    `texts` is any iterable of documents; `<|endoftext|>` is added as a special token.
+    `texts` is any iterable of documents; `<|endoftext|>` is added as a special token. The vocabulary is
+    smaller than `vocab_size` when the corpus has no more pairs to merge. A corpus without any text (empty or
+    whitespace only) is refused with a ValueError, and nothing is written.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -189,7 +191,18 @@ def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
+    has_text = False
+
+    def documents():  # notes whether any document holds more than whitespace, as the trainer reads them
+        nonlocal has_text
+        for text in texts:
+            has_text = has_text or (bool(text) and not text.isspace())
+            yield text
+
+    tok.train_from_iterator(documents(), trainer=trainer)
+    if not has_text:
+        raise ValueError("the corpus has no text (its documents are empty or whitespace only), so there is no "
+                         "tokenizer to learn; check the paths (and --text-field for .jsonl or Parquet input)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
