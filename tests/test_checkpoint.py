@@ -161,7 +161,7 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     for text in ("step_00000010", "step        10 of 10", "tokens      1,280", "val loss", "saved", "model       2 layers",
                  "tokenizer   char", "config      data", "ring        step_00000005, step_00000010 (latest)"):
         assert text in r.stdout, text
-    assert re.search(r"after \d+ s of training", r.stdout) and re.search(r"\d+\.\d\d [KM]iB\n", r.stdout)  # units.py
+    assert re.search(r"after \d+(\.\d+)? s of training", r.stdout) and re.search(r"\d+\.\d\d [KM]iB\n", r.stdout)  # units.py
 
     damaged = tmp_path / "damaged"
     shutil.copytree(trained_run / "checkpoints" / "step_00000010", damaged)
