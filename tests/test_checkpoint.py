@@ -177,6 +177,25 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
 
 
+def test_inspect_and_the_run_log_show_what_ran_beside_what_was_asked(char_data, tmp_path, monkeypatch):
+    """`ckpt inspect` showed `dtype auto` (the config) where bfloat16 or float32 ran. A CPU without native bf16
+    (monkeypatched, so the test holds on both kinds): auto resolves to float32 and compile auto to off."""
+    monkeypatch.setattr("gpt2train.runtime.cpu_has_native_bf16", lambda: False)
+    run = tmp_path / "run"
+    train(tiny_config(char_data, max_steps=2, dtype="auto", compile="auto"), run)
+    assert "ran         dtype float32 (asked: auto), compile off (asked: auto), device cpu\n" in C.describe_checkpoint(run)
+    (start,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "run_start"]
+    assert start["runtime"] == {"dtype": "float32", "compile": False, "device": "cpu"}
+
+    ckpt = run / "checkpoints" / "step_00000002"  # saved before the record existed: what was asked, said so
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["runtime"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert ("ran         not recorded (saved before gpt2train recorded it); asked: dtype auto, compile auto, device cpu"
+            in C.describe_checkpoint(ckpt))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, optimizer):
