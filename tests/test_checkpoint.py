@@ -162,7 +162,7 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     for text in ("step_00000010", "step        10 of 10", "tokens      1,280", "val loss", "saved", "model       2 layers",
                  "tokenizer   char", "config      data", "ring        step_00000005, step_00000010 (latest)"):
         assert text in r.stdout, text
-    assert re.search(r"after \d+ s of training", r.stdout) and re.search(r"\d+\.\d\d [KM]iB\n", r.stdout)  # units.py
+    assert re.search(r"after \d+(\.\d+)? s of training", r.stdout) and re.search(r"\d+\.\d\d [KM]iB\n", r.stdout)  # units.py
 
     damaged = tmp_path / "damaged"
     shutil.copytree(trained_run / "checkpoints" / "step_00000010", damaged)
@@ -202,6 +202,25 @@ def test_every_file_of_a_run_and_its_export_is_as_readable_as_the_umask_allows(g
             "run/checkpoints/best/model.safetensors", "hf/model.safetensors", "hf/config.json",
             "hf/vocab.json"} <= modes.keys()
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_inspect_and_the_run_log_show_what_ran_beside_what_was_asked(char_data, tmp_path, monkeypatch):
+    """`ckpt inspect` showed `dtype auto` (the config) where bfloat16 or float32 ran. A CPU without native bf16
+    (monkeypatched, so the test holds on both kinds): auto resolves to float32 and compile auto to off."""
+    monkeypatch.setattr("gpt2train.runtime.cpu_has_native_bf16", lambda: False)
+    run = tmp_path / "run"
+    train(tiny_config(char_data, max_steps=2, dtype="auto", compile="auto"), run)
+    assert "ran         dtype float32 (asked: auto), compile off (asked: auto), device cpu\n" in C.describe_checkpoint(run)
+    (start,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["kind"] == "run_start"]
+    assert start["runtime"] == {"dtype": "float32", "compile": False, "device": "cpu"}
+
+    ckpt = run / "checkpoints" / "step_00000002"  # saved before the record existed: what was asked, said so
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["runtime"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert ("ran         not recorded (saved before gpt2train recorded it); asked: dtype auto, compile auto, device cpu"
+            in C.describe_checkpoint(ckpt))
 
 
 @pytest.mark.slow

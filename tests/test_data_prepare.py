@@ -361,8 +361,8 @@ def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
         ([tmp_path / "number.jsonl"], {}, "not text"),
         ([tmp_path / "nocol.parquet"], {}, "--text-field"),
         ([tmp_path / "dd"], {}, "DatasetDict"),
-        ([tmp_path / "three"], {"val_fraction": 0.1}, "val split empty"),
-        ([tmp_path / "three"], {"val_tokens": 10_000}, "train split empty"),
+        ([tmp_path / "three"], {"val_fraction": 0.1}, "use --val-fraction 0.4"),
+        ([tmp_path / "three"], {"val_tokens": 10_000}, "train split empty with --val-tokens 10000"),
         ([txt_folder], {"val_fraction": 1.5}, "[0, 1)"),
         ([txt_folder], {"shard_tokens": 0}, "[1, 2**31)"),
         ([txt_folder], {"shard_tokens": 2**31}, "int32"),
@@ -374,6 +374,40 @@ def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
         assert expected in message, (paths, kwargs, message)
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before, (paths, kwargs)
     assert load_meta(out) == good
+
+
+def test_too_few_documents_for_the_val_split_is_found_before_tokenizing(tmp_path, monkeypatch):
+    """Three documents and the default --val-fraction 0.1: one line naming a value that works, before any
+    tokenizer is built (it failed after tokenizing everything, quoting {'val_fraction': '1/10'})."""
+    three = tmp_path / "three"
+    three.mkdir()
+    for k in range(3):
+        (three / f"{k}.txt").write_text(f"document {k}")
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized a corpus too small to split")
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare_module, "tokenizer_from_name", no_tokenizing)
+        message = one_line(ValueError, prepare_files, [three], tmp_path / "out", workers=1, progress=False)
+    assert message == ("3 documents leave the val split empty with --val-fraction 0.1; use --val-fraction 0.4 "
+                       "(one document in 3 goes to val), or add documents")
+    assert not (tmp_path / "out").exists()
+    meta = prepare_files([three], tmp_path / "out", workers=1, progress=False, val_fraction=0.4)  # the value named
+    assert meta["documents"] == {"train": 2, "val": 1}
+
+    message = one_line(ValueError, prepare_files, [three], tmp_path / "o2", workers=1, progress=False,
+                       val_tokens=10_000)  # known only after tokenizing: every document fits in val
+    assert message.startswith("3 documents leave the train split empty with --val-tokens 10000; use a smaller "
+                              "--val-tokens") and "--val-fraction 0.4" in message
+    one = tmp_path / "one.txt"
+    one.write_text("a single document")
+    assert "split the text into several documents" in one_line(ValueError, prepare_files, [one], tmp_path / "o3",
+                                                                 workers=1, progress=False)
+
+    r = run_cli("prepare", "files", str(three), "--out", str(tmp_path / "cli"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "use --val-fraction 0.4" in r.stderr and "{" not in r.stderr
 
 
 def fake_datasets(rows: list[dict], calls: list) -> types.ModuleType:
@@ -467,7 +501,8 @@ def test_an_error_mid_prepare_starts_its_own_line_after_the_progress_bar(tmp_pat
     from gpt2train.cli import main
 
     monkeypatch.setattr(progress, "on_terminal", lambda: terminal)
-    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    # past the documents read before tokenizing (check_enough_documents): the error comes with the bar open
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n' * 10 + 'not json\n')
     assert main(["prepare", "files", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--workers", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("\r" if terminal else "tokenizing: ") and "\nerror: " in err, err

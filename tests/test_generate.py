@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import gpt2train.cli
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
@@ -19,6 +23,7 @@ from gpt2train.generate import (
     generate_batch,
     generate_stream,
     sample_next,
+    speed_report,
 )
 from gpt2train.model import GPT, GPTConfig, KVCache
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -353,3 +358,66 @@ def test_sample_command_prints_several_samples(tmp_path, cpu_kind):
         assert result.returncode == 0 and f"device: cpu, {dtype}" in result.stderr, result.stderr
         blocks = ", matmuls in row blocks" if dtype == "float32" else ""  # whatever the CPU
         assert f"decode: eager, KV cache{blocks}, batch 1" in result.stderr, result.stderr
+
+
+def tiny_char_run(path) -> None:
+    """A run directory holding an untrained 1-layer model with a char tokenizer (vocab 10)."""
+    tok = CharTokenizer("abcdefgh \n")
+    cfg = Config()
+    cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": tok.spec()}
+    save_checkpoint(path, step=0, weights=model_state(GPT(cfg.model)), state={}, meta=meta)
+
+
+def test_speed_report_tells_the_compiling_step_apart():
+    assert speed_report(120, 2.0, 1) == "--- 120 tokens in 2.00 s (60.0 tok/s)"  # eager: as before
+    assert speed_report(120, 14.0, 1, first_step_s=12.0) == (
+        "--- 120 tokens in 14.00 s: 12.00 s compiling (the first decode step), then 59.5 tok/s over the other 119 tokens")
+    assert speed_report(16, 9.0, 8, first_step_s=7.0).endswith("then 4.0 tok/s over the other 8 tokens")  # a batch
+    assert speed_report(1, 3.0, 1, first_step_s=3.0) == "--- 1 tokens in 3.00 s: 3.00 s compiling (the first decode step)"
+
+
+class FakeClock:
+    """time.perf_counter for gpt2train.cli and gpt2train.generate: 0.5 s a reading, plus what `advance` adds."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.5
+        return self.now
+
+    def advance(self, seconds: float):
+        self.now += seconds
+
+
+def test_sample_with_compile_reports_the_compiling_step_apart_from_tokens_per_s(tmp_path, monkeypatch, capsys):
+    """`sample --compile true` gave tokens/s with compiling inside. A fake compile (no compiler runs) whose first
+    call costs 30 s of a fake clock: the first step's time is told apart, tokens/s is of the other tokens."""
+    tiny_char_run(tmp_path / "run")
+    clock = FakeClock()
+    monkeypatch.setattr(gpt2train.cli, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    generate_module = importlib.import_module("gpt2train.generate")  # gpt2train.generate is also the function
+    monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+
+    def fake_compile(step, **options):
+        calls = []
+
+        def compiled(ids, cache):
+            if not calls:
+                clock.advance(30.0)  # compiling
+            calls.append(1)
+            return step(ids, cache)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    args = ["sample", "--ckpt", str(tmp_path / "run"), "--prompt", "abc", "--max-new-tokens", "5", "--temperature",
+            "0", "--compile", "true", "--device", "cpu", "--dtype", "float32"]
+    assert gpt2train.cli.main(args) == 0
+    err = capsys.readouterr().err
+    # Readings: start 0.5; the first decode step 1.0 -> 31.5 (30.5 s); end 32.0. The other 4 tokens: 1.0 s.
+    assert "--- 5 tokens in 31.50 s: 30.50 s compiling (the first decode step), then 4.0 tok/s over the other " \
+           "4 tokens" in err, err
+    assert "decode: compiled (default), KV cache, batch 1" in err

@@ -96,6 +96,17 @@ def test_cpu_time_from_tokens_per_s_given_or_measured_here(tmp_path):
         P.make_plan(cfg, P.find_device("cpu"), tokens_per_s=0.0, runs_dir=tmp_path)
 
 
+def test_a_short_run_prints_its_small_figures_not_zeros(tmp_path):
+    """The quickstart's config on an L4: 0.042 tokens/param, 0.0021x of Chinchilla, a budget of 0.28 s;
+    rounded to one or two decimals these printed as 0.0, 0.00x and 0 s."""
+    cfg = load_config("shakespeare-cpu")
+    cfg.data.dir = str(tmp_path / "not-prepared")
+    text = P.format_plan(P.make_plan(cfg, P.find_device("L4"), runs_dir=tmp_path))
+    assert "; 0.042 tokens/param" in text and "budget is 0.0021x of it" in text
+    assert "budget: 0.28 s, 0.000078 GPU-hours" in text
+    assert " 0.0 " not in text and "0.00x" not in text and " 0 s" not in text, text
+
+
 def test_vocab_defaults_to_gpt2_without_data(tmp_path):
     cfg = gpt2_config()
     cfg.model.vocab_size = 0

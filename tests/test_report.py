@@ -137,6 +137,27 @@ def test_summary_json_matches_the_run(tmp_path):
     assert summary["mean_tokens_per_s"] == pytest.approx(sum(20_000.0 + 100 * (s % 3) for s in range(2, 51)) / 49)
 
 
+def test_the_summary_shows_what_ran_beside_what_was_asked(tmp_path):
+    """The report showed the config's `dtype auto` / `compile auto`; run_start's runtime record says what ran.
+    A log from before the record still reads, showing what was asked, said so."""
+    records = full_run()
+    records[0]["config"]["train"].update(dtype="auto", compile="auto", device="auto")
+    records[0]["runtime"] = {"dtype": "bfloat16", "compile": True, "device": "cuda:0"}
+    old = full_run(gpu=False)
+    old[0]["config"]["train"].update(dtype="auto", compile="auto", device="auto")
+    build_report([write_run(tmp_path / "new", records), write_run(tmp_path / "old", old)], tmp_path / "out")
+
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert ('<tr><th>dtype</th><td class="num">bfloat16 (asked: auto)</td>'
+            '<td class="num">auto (asked; what ran is not recorded)</td></tr>') in page
+    assert '<tr><th>compile</th><td class="num">on (asked: auto)</td>' in page
+    assert ('<tr><th>device</th><td class="num">NVIDIA H100 (asked: auto)</td>'
+            '<td class="num">cpu (asked: auto)</td></tr>') in page
+    new, old = json.loads((tmp_path / "out" / "metrics.json").read_text())["runs"]
+    assert (new["dtype"], new["dtype_ran"], new["compile"], new["compile_ran"]) == ("auto", "bfloat16", "auto", True)
+    assert old["dtype_ran"] is None and old["compile_ran"] is None and old["device_name"] == "cpu"
+
+
 def test_cpu_run_without_val_skips_figures_and_says_so(tmp_path):
     run_dir = write_run(tmp_path / "cpu-run", full_run(gpu=False, with_val=False))
     out = tmp_path / "out"

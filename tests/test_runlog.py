@@ -106,6 +106,7 @@ def test_schema_constants_match_docs():
     for kind, fields in runlog.FIELDS.items():
         assert set(fields) <= rows[kind], kind
     assert set(runlog.HARDWARE_FIELDS) <= rows[runlog.RUN_START]
+    assert set(runlog.RUNTIME_FIELDS) <= rows[runlog.RUN_START]
 
 
 def test_runlog_imports_nothing_above_it():

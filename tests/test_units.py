@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpt2train.units import format_bytes, format_count, format_duration
+from gpt2train.units import format_bytes, format_count, format_duration, format_significant
 
 
 @pytest.mark.parametrize("seconds, text", [
@@ -12,6 +12,7 @@ from gpt2train.units import format_bytes, format_count, format_duration
     (59.6, "1m 00s"), (60, "1m 00s"), (245, "4m 05s"), (3599, "59m 59s"),
     (3600, "1h 00m"), (3659, "1h 00m"), (7380, "2h 03m"), (86400, "24h 00m"), (2 * 86400 - 1, "47h 59m"),
     (2 * 86400, "2.0 days"), (3.2 * 86400, "3.2 days"), (400 * 86400, "400.0 days"),
+    (0.28, "0.28 s"), (0.0003, "0.00030 s"), (0.5, "0.50 s"), (0.996, "1.0 s"), (1, "1 s"),  # not "0 s"
 ])
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
@@ -32,3 +33,11 @@ def test_format_bytes(n, text):
 ])
 def test_format_count(n, text):
     assert format_count(n) == text
+
+
+@pytest.mark.parametrize("x, text", [
+    (0, "0"), (0.0424, "0.042"), (7.8e-5, "0.000078"), (0.0996, "0.10"), (0.5, "0.50"), (1.5, "1.5"),
+    (9.96, "10"), (80.3, "80"), (1234.5, "1,234"), (-0.0424, "-0.042"), (float("nan"), "nan"),
+])
+def test_format_significant(x, text):
+    assert format_significant(x) == text

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 import gpt2train
 from gpt2train.config import Config, ConfigError, config_from_resolved
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runlog import RUNTIME_FIELDS, ran_and_asked, setting_text
 from gpt2train.units import format_bytes, format_count, format_duration
 
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
@@ -602,7 +603,8 @@ def describe_checkpoint(path: str | Path) -> str:
         f"tokenizer   {tok.get('kind', '?')}" + (f" (vocab {len(tok['chars'])} chars)" if "chars" in tok else ""),
         f"config      data {data.get('dir')}; lr {train.get('lr')} {train.get('schedule')}, "
         f"{train.get('micro_batch')} x {train.get('seq_len')} tokens per micro-batch, "
-        f"{train.get('total_batch_tokens') or 'one micro-batch'} per step, dtype {train.get('dtype')}, seed {train.get('seed')}",
+        f"{train.get('total_batch_tokens') or 'one micro-batch'} per step, seed {train.get('seed')}",
+        f"ran         {_ran(meta.get('runtime'), train, meta.get('imported_from'))}",
         f"format      {'sharded (DCP, ' if meta.get('sharded') else 'plain (safetensors + state.pt, '}"
         f"world size {meta.get('world_size', '?')}), {format_bytes(size)}",
     ]
@@ -621,6 +623,16 @@ def describe_checkpoint(path: str | Path) -> str:
                 best_text = "; best/ is unreadable"
         lines.append(f"ring        {', '.join(names)}{best_text}")
     return "\n".join(lines)
+
+
+def _ran(runtime, train: dict, imported_from) -> str:
+    """The dtype, compile and device the run trained with, beside what its config asked."""
+    if imported_from is not None:
+        return f"not trained here: imported from {imported_from}"
+    if not isinstance(runtime, dict):
+        asked = ", ".join(f"{key} {setting_text(train.get(key))}" for key in RUNTIME_FIELDS)
+        return f"not recorded (saved before gpt2train recorded it); asked: {asked}"
+    return ", ".join(f"{key} {ran_and_asked(runtime.get(key), train.get(key))}" for key in RUNTIME_FIELDS)
 
 
 def _loss(x) -> str:

@@ -160,7 +160,7 @@ def default_run_dir(config: str | None) -> Path:
 def cmd_sample(args) -> int:
     from gpt2train.checkpoint import load_model
     from gpt2train.distributed import resolve_device
-    from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream
+    from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream, speed_report
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
@@ -192,7 +192,7 @@ def cmd_sample(args) -> int:
             print(f"--- sample {i + 1} of {args.num_samples}", flush=True)
             print(prompt + tok.decode([t for t in new if t != tok.eot_id]), flush=True)
     elapsed = time.perf_counter() - start
-    print(f"--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    print(speed_report(n, elapsed, args.num_samples, decoder.first_step_s), file=sys.stderr)
     print(decoder.describe(args.num_samples), file=sys.stderr)
     return 0
 

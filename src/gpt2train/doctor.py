@@ -44,7 +44,9 @@ OVERFIT_MIN_EVALS = 2  # on the last two evaluations at least, so one noisy eval
 RESUME_JUMP = 0.10  # loss after a resume 10% above the loss before: the state was not fully restored
 RESUME_SETTLE_RECORDS = 5  # spikes this soon after a flagged resume belong to the resume, not to training
 # Throughput
-THROUGHPUT_DROP = 0.20  # last quartile 20% below the first: more than run-to-run jitter
+THROUGHPUT_DROP = 0.20  # last quartile's median 20% below the first's: more than run-to-run jitter...
+THROUGHPUT_NOISE_MADS = 3.0  # ...and more than 3 MADs of the first quartile's speeds: one logged step is timed
+# alone, and on a CPU that shares its cores single steps vary by tens of percent; such noise is no fall
 THROUGHPUT_MIN_RECORDS = 8  # quartiles of fewer logged steps are single points
 # MFU
 LOW_MFU_FRACTION = 0.5  # under half of that: something is starving the GPU
@@ -74,6 +76,7 @@ class Diagnosis:
     launches: int
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
+    device: str | None = None  # what the latest launch trained on ("cpu", "cuda:0"); None in older logs
 
     @property
     def exit_status(self) -> int:
@@ -96,7 +99,8 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     train = _of(records, "train")
     expected = expected_mfu(Path(run_dir).parent, records)
     return Diagnosis(run_dir=str(run_dir), last_step=train[-1]["step"] if train else None, train_records=len(train),
-                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg, expected), notes=notes)
+                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg, expected), notes=notes,
+                     device=run_device(records))
 
 
 def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
@@ -326,21 +330,51 @@ def check_resume_gap(records: list[dict]) -> Finding | None:
                    [a["step"] for _, _, a in gaps])
 
 
+# Where to look when tokens/s fell, by the device the run used (run_start's hardware.device).
+THROUGHPUT_FIXES = {
+    "cuda": "check the input pipeline (data.loader = \"ram\" when the data fits, a faster disk) and the GPU "
+            "(thermal or power throttling: nvidia-smi -q -d PERFORMANCE; other jobs on it: nvidia-smi)",
+    "cpu": "a CPU run shares its cores with everything else on the machine: look for other processes using them "
+           "(top; a load average in uptime above the core count), and for frequency scaling or thermal throttling "
+           "(a laptop on battery or hot, a busy VM host); then the input pipeline (data.loader = \"ram\" when "
+           "the data fits)",
+    "mps": "check what else uses the Mac's GPU (Activity Monitor) and whether it throttles when hot or on "
+           "battery; then the input pipeline (data.loader = \"ram\" when the data fits)",
+}
+THROUGHPUT_FIX_UNKNOWN_DEVICE = ("check the input pipeline (data.loader = \"ram\" when the data fits, a faster disk) "
+                                 "and what else ran on the device (other jobs, thermal or power throttling)")
+
+
 def check_throughput(records: list[dict]) -> Finding | None:
     timed = [r for r in _steady_train(records) if _finite(r.get("tokens_per_s"))]
     if len(timed) < THROUGHPUT_MIN_RECORDS:
         return None
     q = len(timed) // 4
     first, last = timed[:q], timed[-q:]
-    before = statistics.fmean(r["tokens_per_s"] for r in first)
-    after = statistics.fmean(r["tokens_per_s"] for r in last)
-    if after >= (1 - THROUGHPUT_DROP) * before:
+    first_speeds = [r["tokens_per_s"] for r in first]
+    before = statistics.median(first_speeds)
+    after = statistics.median(r["tokens_per_s"] for r in last)
+    spread = statistics.median(abs(x - before) for x in first_speeds)  # the MAD: how much single steps vary
+    if after >= (1 - THROUGHPUT_DROP) * before or before - after <= THROUGHPUT_NOISE_MADS * spread:
         return None
-    evidence = [f"tokens/s {before:,.0f} over steps {first[0]['step']}-{first[-1]['step']}, {after:,.0f} over steps "
-                f"{last[0]['step']}-{last[-1]['step']} ({100 * (after / before - 1):.0f}%)"]
-    return Finding("throughput_drop", "warning", "tokens/s fell during the run", evidence,
-                   "check the input pipeline (data.loader = \"ram\" when the data fits, a faster disk) and the GPU "
-                   "(thermal or power throttling: nvidia-smi -q -d PERFORMANCE; other jobs on it)", [last[0]["step"]])
+    device = run_device(records)
+    evidence = [f"median tokens/s {before:,.0f} (half the steps within {spread:,.0f} of it) over steps "
+                f"{first[0]['step']}-{first[-1]['step']}, {after:,.0f} over steps {last[0]['step']}-{last[-1]['step']} "
+                f"({100 * (after / before - 1):.0f}%)" + (f", on {device}" if device else "")]
+    fix = THROUGHPUT_FIXES.get(device_type(device), THROUGHPUT_FIX_UNKNOWN_DEVICE)
+    return Finding("throughput_drop", "warning", "tokens/s fell during the run", evidence, fix, [last[0]["step"]])
+
+
+def run_device(records: list[dict]) -> str | None:
+    """The device the run's latest launch trained on, as its run_start recorded it ("cpu", "cuda:0"), if it did."""
+    starts = _of(records, "run_start")
+    device = (starts[-1].get("hardware") or {}).get("device") if starts else None
+    return device if isinstance(device, str) and device else None
+
+
+def device_type(device: str | None) -> str | None:
+    """"cuda:0" -> "cuda"; None stays None."""
+    return device.split(":")[0] if device else None
 
 
 def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
@@ -367,7 +401,8 @@ def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
 
 def format_diagnosis(d: Diagnosis) -> str:
     launches = f"{d.launches} launch{'es' if d.launches != 1 else ''}"
-    lines = [f"doctor {d.run_dir}: {d.train_records} logged train steps to step {d.last_step}, {launches}"]
+    on = f", on {d.device}" if d.device else ""
+    lines = [f"doctor {d.run_dir}: {d.train_records} logged train steps to step {d.last_step}, {launches}{on}"]
     lines += [f"note: {n}" for n in d.notes]
     if d.healthy and d.train_records < MIN_TRAIN_RECORDS:
         lines.append(f"no symptom found, but only {d.train_records} logged train steps: too few to judge most rules "

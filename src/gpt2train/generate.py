@@ -17,6 +17,7 @@ of the last block_size tokens, recomputed at every step, as nanoGPT does.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -143,7 +144,8 @@ class Decoder:
     CUDA graph instead of launching ~100 small kernels. compile="auto" compiles on CUDA only: on a CPU the
     compiled step was slower (docs/benchmarks.md, Generation). Where compiling fails, the step falls back
     to eager, with a warning, and `path` says so. Eager forwards on a CPU with fp32 weights run their
-    matmuls in row blocks (blocked="auto"; see RowBlockLinears).
+    matmuls in row blocks (blocked="auto"; see RowBlockLinears). The first compiled call, which compiles,
+    is timed: `first_step_s`, so that a speed can be given without it (speed_report).
     """
 
     def __init__(self, model: GPT, compile: bool | str = "auto", blocked: bool | str = "auto"):
@@ -163,6 +165,7 @@ class Decoder:
             self.compiled = torch.compile(self.eager_step, mode=mode, fullgraph=True, dynamic=False)
             self.path = f"compiled ({mode})"
         self._static_cache = None
+        self.first_step_s: float | None = None  # seconds of the first compiled call: compiling, mostly
 
     def prefill(self, ids: torch.Tensor, padding_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (B, V) after the prompts (B, T), left-padded (padding_mask False there), filling the cache."""
@@ -176,6 +179,17 @@ class Decoder:
         if self.compiled is None:
             with self.eager_context:
                 return self.eager_step(ids, cache)
+        if self.first_step_s is not None:
+            return self.compiled_step(ids, cache)
+        start = time.perf_counter()  # this call compiles: timed apart from the steps after it
+        logits = self.compiled_step(ids, cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.first_step_s = time.perf_counter() - start
+        return logits
+
+    def compiled_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The compiled decode step; the eager one (for good, with a warning) where compiling fails."""
         if cache is not self._static_cache:  # CUDA graphs may update a tensor in place only at a fixed address
             for t in (*cache.k, *cache.v, cache.real, cache.filled):
                 torch._dynamo.mark_static_address(t)
@@ -185,7 +199,7 @@ class Decoder:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten
             return self.compiled(ids, cache)
         except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported backend...: eager still works
-            warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=2)
+            warnings.warn(f"compiled decode failed, decoding eagerly: {type(e).__name__}: {e}", stacklevel=3)
             self.compiled, self.path = None, "eager (compile failed)"
             return self(ids, cache)
 
@@ -200,6 +214,21 @@ class Decoder:
     def describe(self, batch_size: int) -> str:
         blocked = ", matmuls in row blocks" if self.blocked and self.compiled is None else ""
         return f"decode: {self.path}, KV cache{blocked}, batch {batch_size}"
+
+
+def speed_report(tokens: int, seconds: float, batch: int, first_step_s: float | None = None) -> str:
+    """The line a generation's speed is told in: `tokens` new tokens (all rows) in `seconds`. With
+    `first_step_s` (Decoder.first_step_s: the first decode step, which compiled), that step's time is told
+    apart and tokens/s is of the other tokens (the step made one per row), so that compiling is not read as
+    decoding speed."""
+    line = f"--- {tokens} tokens in {seconds:.2f} s"
+    if first_step_s is None:
+        return f"{line} ({tokens / max(seconds, 1e-9):.1f} tok/s)"
+    line += f": {first_step_s:.2f} s compiling (the first decode step)"
+    rest_tokens, rest_s = tokens - batch, seconds - first_step_s
+    if rest_tokens <= 0 or rest_s <= 0:
+        return line
+    return f"{line}, then {rest_tokens / rest_s:.1f} tok/s over the other {rest_tokens} tokens"
 
 
 def left_padded(prompts: list[list[int]], block_size: int, eot_id: int | None,

@@ -24,7 +24,7 @@ from gpt2train.devices import ASSUMED_GPU_MFU, Device
 from gpt2train.model import GPT, flops_per_token, parameter_count
 from gpt2train.runtime import accumulation_steps, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
-from gpt2train.units import format_bytes, format_count, format_duration
+from gpt2train.units import format_bytes, format_count, format_duration, format_significant
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal training sees ~20 tokens per parameter
 MEMORY_HEADROOM = 0.90  # share of a device's memory a run may plan on: CUDA context, allocator fragmentation
@@ -369,25 +369,25 @@ def format_plan(plan: Plan) -> str:
         f"batch       {plan.tokens_per_step:,} tokens/step = {cfg.train.micro_batch} x {cfg.train.seq_len} "
         f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation",
         f"budget      {plan.budget_tokens:,} tokens ({format_count(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
-        f"{plan.budget_tokens / plan.params:.1f} tokens/param",
+        f"{_figure(plan.budget_tokens / plan.params, 1)} tokens/param",
         f"chinchilla  {plan.chinchilla_tokens:,} tokens ({format_count(plan.chinchilla_tokens)}) = 20 x params "
         f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
-        f"{plan.budget_tokens / plan.chinchilla_tokens:.2f}x of it",
+        f"{_figure(plan.budget_tokens / plan.chinchilla_tokens, 2)}x of it",
     ]
     if plan.train_tokens:
-        lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {plan.steps_per_epoch:,.1f} "
-                     f"steps/epoch; the budget is {plan.epochs:,.2f} epochs")
+        lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {_figure(plan.steps_per_epoch, 1)} "
+                     f"steps/epoch; the budget is {_figure(plan.epochs, 2)} epochs")
     precision = devices.precision(_dtype(cfg), cfg.train.tf32)
     peak = f"{plan.peak_flops / 1e12:,.0f} TFLOP/s peak ({precision})" if plan.peak_flops else "peak unknown"
     lines.append(f"device      {plan.gpus} x {plan.device.name}: {peak}, "
                  f"{format_bytes(plan.device.memory_bytes)} each")
     budget_s, chinchilla_s = plan.wall_s(plan.budget_tokens), plan.wall_s(plan.chinchilla_tokens)
     if budget_s is not None and plan.peak_flops is None:
-        lines.append(f"speed       {plan.tokens_per_s:,.0f} tokens/s per device, {plan.tokens_per_s_source}")
+        lines.append(f"speed       {_figure(plan.tokens_per_s, 0)} tokens/s per device, {plan.tokens_per_s_source}")
         lines.append(f"time        budget: {format_duration(budget_s)}; chinchilla: {format_duration(chinchilla_s)} "
                      "(steps only: evaluation and checkpoints add to it)")
     elif budget_s is not None:
-        lines.append(f"MFU         {plan.mfu:.2f}, {plan.mfu_source}")
+        lines.append(f"MFU         {_figure(plan.mfu, 2)}, {plan.mfu_source}")
         lines.append(f"time        budget: {format_duration(budget_s)}, {_gpu_hours(budget_s, plan.gpus)}; "
                      f"chinchilla: {format_duration(chinchilla_s)}, {_gpu_hours(chinchilla_s, plan.gpus)}")
     lines += _memory_lines(plan)
@@ -414,4 +414,10 @@ def _memory_lines(plan: Plan) -> list[str]:
 
 def _gpu_hours(seconds: float, gpus: int) -> str:
     hours = seconds * gpus / 3600
-    return f"{hours:,.1f} GPU-hours" if hours >= 1 else f"{hours:.2g} GPU-hours"
+    return f"{_figure(hours, 1)} GPU-hours"
+
+
+def _figure(x: float, decimals: int) -> str:
+    """x with `decimals` decimals; below 1 with two significant digits instead, so that a small figure
+    (0.042 tokens/param on a short run) does not print as 0.0."""
+    return f"{x:,.{decimals}f}" if abs(x) >= 1 else format_significant(x)

@@ -305,7 +305,8 @@ def _json_safe(summary: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 # HTML
 
-# (label, summary key, format): the rows of the summary table, one column per run.
+# (label, summary key, format): the rows of the summary table, one column per run. A pair of keys is
+# formatted together: (what ran, what was asked).
 SUMMARY_ROWS = [
     ("status", "status", str),
     ("steps", "steps", lambda v: f"{v:,}"),
@@ -324,9 +325,9 @@ SUMMARY_ROWS = [
     ("seq_len", "seq_len", str),
     ("lr", "lr", lambda v: f"{v:g}"),
     ("schedule", "schedule", str),
-    ("dtype", "dtype", str),
-    ("compile", "compile", lambda v: str(v).lower()),
-    ("device", "device_name", str),
+    ("dtype", ("dtype_ran", "dtype"), runlog.ran_and_asked),  # what ran, and what the config asked where it differs
+    ("compile", ("compile_ran", "compile"), runlog.ran_and_asked),
+    ("device", ("device_name", "device_asked"), runlog.ran_and_asked),
     ("torch", "torch", str),
     ("world size", "world_size", str),
     ("git revision", "git", str),
@@ -385,6 +386,8 @@ def _summary_table(summaries: list[dict]) -> str:
         for s in summaries:
             if key is None:
                 text = " / ".join("?" if s[k] is None else str(s[k]) for k in ("n_layer", "n_head", "n_embd"))
+            elif isinstance(key, tuple):
+                text = fmt(*(s[k] for k in key))
             else:
                 text = _format(s[key], fmt)
             cells.append(f'<td class="num">{html.escape(text)}</td>')

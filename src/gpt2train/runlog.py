@@ -46,7 +46,7 @@ SERIES_KINDS = (TRAIN, VAL, HELLASWAG, SAMPLE)
 COMMON_FIELDS = ("kind", "time")  # on every record; time is Unix seconds
 # The other fields of each kind. Some are null or only sometimes there (docs/metrics.md says when).
 FIELDS: dict[str, tuple[str, ...]] = {
-    RUN_START: ("step", "config", "hardware", "git", "version", "params", "params_non_embedding",
+    RUN_START: ("step", "config", "runtime", "hardware", "git", "version", "params", "params_non_embedding",
                 "flops_per_token", "peak_flops", "resumed_from"),
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
             "compile_ms"),
@@ -58,6 +58,9 @@ FIELDS: dict[str, tuple[str, ...]] = {
     RUN_END: ("step", "tokens", "wall_s", "reason", "error"),
 }
 HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # run_start's "hardware"
+# run_start's "runtime" (also in each checkpoint's meta.json): what the config's "auto"s resolved to. Absent
+# from logs written before it was recorded.
+RUNTIME_FIELDS = ("dtype", "compile", "device")
 
 SPIKE_WINDOW = 50  # logged values in the trailing window
 SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
@@ -331,6 +334,23 @@ def config_value(config: dict, section: str, key: str):
     return sub.get(key) if isinstance(sub, dict) else None
 
 
+def ran_and_asked(ran, asked) -> str:
+    """A setting the trainer resolves (dtype, compile, device), as the report and `ckpt inspect` show it: what
+    ran, with what the config asked beside it where they differ ("bfloat16 (asked: auto)"); where the run did
+    not record what ran (a log or checkpoint from before the record), what was asked, said so."""
+    if ran is None:
+        return f"{setting_text(asked)} (asked; what ran is not recorded)"
+    ran, asked = setting_text(ran), setting_text(asked)
+    return ran if ran == asked else f"{ran} (asked: {asked})"
+
+
+def setting_text(value) -> str:
+    """A setting as printed: on/off for a bool (compile), ? where absent, else as it is."""
+    if value is None:
+        return "?"
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 # ----------------------------------------------------------------------------------------------
 # Derived numbers (report and doctor)
 
@@ -341,6 +361,7 @@ def summarize(run: Run) -> dict:
     starts = run.of(RUN_START)
     start = starts[-1] if starts else {}  # the latest launch has the config now in force
     cfg, hw = start.get("config") or {}, start.get("hardware") or {}
+    ran = start.get("runtime") if isinstance(start.get("runtime"), dict) else {}
 
     best = min((r for r in val if is_finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
     # The first compiled step includes compilation: its speed says nothing about the run's.
@@ -371,9 +392,12 @@ def summarize(run: Run) -> dict:
         "seq_len": seq_len,
         "lr": config_value(cfg, "train", "lr"),
         "schedule": config_value(cfg, "train", "schedule"),
-        "dtype": config_value(cfg, "train", "dtype"),
+        "dtype": config_value(cfg, "train", "dtype"),  # as asked ("auto"); what ran is dtype_ran
+        "dtype_ran": ran.get("dtype"),  # None in logs from before run_start recorded it
         "compile": config_value(cfg, "train", "compile"),
-        "device_name": hw.get("device_name") or hw.get("device"),
+        "compile_ran": ran.get("compile"),
+        "device_name": hw.get("device_name") or hw.get("device"),  # what ran
+        "device_asked": config_value(cfg, "train", "device"),
         "torch": hw.get("torch"),
         "world_size": hw.get("world_size"),
         "git": start.get("git"),

@@ -155,6 +155,11 @@ class Runtime:
     deterministic: bool = False  # only deterministic kernels: a rerun (or a resume) repeats bit for bit
     cpu_keep_freed_memory: bool = False  # CPU: glibc keeps freed blocks for the next step (keep_freed_cpu_memory)
 
+    def record(self) -> dict:
+        """What this runtime made of the config's "auto"s, as the run log's run_start and every checkpoint's
+        meta.json record it beside the config: the autocast dtype, whether the model compiled, the device."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "compile": self.compile, "device": str(self.device)}
+
     @property
     def tokens_per_step(self) -> int:
         return self.micro_batch * self.seq_len * self.world_size * self.grad_accum

@@ -1,10 +1,12 @@
-"""How numbers with units read in everything gpt2train prints: durations, byte sizes, large counts.
+"""How numbers with units read in everything gpt2train prints: durations, byte sizes, large counts, ratios.
 
 One style each, so that a plan, a checkpoint summary and a benchmark table agree. Nothing here knows
 about gpt2train.
 """
 
 from __future__ import annotations
+
+import math
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 
@@ -13,8 +15,11 @@ def format_duration(seconds: float) -> str:
     """A duration at the precision it is worth reading, rounded to whole seconds first:
 
     under a minute "45 s"; under an hour "4m 05s"; under two days "2h 03m" (seconds dropped, up to
-    "47h 59m"); from two days on "3.2 days". Negative durations read as 0 s.
+    "47h 59m"); from two days on "3.2 days". Negative durations read as 0 s; under a second, two
+    significant digits ("0.28 s"), so that a short time never reads as none.
     """
+    if 0 < seconds < 1:
+        return f"{format_significant(seconds)} s"
     s = max(0, round(seconds))
     if s < MINUTE:
         return f"{s} s"
@@ -39,3 +44,15 @@ def format_count(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:g}"
+
+
+def format_significant(x: float, digits: int = 2) -> str:
+    """A ratio or a small amount with at least `digits` significant digits and no exponent: "0.042",
+    "0.000078", "1.5", "80", "1,234". Rounding never turns a number that is not zero into "0"."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if abs(x) >= 10 ** (digits - 1):  # whole digits enough
+        return f"{x:,.0f}"
+    x = float(f"{x:.{digits}g}")  # rounded first: 0.0996 reads "0.10", not "0.100"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"

@@ -13,7 +13,9 @@ shard the staging folder records how far it got, and an interrupted run resumes 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -191,6 +193,19 @@ class SplitRule:
             return {"val_fraction": str(self.fraction)}
         return {"val_tokens": self.val_tokens}
 
+    def option(self) -> str:
+        """The command-line option this rule came from, as a user would type it."""
+        if self.fraction is not None:
+            return f"--val-fraction {float(self.fraction):g}"
+        return f"--val-tokens {self.val_tokens}"
+
+    def documents_for_val(self) -> int:
+        """Documents a corpus needs for --val-fraction to send one to val (0: no val asked for, or --val-tokens,
+        whose first document always goes to val)."""
+        if not self.fraction:
+            return 0
+        return math.ceil(1 / self.fraction)
+
     def assign(self, first: int, lengths: np.ndarray) -> np.ndarray:
         """True for the val documents among documents first, first+1, ... with these token lengths."""
         idx = np.arange(first, first + lengths.size, dtype=np.int64)
@@ -283,6 +298,47 @@ class SplitWriter:
         self.buffered = tokens.size - n
 
 
+# --- too few documents to split ------------------------------------------------------------------------
+MAX_DOCS_COUNTED_AHEAD = 10_000  # counted before tokenizing only up to this: reading more would cost real time
+
+
+def check_enough_documents(reader, rule: SplitRule) -> None:
+    """SourceError, in one line, when the corpus has too few documents for `rule` to give val one: found by
+    reading (not tokenizing) at most the documents that --val-fraction needs. A fraction that needs more
+    than MAX_DOCS_COUNTED_AHEAD, and a streamed corpus, are checked after tokenizing instead (too_few_documents)."""
+    needed = rule.documents_for_val()
+    if not (reader.rereadable and 0 < needed <= MAX_DOCS_COUNTED_AHEAD):
+        return
+    documents = iter(reader)
+    try:
+        texts = list(itertools.islice(documents, needed))
+    finally:
+        documents.close()  # a file the reader holds open is closed now, not when collected
+    if len(texts) < needed and any(texts):  # no text at all: the pipeline says the corpus is empty, at no cost
+        raise too_few_documents(len(texts), rule, "val")
+
+
+def too_few_documents(n_docs: int, rule: SplitRule, empty: str) -> SourceError:
+    """The error for a split left empty, naming options that would work (the split is by whole documents)."""
+    what = f"{n_docs:,} document{'s' if n_docs != 1 else ''}"
+    if n_docs < 2:
+        return SourceError(f"{what} cannot be split into train and val (the split is by whole documents); "
+                           f"split the text into several documents: several .txt files, or one JSON line each")
+    if empty == "val":
+        works = f"--val-fraction {working_fraction(n_docs)} (one document in {n_docs:,} goes to val), or add documents"
+    else:
+        works = "a smaller --val-tokens (the first documents until val holds that many tokens go to val), " \
+                f"--val-fraction {working_fraction(n_docs)}, or add documents"
+    return SourceError(f"{what} leave the {empty} split empty with {rule.option()}; use {works}")
+
+
+def working_fraction(n_docs: int) -> str:
+    """A --val-fraction, written short, that sends at least one of n_docs (>= 2) documents to val: 1/n rounded
+    up to one significant digit (3 documents: 0.4)."""
+    scale = 10 ** len(str(n_docs))
+    return f"{math.ceil(scale / n_docs) / scale:g}"
+
+
 # --- the pipeline --------------------------------------------------------------------------------------
 def chunks(docs, skip: int):
     """(index of the first document, texts) in units of work; the first `skip` documents are read, not kept."""
@@ -344,6 +400,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
         raise ValueError(f"--shard-tokens {shard_tokens} must be in [1, 2**31): the llm.c header counts tokens in int32")
     workers = max(1, workers or os.cpu_count() or 1)
     rule = SplitRule(val_fraction, val_tokens)
+    check_enough_documents(reader, rule)  # before the tokenizer reads the corpus (char) or anything is tokenized
     tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None)
     if tokenizer == "char" and not tok.chars:
         raise SourceError(f"no text found in {source}: the corpus is empty; check the input paths and --text-field")
@@ -402,10 +459,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
                           f"check the input paths and --text-field")
     if tokens["train"] == 0 or (tokens["val"] == 0 and (rule.val_tokens or rule.fraction)):
         shutil.rmtree(staging, ignore_errors=True)
-        empty = "train" if tokens["train"] == 0 else "val"
-        raise SourceError(f"{n_docs} documents leave the {empty} split empty with {rule.describe()}; "
-                          f"{'lower' if empty == 'train' else 'raise'} --val-fraction/--val-tokens or add documents "
-                          f"(the split is by whole documents)")
+        raise too_few_documents(n_docs, rule, "train" if tokens["train"] == 0 else "val")
 
     meta = {"format": "llmc", "source": source, "tokenizer": tok.spec(), "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "tokens": tokens, "shards": {s: w.shards for s, w in writers.items()},

@@ -59,6 +59,8 @@ def expand_inputs(paths: Iterable[str | Path]) -> list[Path]:
 class DocumentReader:
     """Iterate the documents of local inputs; counts invalid UTF-8 replacements as it goes."""
 
+    rereadable = True  # a second pass over the first documents costs a few file reads
+
     def __init__(self, paths: Iterable[str | Path], text_field: str = "text"):
         self.files = expand_inputs(paths)
         self.text_field = text_field
@@ -183,6 +185,8 @@ class DocumentReader:
 
 class HFStreamReader:
     """A Hugging Face Hub dataset streamed with the `datasets` library (needs network; optional dependency)."""
+
+    rereadable = False  # a second pass would open the stream from the Hub again
 
     def __init__(self, name: str, config: str | None = None, split: str = "train", text_field: str = "text"):
         self.name, self.config, self.split, self.text_field = name, config, split, text_field

@@ -62,7 +62,8 @@ class Console:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         hardware = {"device": str(device), "device_name": name, "torch": torch.__version__,
                     "world_size": runtime.world_size, "cuda": torch.version.cuda}
-        self.log("run_start", step=step + 1, config=to_dict(self.cfg), hardware=hardware, git=git_revision(),
+        self.log("run_start", step=step + 1, config=to_dict(self.cfg), runtime=runtime.record(), hardware=hardware,
+                 git=git_revision(),
                  version=gpt2train.__version__, params=model.num_params(),
                  params_non_embedding=model.num_params(non_embedding=True), flops_per_token=trainer.flops_per_token,
                  peak_flops=trainer.peak_flops, resumed_from=trainer.state.resumed_from)

@@ -97,7 +97,8 @@ class Trainer:
         self.guard = TrainingGuard(cfg.guard)
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, runtime, self.raw_model, self.optimizer,
                                          self.scaler, self.train_loader, self.guard, self.state,
-                                         {"tokenizer": self.data_meta["tokenizer"], "params": self.raw_model.num_params()})
+                                         {"tokenizer": self.data_meta["tokenizer"], "params": self.raw_model.num_params(),
+                                          "runtime": runtime.record()})
         if resume:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
