@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
+
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 
@@ -308,13 +310,8 @@ def config_from_resolved(d: dict) -> Config:
 
 
 def dump_toml(cfg: Config) -> str:
-    """The resolved config as TOML (flat tables of scalars and lists, all this config holds)."""
-    lines = []
-    for section, values in to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved config as TOML: one table per section (tomli-w writes it, escaping included)."""
+    return tomli_w.dumps(to_dict(cfg))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
@@ -371,15 +368,3 @@ def _coerce(name: str, value, tp):
 
 def _type_name(tp) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a list of strings")
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
