@@ -26,7 +26,7 @@ from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
-from gpt2train.train.checkpointing import Checkpointer, RunState
+from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over
 from gpt2train.train.console import Console
 from gpt2train.train.guard import TrainingGuard
 from gpt2train.train.optim import make_optimizer, set_lr
@@ -51,8 +51,9 @@ class Trainer:
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
-        # One live run per run directory: locked before anything in it is read or written; close() unlocks.
-        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main) if self.run_dir else None
+        # One live run per run directory, locked before it is read or written (close() unlocks); no new run over an old.
+        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main, lambda run_dir: refuse_to_start_over(
+            run_dir, resume)) if self.run_dir else None
         try:
             self._build(cfg, resume)
         except BaseException:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from gpt2train import distributed as D
@@ -56,16 +57,20 @@ def release(path: Path | None):
         os.close(_held.pop(path)[0])
 
 
-def acquire_on_rank0(run_dir: str | Path, is_main: bool) -> Path | None:
-    """Under torchrun rank 0 alone locks (the other ranks belong to its run); every rank learns the outcome,
-    so that all of them stop alike instead of waiting for a rank 0 that has gone."""
+def acquire_on_rank0(run_dir: str | Path, is_main: bool, check: Callable[[Path], None] | None = None) -> Path | None:
+    """Under torchrun rank 0 alone locks (the other ranks belong to its run), then `check(run_dir)` may refuse
+    the directory by raising; every rank learns the outcome, so that all of them stop alike instead of waiting
+    for a rank 0 that has gone (another node may not even see the run directory)."""
     path, refusal = None, None
     if is_main:
         try:
             path = acquire(run_dir)
-        except RunDirInUse as e:
-            refusal = str(e)
+            if check is not None:
+                check(Path(run_dir))
+        except (ValueError, OSError) as e:  # RunDirInUse, the check's refusal, an unreadable folder
+            release(path)
+            refusal = e
     refusal = D.all_gather_objects(refusal)[0]
-    if refusal:
-        raise RunDirInUse(refusal)
+    if refusal is not None:
+        raise refusal
     return path
