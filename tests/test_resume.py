@@ -1,5 +1,5 @@
 """Resuming: bit-identical continuation on CPU, what may change on resume, SIGTERM, falling back past a
-damaged checkpoint, and never starting over a run already in the run directory."""
+damaged checkpoint, never starting over a run already in the run directory, and a resume of a finished run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError, newest_checkpoint
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
@@ -273,3 +274,24 @@ def test_an_empty_folder_or_one_of_other_files_is_trained_into(char_data, tmp_pa
     assert train(tiny_config(char_data, max_steps=2), other)["step"] == 2
     assert (other / "notes.txt").read_text() == "mine"
 
+
+def test_resume_auto_of_a_finished_run_says_what_to_raise_and_logs_no_launch(char_data, tmp_path, capsys):
+    """Bug: it printed "finished at step 4" and logged a launch (run_start, run_end) that trained nothing. Now one
+    line says the run is already finished and how to train further; exit 0 (nothing failed); nothing on disk
+    changes."""
+    run, config = tmp_path / "run", tmp_path / "tiny.toml"
+    config.write_text(dump_toml(tiny_config(char_data, max_steps=4)))
+    assert cli.main(["train", "--config", str(config), "--out", str(run)]) == 0
+    before = tree_digest(run)
+    capsys.readouterr()
+
+    assert cli.main(["train", "--config", str(config), "--out", str(run), "--resume", "auto"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{run} is already finished at step 4 (train.max_steps = 4); to train further, raise train.max_steps, "
+        "e.g. --set train.max_steps=8"]
+    assert tree_digest(run) == before  # no run_start or run_end record, config.toml as it was
+    assert len(records(run, "run_start")) == 1
+
+    out = train(tiny_config(char_data, max_steps=3), run, resume="auto")  # lowered below the step reached
+    assert out["step"] == 4 and out["reason"] == "already finished"
+    assert tree_digest(run) == before

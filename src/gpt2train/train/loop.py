@@ -27,7 +27,7 @@ from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over
-from gpt2train.train.console import Console
+from gpt2train.train.console import Console, say_already_finished
 from gpt2train.train.guard import TrainingGuard
 from gpt2train.train.optim import make_optimizer, set_lr
 from gpt2train.train.signals import StopSignal
@@ -103,6 +103,9 @@ class Trainer:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
+        self.console = self.evals = None  # stay None for a run resumed at its end: it logs no launch, opens no logger
+        if self.state.step >= cfg.train.max_steps:
+            return
         # After the resume: the loggers learn where this launch starts and which W&B run it continues.
         self.console = Console(cfg, self.run_dir, self.is_main, self.device, start_step=self.state.step + 1,
                                wandb_run_id=self.state.wandb_run_id)
@@ -124,6 +127,8 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, state, console = self.cfg, self.state, self.console
+        if console is None:  # resumed at its end: nothing to train
+            return say_already_finished(self.run_dir, state, cfg.train.max_steps, self.is_main)
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
         console.start(self, state.step)
@@ -212,7 +217,8 @@ class Trainer:
         """A `run_end` record for a launch that ended in an exception (the checkpoints before it stand)."""
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         reason = "signal" if isinstance(error, KeyboardInterrupt) else "error"  # a second Ctrl-C / SIGTERM
-        self.console.end(self.state.step, self.state.tokens, reason, error=message)
+        if self.console is not None:
+            self.console.end(self.state.step, self.state.tokens, reason, error=message)
 
 
 def _finite_or_none(x: float):
