@@ -26,7 +26,7 @@ from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
-from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over
+from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
 from gpt2train.train.console import Console, say_already_finished
 from gpt2train.train.guard import TrainingGuard
 from gpt2train.train.optim import make_optimizer, set_lr
@@ -57,7 +57,7 @@ class Trainer:
         try:
             self._build(cfg, resume)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _build(self, cfg: Config, resume: str | None):
@@ -198,9 +198,10 @@ class Trainer:
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
                                 self.runtime.tokens_per_step, mfu, first_compiled)
 
-    def close(self):
-        """Give the run directory back to the next run (the kernel would too, when this process ends)."""
-        runlock.release(self.lock)
+    def close(self, failed: bool = False):
+        """Give the run directory back to the next run (the kernel would too, when this process ends). `failed`:
+        a launch that made the run directory and failed before it held a run takes the directory back."""
+        runlock.release(self.lock, discard_made=failed and self.lock is not None and run_on_disk(self.run_dir) is None)
         self.lock = None
 
     def peer_lost(self, error: BaseException) -> D.PeerLost | None:
@@ -239,7 +240,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) ->
             lost = trainer.peer_lost(e) if trainer is not None else None
             if trainer is not None:
                 trainer.log_failure(lost or e)  # a run_end record with reason "error"
-                trainer.close()
+                trainer.close(failed=True)
             D.shutdown_distributed(clean=False)  # no barrier: the other ranks may never reach it
         if lost is not None:
             raise lost from e  # one line instead of gloo's traceback; the CLI exits 1
