@@ -96,6 +96,8 @@ class Console:
                   "reporting tokens/s only")
         if trainer.state.resumed_from:
             print(f"resumed from {trainer.state.resumed_from} at step {step}")
+        elif trainer.init_source:
+            print(f"weights from {trainer.init_source} (train.init_from); starting at step 0 with a fresh optimizer")
         self.open_bar(step)
 
     def open_bar(self, step: int):
