@@ -172,6 +172,26 @@ def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_d
 
 
 @pytest.mark.slow
+def test_torchrun_into_a_run_without_resume_stops_every_rank_in_one_line_and_changes_nothing(char_data, tmp_path):
+    """Rank 0 looks into the run directory and every rank learns its verdict: both stop with the same one line
+    (exit 2), none waits for the other, and the run's checkpoints and metrics.jsonl stay as they were."""
+    config = two_rank_config(char_data, tmp_path, max_steps=2, every_steps=2)
+    run = tmp_path / "run"
+    train(load_config(config, ["train.micro_batch=4"]), run)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+    r = torchrun("--tee", "3", "-m", "gpt2train", "train", "--config", str(config), "--out", str(run), timeout=120)
+    for rank in (0, 1):
+        lines = [line.removeprefix(f"[default{rank}]:") for line in r.stderr.splitlines()
+                 if line.startswith(f"[default{rank}]:")]
+        assert [line for line in lines if line.startswith("error:")] == [
+            f"error: {run} already holds a run (checkpoints up to step_00000002); continue it with --resume auto "
+            "(resume='auto' in Python), or pass another --out to start a new run"], r.stderr[-3000:]
+    assert re.search(r"exitcode\s*: 2 ", r.stderr), r.stderr[-3000:]
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"} == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["hang", "kill"])
 def test_a_rank_that_hangs_or_dies_stops_the_other_in_one_line_and_the_checkpoint_stands(char_data, tmp_path, fault):
     """Rank 1 hangs (sleeps) or SIGKILLs itself as it starts step 5 of 8, checkpoints every 2 steps. Rank 0,

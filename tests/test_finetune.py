@@ -119,6 +119,27 @@ def test_init_from_a_run_of_ours_then_resume_auto_continues_the_finetune(char_da
         trainer.close()
 
 
+def test_the_banner_names_the_weights_a_finetune_starts_from(char_data, gpt2_data, hf_dir, tmp_path, capsys):
+    """Bug: a fine-tune's start said nothing of its source. The banner names the checkpoint of a run of ours
+    (a run directory resolves to its newest checkpoint) or the Hugging Face folder; a resume names its own."""
+    def one_step(data, source, max_steps=1):
+        cfg = finetune_config(data, source, max_steps=max_steps)
+        cfg.eval.interval, cfg.eval.val_batches = 0, 1  # one val batch at the end: only the banner is looked at
+        return cfg
+
+    train(tiny_config(char_data, max_steps=2), tmp_path / "base")
+    train(one_step(char_data, tmp_path / "base"), tmp_path / "ft")
+    started = tmp_path / "base" / "checkpoints" / "step_00000002"
+    assert (f"weights from {started} (train.init_from); starting at step 0 with a fresh optimizer"
+            in capsys.readouterr().out.splitlines())
+    train(one_step(char_data, tmp_path / "base", max_steps=2), tmp_path / "ft", resume="auto")
+    out = capsys.readouterr().out
+    assert "weights from" not in out and f"resumed from {tmp_path / 'ft' / 'checkpoints' / 'step_00000001'}" in out
+
+    train(one_step(gpt2_data, hf_dir), tmp_path / "ft-hf")
+    assert f"weights from {hf_dir} (Hugging Face GPT-2) (train.init_from)" in capsys.readouterr().out
+
+
 def test_resume_from_an_import_hf_checkpoint_says_to_use_init_from(gpt2_data, hf_dir, tmp_path):
     import_hf_to_run(hf_dir, tmp_path / "imported")
     cfg = tiny_config(gpt2_data, max_steps=2)

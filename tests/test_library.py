@@ -21,8 +21,10 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_the_readme_example_trains_loads_and_samples(char_data, tmp_path, monkeypatch, capsys):
-    """Only the overrides change (tiny and on the char fixture); every other line runs as printed."""
+def test_the_readme_example_trains_loads_and_samples_and_runs_again(char_data, tmp_path, monkeypatch, capsys):
+    """Only the overrides change (tiny and on the char fixture); every other line runs as printed. Run twice (bug:
+    the second run appended a second history from step 1 to metrics.jsonl), it finds its run finished, changes
+    nothing, and samples the same text."""
     code = readme_example()
     overrides = re.search(r'load_config\("shakespeare-cpu", (\[.*?\])\)', code).group(1)
     code = code.replace(overrides, repr(TINY + [f"data.dir={char_data}"]))
@@ -31,6 +33,12 @@ def test_the_readme_example_trains_loads_and_samples(char_data, tmp_path, monkey
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("ROMEO:") and len(out[-1]) > len("ROMEO:")
     assert (tmp_path / "runs" / "demo" / "config.toml").is_file()
+
+    log = (tmp_path / "runs" / "demo" / "metrics.jsonl").read_bytes()
+    exec(compile(code, "README.md", "exec"), {})
+    again = capsys.readouterr().out.splitlines()
+    assert again[0].startswith("runs/demo is already finished at step 2") and again[-1] == out[-1]
+    assert (tmp_path / "runs" / "demo" / "metrics.jsonl").read_bytes() == log
 
 
 def test_the_face_names_are_the_library_functions():

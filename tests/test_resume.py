@@ -1,8 +1,9 @@
-"""Resuming: bit-identical continuation on CPU, what may change on resume, SIGTERM, and falling back past a
-damaged checkpoint."""
+"""Resuming: bit-identical continuation on CPU, what may change on resume, SIGTERM, falling back past a
+damaged checkpoint, never starting over a run already in the run directory, and a resume of a finished run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -14,10 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_cli, tiny_config
+from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError, newest_checkpoint
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
+from gpt2train.train.checkpointing import RunExists
 from gpt2train.train.loop import Trainer, train
 
 
@@ -213,3 +216,82 @@ def _read_if_there(run) -> list[dict]:
         except json.JSONDecodeError:
             pass
     return [r for r in out if r.get("kind") == "train"]
+
+
+# --- never starting over a run ------------------------------------------------------------------------------------
+
+
+def tree_digest(folder) -> dict[str, str]:
+    """Every file under folder -> a hash of its bytes (the lock file aside: a refused launch held it)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_train_into_a_run_without_resume_is_refused_in_one_line_and_changes_nothing(char_data, tmp_path):
+    """Bug: a second `train` into a run directory started again from step 1 over the run's checkpoints, its
+    best/ and its metrics.jsonl. Python's train() and the CLI both refuse now (exit 2), naming both ways on."""
+    run = tmp_path / "run"
+    train(tiny_config(char_data, max_steps=5), run)
+    before = tree_digest(run)
+    assert {"metrics.jsonl", "checkpoints/best/meta.json", "checkpoints/step_00000005/meta.json"} <= before.keys()
+
+    message = one_line(RunExists, train, tiny_config(char_data, max_steps=5), run)
+    assert message.startswith(f"{run} already holds a run (checkpoints up to step_00000005)")
+    assert "--resume auto" in message and "another --out" in message
+    assert tree_digest(run) == before
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(dump_toml(tiny_config(char_data, max_steps=5)))
+    r = run_cli("train", "--config", str(config), "--out", str(run))
+    assert r.returncode == 2, r.stderr  # a usage error: the arguments asked for a new run where one is
+    assert r.stderr.strip().splitlines() == [f"error: {message}"]
+    assert tree_digest(run) == before
+    assert train(tiny_config(char_data, max_steps=6), run, resume="auto")["step"] == 6  # the way on it names
+
+
+def test_a_run_whose_only_trace_is_its_log_is_refused_too(char_data, tmp_path):
+    """No checkpoint (never saved), but metrics.jsonl logged trained steps: a new run would append a second
+    history from step 1. A log of launches that never trained a step holds nothing to lose."""
+    cfg = tiny_config(char_data, max_steps=2)
+    cfg.checkpoint.every_steps, cfg.checkpoint.save_final, cfg.checkpoint.save_best = 0, False, False
+    train(cfg, tmp_path / "logged")
+    assert not (tmp_path / "logged" / "checkpoints").exists()
+    assert "(trained steps in metrics.jsonl)" in one_line(RunExists, train, cfg, tmp_path / "logged")
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "metrics.jsonl").write_text('{"kind": "run_start", "time": 1.0, "step": 1}\n'
+                                          '{"kind": "run_end", "time": 2.0, "step": 0, "reason": "error"}\n')
+    assert train(cfg, failed)["step"] == 2
+
+
+def test_an_empty_folder_or_one_of_other_files_is_trained_into(char_data, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert train(tiny_config(char_data, max_steps=2), tmp_path / "empty")["step"] == 2
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)  # an empty checkpoints/ holds no run either
+    (other / "notes.txt").write_text("mine")
+    assert train(tiny_config(char_data, max_steps=2), other)["step"] == 2
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_resume_auto_of_a_finished_run_says_what_to_raise_and_logs_no_launch(char_data, tmp_path, capsys):
+    """Bug: it printed "finished at step 4" and logged a launch (run_start, run_end) that trained nothing. Now one
+    line says the run is already finished and how to train further; exit 0 (nothing failed); nothing on disk
+    changes."""
+    run, config = tmp_path / "run", tmp_path / "tiny.toml"
+    config.write_text(dump_toml(tiny_config(char_data, max_steps=4)))
+    assert cli.main(["train", "--config", str(config), "--out", str(run)]) == 0
+    before = tree_digest(run)
+    capsys.readouterr()
+
+    assert cli.main(["train", "--config", str(config), "--out", str(run), "--resume", "auto"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{run} is already finished at step 4 (train.max_steps = 4); to train further, raise train.max_steps, "
+        "e.g. --set train.max_steps=8"]
+    assert tree_digest(run) == before  # no run_start or run_end record, config.toml as it was
+    assert len(records(run, "run_start")) == 1
+
+    out = train(tiny_config(char_data, max_steps=3), run, resume="auto")  # lowered below the step reached
+    assert out["step"] == 4 and out["reason"] == "already finished"
+    assert tree_digest(run) == before

@@ -1,5 +1,6 @@
 """The run lock: a second training into a live run's directory is refused in one line and touches nothing;
-a lock left by a killed run does not block; a clean run's directory resumes as before."""
+a lock left by a killed run does not block; a clean run's directory resumes as before; a launch that fails at
+its start takes back the run directory it made, and nothing that was there before."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import sys
 import pytest
 
 from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError
 from gpt2train.config import dump_toml
 from gpt2train.train import runlock
 from gpt2train.train.loop import Trainer, train
+from gpt2train.train.step import TrainStep
 
 HOLD = ("import sys, time; from gpt2train.train import runlock; runlock.acquire(sys.argv[1]); "
         "print('locked', flush=True); time.sleep(600)")
@@ -78,3 +81,44 @@ def test_clean_runs_give_the_lock_back_and_resume_auto_works(char_data, tmp_path
     holder = hold_lock_in_another_process(run)  # another process may lock it now
     holder.kill()
     holder.wait()
+
+
+def test_a_failed_start_leaves_no_directory_it_made(char_data, tmp_path, capsys):
+    """Bug: a train.init_from that does not exist left an empty run directory holding a lock file. A start that
+    fails before the directory holds a run (a checkpoint, a logged step) removes the folders it made, parents
+    included; a folder that was there before stays, with what it held."""
+    cfg = tiny_config(char_data, max_steps=2)
+    cfg.train.init_from = str(tmp_path / "no-such-run")
+    config = tmp_path / "ft.toml"
+    config.write_text(dump_toml(cfg))
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "new" / "run")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'no-such-run'} is not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ft.toml"]  # no new/, no new/run/.lock
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="is not a folder"):
+        train(cfg, mine)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not any((folder / runlock.LOCK_NAME).resolve() in runlock._held for folder in (tmp_path / "new" / "run", mine))
+
+
+@pytest.mark.parametrize("fail_at_step, kept", [(1, False), (2, True)])
+def test_a_launch_that_fails_in_its_first_step_takes_back_its_directory(char_data, tmp_path, monkeypatch, fail_at_step,
+                                                                      kept):
+    """The first step may fail too (out of memory, say): nothing was trained, so the new directory goes; once a
+    step is logged the directory holds a run, and it stays for a look and a resume."""
+    calls = []
+    original = TrainStep.__call__
+
+    def fails_at(self):
+        calls.append(1)
+        if len(calls) == fail_at_step:
+            raise RuntimeError("out of memory (injected)")
+        return original(self)
+
+    monkeypatch.setattr(TrainStep, "__call__", fails_at)
+    with pytest.raises(RuntimeError, match="injected"):
+        train(tiny_config(char_data, max_steps=3), tmp_path / "run")
+    assert (tmp_path / "run").exists() == kept

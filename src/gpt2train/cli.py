@@ -123,6 +123,7 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
+    from gpt2train.train.console import ALREADY_FINISHED
     from gpt2train.train.loop import train
 
     cfg = load_config(args.config, args.set or [])
@@ -130,7 +131,8 @@ def cmd_train(args) -> int:
         print(no_config_line(cfg), flush=True)
     run_dir = args.out or default_run_dir(args.config)
     out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone reports
+    # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
+    if os.environ.get("RANK", "0") != "0" or out["reason"] == ALREADY_FINISHED:
         return 0
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
           f"run directory {run_dir}")

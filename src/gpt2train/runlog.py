@@ -235,6 +235,23 @@ def load_run(run_dir: str | Path, name: str | None = None) -> Run:
     return read_run(text, run_dir, name)
 
 
+def logs_a_trained_step(run_dir: str | Path) -> bool:
+    """Whether RUN_DIR/metrics.jsonl records a trained step (a `train` record; a launch logs its first step
+    always). Read up to the first one; a missing file, or launches that failed before their first step, say no."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if _is_record(rec) and rec["kind"] == TRAIN:
+                return True
+    return False
+
+
 def read_run(text: str, run_dir: str | Path, name: str | None = None) -> Run:
     """A Run from the text of RUN_DIR's metrics.jsonl (load_run without the file checks)."""
     run_dir = Path(run_dir)

@@ -35,6 +35,8 @@ from gpt2train.checkpoint import (
 )
 from gpt2train.config import Config, ConfigError, to_dict
 from gpt2train.data.loader import TokenLoader
+from gpt2train.ranges import UsageError
+from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 from gpt2train.runtime import Runtime
 from gpt2train.train.guard import GuardError, TrainingGuard
 
@@ -54,6 +56,33 @@ class RunState:
 
     def wall_seconds(self) -> float:
         return self.wall_before + (time.time() - self.launch_start)
+
+
+class RunExists(UsageError):
+    """The run directory already holds a run, and the launch did not ask to resume it."""
+
+
+def run_on_disk(run_dir: Path) -> str | None:
+    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
+    logged a trained step. None for a missing or empty folder, or one holding only other files."""
+    root = run_dir / "checkpoints"
+    ring = ring_entries(root)
+    if ring:
+        return f"checkpoints up to {ring[0][1].name}"
+    if (root / "best").is_dir():
+        return "a best/ checkpoint"
+    if logs_a_trained_step(run_dir):
+        return f"trained steps in {METRICS_FILE}"
+    return None
+
+
+def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
+    """The one rule for every launch, CLI and Python: a run that does not resume never starts over a run already
+    in its directory, whose checkpoints, best/ and log it would replace or mix with a second history."""
+    held = None if resume else run_on_disk(run_dir)
+    if held:
+        raise RunExists(f"{run_dir} already holds a run ({held}); continue it with --resume auto (resume='auto' in "
+                        "Python), or pass another --out to start a new run")
 
 
 def batch_layout(runtime: Runtime) -> dict:

@@ -28,6 +28,19 @@ def git_revision() -> str | None:
         return None
 
 
+ALREADY_FINISHED = "already finished"  # the reason train() returns for a run resumed at its end
+
+
+def say_already_finished(run_dir: Path | None, state, max_steps: int, is_main: bool) -> dict:
+    """A resume of a run that has reached train.max_steps: one line saying so and what to raise, and the result
+    of a launch that trained nothing (it logs no launch: nothing in the run directory changes)."""
+    if is_main:
+        print(f"{run_dir or 'the run'} is already finished at step {state.step} (train.max_steps = {max_steps}); "
+              f"to train further, raise train.max_steps, e.g. --set train.max_steps={2 * state.step}", flush=True)
+    return {"step": state.step, "tokens": state.tokens, "val_loss": state.val_loss, "best_val_loss": state.best_val,
+            "reason": ALREADY_FINISHED}
+
+
 class Console:
     def __init__(self, cfg: Config, run_dir: Path | None, is_main: bool, device: torch.device, start_step: int = 1,
                  wandb_run_id: str | None = None):
@@ -84,6 +97,8 @@ class Console:
                   "reporting tokens/s only")
         if trainer.state.resumed_from:
             print(f"resumed from {trainer.state.resumed_from} at step {step}")
+        elif trainer.init_source:
+            print(f"weights from {trainer.init_source} (train.init_from); starting at step 0 with a fresh optimizer")
         self.open_bar(step)
 
     def open_bar(self, step: int):

@@ -29,15 +29,19 @@ def is_ours(path: Path) -> bool:
     return (path / "meta.json").is_file() or (path / "checkpoints").is_dir() or path.name == "checkpoints"
 
 
-def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """The source's model shape and its weights in our layout, with the token embedding cut to vocab_size
-    rows: the source may have been padded to another multiple than this run's."""
+def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+    """The source's model shape, its weights in our layout, with the token embedding cut to vocab_size rows
+    (the source may have been padded to another multiple than this run's), and which weights those are: the
+    checkpoint folder of a run of ours, or the Hugging Face folder (and the Hub name it came from)."""
     path = Path(init_from)
     if path.is_dir() and is_ours(path):
-        weights, _, meta = load_checkpoint(resolve_checkpoint(path), with_state=False)
+        ckpt = resolve_checkpoint(path)
+        weights, _, meta = load_checkpoint(ckpt, with_state=False)
         shape = config_from_resolved(meta["config"]).model
+        loaded = str(ckpt)
     else:  # a HF folder or a Hub name; resolve_hf_folder fails in one line offline
         folder = resolve_hf_folder(init_from)
+        loaded = f"{folder} (Hugging Face GPT-2)" if path.is_dir() else f"{init_from} (Hugging Face GPT-2, {folder})"
         try:
             shape = gpt_config_from_hf(json.loads((folder / "config.json").read_text()), pad_vocab_multiple=1)
         except (OSError, json.JSONDecodeError) as e:
@@ -45,7 +49,7 @@ def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
                               f"({type(e).__name__})") from None
         weights = gpt_state_from_hf(read_hf_weights(folder), shape)  # a multiple of 1 pads nothing
     weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:shape.vocab_size]
-    return shape, weights
+    return shape, weights, loaded
 
 
 def adopt_shape(cfg: Config, shape: GPTConfig, source: str) -> None:
@@ -72,19 +76,20 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: 
     model.load_state_dict(weights, strict=False)
 
 
-def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> dict[str, torch.Tensor] | None:
-    """Apply train.init_from to cfg.model's shape and return the weights to load, or None. A run that resumes
-    a checkpoint continues from it, not from the source again: the shape is then the checkpoint's."""
+def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """Apply train.init_from to cfg.model's shape; return the weights to load and which they are (the start
+    banner names them), or (None, None). A run that resumes a checkpoint continues from it, not from the source
+    again: the shape is then the checkpoint's."""
     source = cfg.train.init_from
     if is_scratch(source):
-        return None
+        return None, None
     resumed = _checkpoint_to_resume(run_dir, resume)
     if resumed is not None:
         adopt_shape(cfg, config_from_resolved(read_meta(resumed)["config"]).model, str(resumed))
-        return None
-    shape, weights = load_source(source)
+        return None, None
+    shape, weights, loaded = load_source(source)
     adopt_shape(cfg, shape, source)
-    return weights
+    return weights, loaded
 
 
 def _checkpoint_to_resume(run_dir: Path | None, resume: str | None) -> Path | None:

@@ -26,8 +26,8 @@ from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT, flops_per_token
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
-from gpt2train.train.checkpointing import Checkpointer, RunState
-from gpt2train.train.console import Console
+from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
+from gpt2train.train.console import Console, say_already_finished
 from gpt2train.train.guard import TrainingGuard
 from gpt2train.train.optim import make_optimizer, set_lr
 from gpt2train.train.signals import StopSignal
@@ -51,18 +51,19 @@ class Trainer:
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
-        # One live run per run directory: locked before anything in it is read or written; close() unlocks.
-        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main) if self.run_dir else None
+        # One live run per run directory, locked before it is read or written (close() unlocks); no new run over an old.
+        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main, lambda run_dir: refuse_to_start_over(
+            run_dir, resume)) if self.run_dir else None
         try:
             self._build(cfg, resume)
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     def _build(self, cfg: Config, resume: str | None):
         # The weights' source may set the model's shape; then what the config means on this device.
         cfg = copy.deepcopy(cfg)
-        init_weights = init_from.prepare(cfg, self.run_dir, resume)  # the source's shape goes into cfg.model
+        init_weights, self.init_source = init_from.prepare(cfg, self.run_dir, resume)  # the source's shape: cfg.model
         self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))
         self.runtime = runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
         runtime.apply()  # TF32
@@ -103,6 +104,9 @@ class Trainer:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
+        self.console = self.evals = None  # stay None for a run resumed at its end: it logs no launch, opens no logger
+        if self.state.step >= cfg.train.max_steps:
+            return
         # After the resume: the loggers learn where this launch starts and which W&B run it continues.
         self.console = Console(cfg, self.run_dir, self.is_main, self.device, start_step=self.state.step + 1,
                                wandb_run_id=self.state.wandb_run_id)
@@ -124,6 +128,8 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, state, console = self.cfg, self.state, self.console
+        if console is None:  # resumed at its end: nothing to train
+            return say_already_finished(self.run_dir, state, cfg.train.max_steps, self.is_main)
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
         console.start(self, state.step)
@@ -193,9 +199,10 @@ class Trainer:
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
                                 self.runtime.tokens_per_step, mfu, first_compiled)
 
-    def close(self):
-        """Give the run directory back to the next run (the kernel would too, when this process ends)."""
-        runlock.release(self.lock)
+    def close(self, failed: bool = False):
+        """Give the run directory back to the next run (the kernel would too, when this process ends). `failed`:
+        a launch that made the run directory and failed before it held a run takes the directory back."""
+        runlock.release(self.lock, discard_made=failed and self.lock is not None and run_on_disk(self.run_dir) is None)
         self.lock = None
 
     def peer_lost(self, error: BaseException) -> D.PeerLost | None:
@@ -212,7 +219,8 @@ class Trainer:
         """A `run_end` record for a launch that ended in an exception (the checkpoints before it stand)."""
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         reason = "signal" if isinstance(error, KeyboardInterrupt) else "error"  # a second Ctrl-C / SIGTERM
-        self.console.end(self.state.step, self.state.tokens, reason, error=message)
+        if self.console is not None:
+            self.console.end(self.state.step, self.state.tokens, reason, error=message)
 
 
 def _finite_or_none(x: float):
@@ -233,7 +241,7 @@ def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) ->
             lost = trainer.peer_lost(e) if trainer is not None else None
             if trainer is not None:
                 trainer.log_failure(lost or e)  # a run_end record with reason "error"
-                trainer.close()
+                trainer.close(failed=True)
             D.shutdown_distributed(clean=False)  # no barrier: the other ranks may never reach it
         if lost is not None:
             raise lost from e  # one line instead of gloo's traceback; the CLI exits 1
