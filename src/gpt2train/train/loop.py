@@ -200,8 +200,7 @@ class Trainer:
                                 self.runtime.tokens_per_step, mfu, first_compiled)
 
     def close(self, failed: bool = False):
-        """Give the run directory back to the next run (the kernel would too, when this process ends). `failed`:
-        a launch that made the run directory and failed before it held a run takes the directory back."""
+        """Give the run directory back to the next run; a failed launch takes back a directory it made, holding no run."""
         runlock.release(self.lock, discard_made=failed and self.lock is not None and run_on_disk(self.run_dir) is None)
         self.lock = None
 
