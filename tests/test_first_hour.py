@@ -42,8 +42,10 @@ class User:
         return result
 
     def files(self, folder: str) -> dict[str, bytes]:
+        """Every file of a run and its bytes, but the lock (each launch writes its process id there)."""
         root = self.home / folder
-        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and p.name != ".lock"}
 
 
 @pytest.fixture
