@@ -131,3 +131,22 @@ def test_the_file_holding_fit_is_short():
 def test_each_module_opens_with_its_job(name):
     docstring = ast.get_docstring(ast.parse(modules()[name].read_text()))
     assert docstring and len(docstring.split()) >= 5, f"{name}: open the module with a docstring saying its one job"
+
+
+def spike_rule_owners(root: Path) -> set[str]:
+    """Modules that define a spike constant (SPIKE_*) at their top level: the owners of a spike rule."""
+    owners = set()
+    for path in root.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id.startswith("SPIKE_") for t in targets):
+                owners.add(path.relative_to(root).as_posix())
+    return owners
+
+
+def test_one_spike_rule_for_what_reads_a_runs_log(tmp_path):
+    """`report` and `doctor` mark spikes by runlog.find_spikes alone (they had windows of 50 and 20, so they could
+    disagree on one metrics.jsonl); the guard's rollback rule is its config's (guard.spike_factor)."""
+    assert spike_rule_owners(SRC) == {"runlog.py"}
+    (tmp_path / "doctor.py").write_text("SPIKE_WINDOW = 20\n")
+    assert spike_rule_owners(tmp_path) == {"doctor.py"}  # the check can fail

@@ -20,11 +20,9 @@ from pathlib import Path
 
 from gpt2train.config import Config, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
-from gpt2train.runlog import find_spikes, load_metrics
+from gpt2train.runlog import SPIKE_WINDOW, find_spikes, load_metrics
 
-# Loss spikes
-SPIKE_WINDOW = 20  # logged losses a spike is judged against: short, so the fast early fall does not hide one
-SPIKE_MADS = 5.0  # median + 5 MADs (the MAD at least 10% of the median): well outside ordinary noise
+# Loss spikes: runlog.find_spikes, the rule `report` marks them by too
 GRAD_LEAD_RECORDS = 2  # a grad-norm spike at most 2 logged steps before a loss spike likely caused it
 # Clipping
 CLIP_MOST_FRACTION = 0.5  # clipped on over half the steps after warmup: the clip, not the LR, sets the step size
@@ -205,10 +203,10 @@ def check_divergence(records: list[dict]) -> Finding | None:
 def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) -> Finding | None:
     train = _of(records, "train")
     losses = [r.get("loss") for r in train]
-    spikes = [i for i in find_spikes(losses, SPIKE_WINDOW, SPIKE_MADS) if train[i]["step"] not in explained]
+    spikes = [i for i in find_spikes(losses) if train[i]["step"] not in explained]
     if not spikes:
         return None
-    grad_spikes = set(find_spikes([r.get("grad_norm") for r in train], SPIKE_WINDOW, SPIKE_MADS))
+    grad_spikes = set(find_spikes([r.get("grad_norm") for r in train]))
     evidence, led_by_grad = [], 0
     for i in spikes:
         before = [x for x in losses[max(0, i - SPIKE_WINDOW): i] if _finite(x)]

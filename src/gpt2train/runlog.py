@@ -62,7 +62,9 @@ HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # ru
 # from logs written before it was recorded.
 RUNTIME_FIELDS = ("dtype", "compile", "device")
 
-SPIKE_WINDOW = 50  # logged values in the trailing window
+# The one spike rule of what reads a run's log (`report` marks them, `doctor` diagnoses them). The window is
+# short, so the fast early fall of the loss does not hide a spike.
+SPIKE_WINDOW = 20  # logged values in the trailing window
 SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
 SPIKE_MAD_FLOOR = 0.1  # the MAD counts as at least this fraction of the median
 SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
