@@ -244,6 +244,21 @@ def test_every_argument_says_what_it_does_and_its_default():
     assert missing == []
 
 
+def test_every_dtype_argument_takes_the_configs_dtype_names():
+    """One list of dtype names (ranges.DTYPE_NAMES): train.dtype's choices, every --dtype, runtime's table."""
+    from gpt2train.config import CHOICES
+    from gpt2train.runtime import DTYPES
+
+    seen = []
+    for command, parser in _all_parsers(cli.build_parser()):
+        for action in parser._actions:
+            if action.dest in ("dtype", "hf_dtype"):
+                seen.append(" ".join(command))
+                assert tuple(action.choices) in (CHOICES["train.dtype"], CHOICES["train.dtype"][1:]), command
+    assert {"sample", "eval", "export-hf", "bench generate"} <= set(seen), seen
+    assert tuple(DTYPES) == CHOICES["train.dtype"][1:]
+
+
 def test_sample_help_says_its_defaults():
     help_text = run_cli("sample", "--help").stdout
     for option, default in [("--max-new-tokens", "200"), ("--temperature", "0.8"), ("--top-k", "200"),

@@ -19,7 +19,18 @@ import time
 import warnings
 from pathlib import Path
 
-from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, UsageError, above, at_least, between, is_device_name
+from gpt2train.ranges import (
+    DEVICE_NAMES,
+    DTYPE_NAMES,
+    EXPLICIT_DTYPE_NAMES,
+    SEEDS,
+    Range,
+    UsageError,
+    above,
+    at_least,
+    between,
+    is_device_name,
+)
 
 
 def ranged(kind: type, allowed: Range):
@@ -461,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
                    help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype while sampling (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_sample)
 
@@ -473,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 folder (transformers loads it)")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--out", required=True, help="folder for config.json, model.safetensors and tokenizer files")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=EXPLICIT_DTYPE_NAMES,
                    help="dtype of the saved tensors (default float32: lossless)")
     p.set_defaults(func=cmd_export_hf)
 
@@ -498,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable)")
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"autocast dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser("plan", help="parameters, FLOPs, tokens, time and memory of a config before training it")
@@ -562,9 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
     g.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype, ours and transformers' (default %(default)s; {AUTO_DTYPE_HELP})")
-    g.add_argument("--hf-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--hf-dtype", choices=DTYPE_NAMES,
                    help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     g.set_defaults(func=cmd_bench_generate)

@@ -20,7 +20,7 @@ from pathlib import Path
 import tomli_w
 
 from gpt2train.model import GPTConfig
-from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
+from gpt2train.ranges import DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -138,7 +138,7 @@ CHOICES: dict[str, tuple] = {
     "data.loader": ("auto", "ram", "memmap"),
     "data.order": ("random", "sequential"),
     "train.schedule": ("cosine", "constant", "wsd"),
-    "train.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "train.dtype": DTYPE_NAMES,
     "train.compile": (True, False, "auto"),
     "train.distributed": ("ddp", "fsdp"),
     "log.progress": ("auto", "bar", "lines"),

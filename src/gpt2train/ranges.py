@@ -1,4 +1,4 @@
-"""Ranges of allowed numbers, and the device names, shared by the config's keys and the CLI's arguments;
+"""Ranges of allowed numbers, and the device and dtype names, shared by the config's keys and the CLI's arguments;
 UsageError, for a bad argument that only the code running a command can see.
 
 A Range answers `value in allowed` and reads as the phrase an error shows (">= 1", "in [0, 1)"), so a
@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+# The precisions a run or a command can ask for; "auto" lets runtime.resolve_dtype choose by the device.
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+EXPLICIT_DTYPE_NAMES = DTYPE_NAMES[1:]
 
 
 class UsageError(ValueError):

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from gpt2train.config import Config, ConfigError, validate
+from gpt2train.ranges import EXPLICIT_DTYPE_NAMES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in EXPLICIT_DTYPE_NAMES}  # the names ranges.py lists
 
 
 def use_expandable_segments():
