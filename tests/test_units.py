@@ -41,3 +41,11 @@ def test_format_count(n, text):
 ])
 def test_format_significant(x, text):
     assert format_significant(x) == text
+
+
+def test_moments_read_in_utc_one_way():
+    from gpt2train.units import format_utc, name_stamp
+
+    assert format_utc(1_795_000_000) == "2026-11-18 11:06:40 UTC"  # `date -u -d @1795000000`
+    stamp = name_stamp("bench", ".json")
+    assert stamp.startswith("bench-20") and stamp.endswith(".json") and len(stamp) == len("bench-20261125-123613.json")

@@ -31,6 +31,7 @@ from gpt2train.ranges import (
     between,
     is_device_name,
 )
+from gpt2train.units import name_stamp
 
 
 def ranged(kind: type, allowed: Range):
@@ -301,7 +302,7 @@ def cmd_bench(args) -> int:
     options = JourneyOptions(model=args.model, device=args.device, micro_batch=args.micro_batch,
                              seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, ablate=args.ablate,
                              threads=args.threads, skip=args.skip or [])
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench")
     result = run_journey(options, out)
     print(result.markdown)
     print(f"wrote {out}/journey.md, journey.json, journey.png")
@@ -316,7 +317,7 @@ def cmd_bench_generate(args) -> int:
                               compile={"auto": "auto", "true": True, "false": False}[args.compile],
                               compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
                               hf_dtype=args.hf_dtype or "")
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-generate-%Y%m%d-%H%M%S.json")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-generate", ".json")
     result = run_generate_bench(options, out)
     print(result["markdown"])
     print(f"wrote {out}")
@@ -330,7 +331,7 @@ def cmd_bench_quality(args) -> int:
                              recipe_only=args.recipe_only, seeds=args.seeds,
                              steps=args.steps or 0, eval_interval=args.eval_interval, val_batches=args.val_batches,
                              overrides=args.set or [], device=args.device or "")
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-quality-%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-quality")
     result = run_quality(options, out)
     print(result.table)
     print(target_line(result.target))

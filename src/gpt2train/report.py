@@ -11,20 +11,20 @@ canvas: no pyplot, so a report never changes the backend or global state of the 
 from __future__ import annotations
 
 import base64
-import datetime
 import html
 import importlib.resources
 import io
 import json
 import math
 import string
+import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpt2train import runlog
 from gpt2train.runlog import Run
-from gpt2train.units import format_bytes, format_duration
+from gpt2train.units import format_bytes, format_duration, format_utc
 
 
 class ReportError(ValueError):
@@ -339,7 +339,7 @@ SUMMARY_ROWS = [
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
     """templates/report.html filled in: every value is HTML-escaped here, the template holds only markup."""
-    generated = _when(datetime.datetime.now(datetime.timezone.utc).timestamp())
+    generated = format_utc(time.time())
     return _template().substitute(
         names=", ".join(html.escape(run.name) for run in runs),
         generated=generated,
@@ -450,4 +450,4 @@ def _num(x) -> str:
 def _when(t) -> str:
     if not runlog.is_finite(t):
         return ""
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return format_utc(t)

@@ -1,4 +1,5 @@
-"""How numbers with units read in everything gpt2train prints: durations, byte sizes, large counts, ratios.
+"""How numbers with units read in everything gpt2train prints: durations, byte sizes, large counts, ratios,
+moments in time.
 
 One style each, so that a plan, a checkpoint summary and a benchmark table agree. Nothing here knows
 about gpt2train.
@@ -7,6 +8,7 @@ about gpt2train.
 from __future__ import annotations
 
 import math
+import time
 
 MINUTE, HOUR, DAY = 60, 3600, 86400
 
@@ -56,3 +58,13 @@ def format_significant(x: float, digits: int = 2) -> str:
     x = float(f"{x:.{digits}g}")  # rounded first: 0.0996 reads "0.10", not "0.100"
     decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
     return f"{x:,.{decimals}f}"
+
+
+def format_utc(seconds_since_epoch: float) -> str:
+    """A moment as every log, report and benchmark prints it: "2026-11-25 12:36:13 UTC"."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds_since_epoch))
+
+
+def name_stamp(prefix: str, suffix: str = "") -> str:
+    """A file or folder name that sorts by when it was made, in UTC: "bench-20261125-123613"."""
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}"

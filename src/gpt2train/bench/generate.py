@@ -16,7 +16,6 @@ Without transformers installed, our rows alone are measured and the comparison s
 
 from __future__ import annotations
 
-import datetime
 import json
 import platform
 import statistics
@@ -34,6 +33,7 @@ from gpt2train.hf import export_hf
 from gpt2train.model import GPT, PRESETS, matmul_parameter_count, preset_config
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
+from gpt2train.units import format_utc
 
 
 @dataclass
@@ -184,7 +184,7 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         "new_tokens": options.new_tokens,
         "repeats": options.repeats,
         "peak_bandwidth_gb_s": peak / 1e9 if peak else None,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": format_utc(time.time()),
         "torch": torch.__version__,
         "transformers_note": hf_note,
         "rows": [asdict(r) for r in rows],

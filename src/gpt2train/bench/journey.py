@@ -44,7 +44,7 @@ from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memor
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import make_optimizer
 from gpt2train.train.step import TrainStep
-from gpt2train.units import format_bytes
+from gpt2train.units import format_bytes, format_utc
 
 
 # --- what a stage turns on -----------------------------------------------------------------------------
@@ -506,7 +506,7 @@ def cpu_matmul_ceiling(n: int = 1024, repeats: int = 5) -> tuple[float, str]:
 
 def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "") -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or _cpu_name())
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "device": str(device),
+    return {"date": format_utc(time.time()), "torch": torch.__version__, "device": str(device),
             "device_name": name, "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
             "timing": "CUDA events per step" if device.type == "cuda" else "time.perf_counter per step",
             "memory": memory.method, "mfu_basis": mfu_basis}

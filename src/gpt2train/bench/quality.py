@@ -31,7 +31,7 @@ from gpt2train.config import Config, load_config, to_dict, validate
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import SEEDS, UsageError
 from gpt2train.train.loop import train
-from gpt2train.units import format_count, format_duration
+from gpt2train.units import format_count, format_duration, format_utc
 
 TOKENS_TARGET, TIME_TARGET = 0.5, 0.6  # issue 20: the recipe's share of GPT-2's tokens and time
 
@@ -294,7 +294,7 @@ def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = T
     if (out / "runs").exists():
         raise UsageError(f"{out / 'runs'} exists already (runs of an earlier bench): pass a new --out")
     load_meta(base.data.dir)  # missing data fails once, before any row
-    environment = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__,
+    environment = {"date": format_utc(time.time()), "torch": torch.__version__,
                    "cpu_threads": torch.get_num_threads()}
     results: list[RowResult] = []
     for i, row in enumerate(rows):
