@@ -150,3 +150,30 @@ def test_one_spike_rule_for_what_reads_a_runs_log(tmp_path):
     assert spike_rule_owners(SRC) == {"runlog.py"}
     (tmp_path / "doctor.py").write_text("SPIKE_WINDOW = 20\n")
     assert spike_rule_owners(tmp_path) == {"doctor.py"}  # the check can fail
+
+
+def shadowed_names(root: Path) -> list[str]:
+    """Public top-level functions and classes a module defines under a name that a gpt2train module it imports
+    defines too: two things with one name, one of them shadowing the other where both are in reach."""
+    defined, imported = {}, {}
+    for path in root.rglob("*.py"):
+        module = ".".join(("gpt2train",) + path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        defined[module] = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                           and not node.name.startswith("_")}
+        imported[module] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpt2train"):
+                # `from gpt2train import devices` imports the module gpt2train.devices
+                imported[module] |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return sorted(f"{module}.{name} (also {other}.{name})" for module, others in imported.items() for other in others
+                  for name in defined[module] & defined.get(other, set()))
+
+
+def test_no_module_shadows_a_name_of_a_module_it_imports(tmp_path):
+    """plan.py had find_device, detect_device and resolve_config beside devices.py's and runtime.py's, with
+    other signatures."""
+    assert shadowed_names(SRC) == []
+    (tmp_path / "devices.py").write_text("def find_device(name): ...\n")
+    (tmp_path / "plan.py").write_text("from gpt2train import devices\n\ndef find_device(name): ...\n")
+    assert shadowed_names(tmp_path) == ["gpt2train.plan.find_device (also gpt2train.devices.find_device)"]

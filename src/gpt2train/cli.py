@@ -262,11 +262,11 @@ def cmd_eval(args) -> int:
 
 def cmd_plan(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.plan import PlanError, find_device, format_plan, make_plan
+    from gpt2train.plan import PlanError, format_plan, make_plan, target_device
 
     cfg = load_config(args.config, args.set or [])
     try:
-        device = find_device(args.device)
+        device = target_device(args.device)
     except PlanError as e:  # a name outside the device table is a bad argument
         raise UsageError(str(e)) from None
     plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,

@@ -40,24 +40,20 @@ class PlanError(ValueError):
 # Devices
 
 
-def find_device(name: str) -> Device:
-    """A device of gpt2train.devices' table by name or alias ("H100", "a100-40gb", "RTX 4090", "cpu"), or
-    the GPU of this machine for "auto" / "cuda" / "cuda:N" (auto falls back to the CPU without CUDA)."""
+def target_device(name: str) -> Device:
+    """The device a plan is for: one of gpt2train.devices' table by name or alias ("H100", "a100-40gb",
+    "RTX 4090", "cpu"), or this machine's accelerator with its real memory for "auto" / "cuda" / "cuda:N" (auto
+    falls back to the CPU without CUDA; cuda raises without it)."""
+    from gpt2train.distributed import resolve_device
+
     key = devices.normalized_name(name)
     if key in ("auto", "cuda") or key.startswith("cuda"):
-        return detect_device(name)
+        return devices.describe(resolve_device(name.strip().lower()))
     device = devices.find_device(name)
     if device is None:
         known = ", ".join(d.name for d in devices.plannable())
         raise PlanError(f"unknown device {name!r}; use one of: {known}, CPU, or auto (this machine)")
     return device
-
-
-def detect_device(name: str = "auto") -> Device:
-    """This machine's accelerator (via gpt2train.distributed.resolve_device), with its real memory size."""
-    from gpt2train.distributed import resolve_device
-
-    return devices.describe(resolve_device(name.strip().lower()))  # auto, cuda or cuda:N; raises without CUDA
 
 
 def peak_flops_for(device: Device, cfg: Config) -> float | None:
@@ -73,7 +69,7 @@ def _dtype(cfg: Config) -> torch.dtype:
 # Counting
 
 
-def resolve_config(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
+def config_as_trained(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
     """A copy with every "take it from elsewhere" value made concrete, by the trainer's own resolution."""
     try:
         cfg = runtime.resolve_config(cfg, int(meta["vocab_size"]) if meta else None, default_vocab=GPT2_VOCAB_SIZE)
@@ -268,7 +264,7 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
     meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
     if cfg.model.vocab_size <= 0:
         notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
-    cfg = resolve_config(cfg, gpus, meta, device)
+    cfg = config_as_trained(cfg, gpus, meta, device)
 
     params, params_non_embedding = parameter_count(cfg.model), parameter_count(cfg.model, non_embedding=True)
     per_token = flops_per_token(cfg.model, cfg.train.seq_len)

@@ -227,7 +227,7 @@ def step_seconds(train_records: list[dict]) -> dict[int, float]:
     return seconds
 
 
-def read_run(run_dir: Path, seed: int) -> SeedRun:
+def read_seed_run(run_dir: Path, seed: int) -> SeedRun:
     """The validation curve of a finished run and its training time at each evaluation."""
     run = runlog.load_run(run_dir)
     vals = sorted((r for r in run.of(runlog.VAL) if runlog.is_finite(r.get("val_loss"))), key=lambda r: r["step"])
@@ -333,7 +333,7 @@ def train_row(row: Row, seed: int, run_dir: Path) -> SeedRun:
             out = train(cfg, run_dir)
         if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the bench
             raise KeyboardInterrupt
-        run = read_run(run_dir, seed)
+        run = read_seed_run(run_dir, seed)
     except Exception as e:  # noqa: BLE001 - the other rows still tell something
         message = str(e).splitlines()[0] if str(e) else ""
         run = SeedRun(seed, str(run_dir), status="failed", reason=f"{type(e).__name__}: {message}")
