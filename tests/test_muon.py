@@ -118,6 +118,25 @@ def test_muon_update_of_a_matrix_is_orthogonalized():
     torch.testing.assert_close(model.transformer.wte.weight.detach(), wte * (1 - 6e-4 * 0.1), rtol=0, atol=1e-9)
 
 
+def test_torchs_muon_still_calls_the_orthogonalization_we_swap(monkeypatch):
+    """optim swaps torch's private torch.optim._muon._zeropower_via_newtonschulz for an fp32 one where bf16 is
+    emulated. If a torch upgrade renames it or stops looking it up there, this fails and says so (instead of the
+    swap silently doing nothing)."""
+    assert TORCH_NEWTON_SCHULZ is not None, \
+        "torch.optim._muon._zeropower_via_newtonschulz is gone: update gpt2train.train.optim.orthogonalization_in"
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return TORCH_NEWTON_SCHULZ(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", counting)
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    weight.grad = torch.randn(8, 4)
+    torch.optim.Muon([weight], lr=0.01).step()
+    assert calls, "torch's Muon no longer calls _zeropower_via_newtonschulz: update gpt2train.train.optim"
+
+
 # --- where bf16 is emulated: the orthogonalization in fp32 ------------------------------------------------
 def test_newton_schulz_in_any_dtype_is_torchs_iteration():
     """The same iteration as torch's: in bf16 it gives torch's update up to bf16 rounding (torch fuses the

@@ -177,3 +177,44 @@ def test_no_module_shadows_a_name_of_a_module_it_imports(tmp_path):
     (tmp_path / "devices.py").write_text("def find_device(name): ...\n")
     (tmp_path / "plan.py").write_text("from gpt2train import devices\n\ndef find_device(name): ...\n")
     assert shadowed_names(tmp_path) == ["gpt2train.plan.find_device (also gpt2train.devices.find_device)"]
+
+
+# Private attributes of other libraries that the library still reads, each with the test that fails loudly the
+# day torch moves it (a torch upgrade then names what to change, instead of a silent fallback).
+PRIVATE_ALLOWED = {
+    ("train/optim.py", "_torch_muon._zeropower_via_newtonschulz"):
+        "tests/test_muon.py::test_torchs_muon_still_calls_the_orthogonalization_we_swap",
+    ("distributed.py", "model._orig_mod"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
+    ("generate.py", "torch._dynamo"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
+}
+
+
+def private_attributes(root: Path) -> set[tuple[str, str]]:
+    """(module, expression) for each `x._name` in the sources whose x is not self/cls/ctx: another library's
+    private attribute, or our own from outside its class (`BPETokenizer(...)._with_path` is ours: allowed)."""
+    found = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "ctx"))
+                    and node.attr != "_with_path"):
+                found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
+    return found
+
+
+def test_no_private_attribute_of_another_library_but_the_guarded_ones(tmp_path):
+    assert private_attributes(SRC) <= set(PRIVATE_ALLOWED), private_attributes(SRC) - set(PRIVATE_ALLOWED)
+    (tmp_path / "cli.py").write_text("import argparse\nargparse._SubParsersAction\n")
+    assert private_attributes(tmp_path) == {("cli.py", "argparse._SubParsersAction")}  # the check can fail
+
+
+def test_torch_compile_still_wraps_as_we_unwrap():
+    """distributed.unwrap reads torch.compile's wrapper's `_orig_mod`; the decoder marks its KV cache static with
+    torch._dynamo.mark_static_address. Neither is public: if torch changes them, this fails first."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(model)  # nothing compiles until it is called
+    assert compiled._orig_mod is model, "torch.compile no longer keeps the module as _orig_mod: fix distributed.unwrap"
+    assert callable(getattr(torch._dynamo, "mark_static_address", None)), \
+        "torch._dynamo.mark_static_address is gone: fix generate.Decoder.compiled_step"

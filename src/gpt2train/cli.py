@@ -397,7 +397,14 @@ MODEL_SHAPES = ModelShapeNames()
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """Usage mistakes as one line, like every other error (subcommand parsers inherit this class)."""
+    """Usage mistakes as one line, like every other error (subcommand parsers inherit this class), and `--debug`
+    in any position (`gpt2train train ... --debug`): every parser of this class takes it. A subcommand's default
+    is SUPPRESS, so one that is not given the flag leaves the top level's value alone instead of resetting it."""
+
+    def __init__(self, *args, debug_default=argparse.SUPPRESS, **kwargs):
+        super().__init__(*args, **kwargs)
+        shown = "show the traceback of an error (any position)" if debug_default is False else argparse.SUPPRESS
+        self.add_argument("--debug", action="store_true", default=debug_default, help=shown)
 
     def error(self, message: str):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
@@ -405,8 +412,8 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch. Exit status: "
-                           "0 done, 1 a failure while working, 2 a usage error (bad argument or config).")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (any position)")
+                           "0 done, 1 a failure while working, 2 a usage error (bad argument or config).",
+                           debug_default=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
@@ -623,17 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config_show)
     c = conf.add_parser("list", help="the presets shipped with gpt2train, with what each is for")
     c.set_defaults(func=cmd_config_list)
-    accept_debug_everywhere(parser)
     return parser
-
-
-def accept_debug_everywhere(parser: argparse.ArgumentParser):
-    """`--debug` after the command too (`gpt2train train ... --debug`). SUPPRESS: a subcommand that is not
-    given the flag leaves the top level's value alone instead of resetting it to False."""
-    for action in parser._actions:
-        for child in (action.choices.values() if isinstance(action, argparse._SubParsersAction) else ()):
-            child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-            accept_debug_everywhere(child)
 
 
 # What a user can cause and fix from the message alone; anything else is a bug, and its line says so.

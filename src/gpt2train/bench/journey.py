@@ -346,7 +346,7 @@ def _synchronize(device: torch.device):
 
 def _release(device: torch.device, compiled: bool):
     if compiled:
-        torch._dynamo.reset()  # drop compiled graphs, so the next stage compiles (and is measured) afresh
+        torch.compiler.reset()  # drop compiled graphs, so the next stage compiles (and is measured) afresh
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -346,7 +346,7 @@ def train_row(row: Row, seed: int, run_dir: Path) -> SeedRun:
 def release(cfg: Config) -> None:
     """Let the next row start clean: compiled graphs dropped (dynamo's cache would fill up over many rows)."""
     if cfg.train.compile is not False:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
