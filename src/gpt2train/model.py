@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -53,6 +54,30 @@ class GPTConfig:
     tied_head: bool = True  # the output head is the token embedding; false: a separate matrix
     zero_init_proj: bool = False  # residual projections (and an untied head) start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+
+    # The values each choice above takes (config.py's CHOICES lists these, it does not repeat them).
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ("sdpa", "naive"),
+        "position": ("learned", "rotary"),
+        "mlp": ("gelu", "relu2"),
+    }
+
+    def check(self, vocab_from_data: bool = False) -> GPTConfig:
+        """Raise ValueError (one line naming the key) for a shape no GPT can take; returns self. GPT checks
+        its config when built, config.validate every run's; vocab_from_data: vocab_size 0 is allowed (a run
+        config's "take it from the prepared data"). The sizes' ranges are the run config's (config.RANGES)."""
+        for key, allowed in self.CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key} = {getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd = {self.n_embd} is not a multiple of model.n_head = {self.n_head}; each "
+                             f"head gets n_embd / n_head channels, so n_embd must be divisible by n_head")
+        if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"model.position = rotary needs an even head size; n_embd / n_head = "
+                             f"{self.n_embd // self.n_head}")
+        if self.vocab_size <= 0 and not vocab_from_data:
+            raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
+        return self
 
     @property
     def padded_vocab_size(self) -> int:
@@ -242,16 +267,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.vocab_size <= 0:
-            raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
-        if cfg.n_embd % cfg.n_head != 0:
-            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
-        if cfg.attention not in ("sdpa", "naive"):
-            raise ValueError(f"model.attention = {cfg.attention!r}; use sdpa or naive")
-        if cfg.position not in ("learned", "rotary") or cfg.mlp not in ("gelu", "relu2"):
-            raise ValueError(f"model.position = {cfg.position!r}, model.mlp = {cfg.mlp!r}; use learned or rotary, "
-                             f"gelu or relu2")
-        self.config = cfg
+        self.config = cfg.check()
         V = cfg.padded_vocab_size
         # Built in GPT-2's order (wte, wpe, blocks, ln_f): the order fixes each weight's random init.
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(V, cfg.n_embd)))
