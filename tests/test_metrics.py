@@ -11,7 +11,8 @@ import torch
 
 from conftest import tiny_config
 from gpt2train.checkpoint import read_meta
-from gpt2train.model import GPT, GPTConfig, flops_per_token
+from gpt2train.counting import flops_per_token
+from gpt2train.model import GPT, GPTConfig
 from gpt2train.runlog import MetricsLogger, load_metrics
 from gpt2train.train.loop import Trainer, train
 

@@ -15,7 +15,8 @@ from gpt2train import plan as P
 from gpt2train.bench.journey import JourneyResult, StageResult
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, load_config
-from gpt2train.model import flops_per_token, parameter_count, preset_config
+from gpt2train.counting import flops_per_token, parameter_count
+from gpt2train.model import preset_config
 
 GPT2_TOML = REPO / "configs" / "gpt2.toml"
 H100_BF16 = 989e12

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "runlog"}),
-    ("model", {"model", "config", "runtime", "generate"}),
+    ("model", {"model", "classifier", "counting", "config", "runtime", "generate"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
     ("storage", {"checkpoint", "hf"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),

@@ -155,7 +155,7 @@ def no_config_line(cfg) -> str:
     """What `train` without --config trains: the built-in defaults, a GPT-2 124M, slow on a CPU; said first."""
     from dataclasses import replace
 
-    from gpt2train.model import parameter_count
+    from gpt2train.counting import parameter_count
     from gpt2train.tokenizer import GPT2_VOCAB_SIZE
     from gpt2train.units import format_count
 

@@ -2,7 +2,8 @@
 
 Every key has a type; keys with a fixed set of values list them in CHOICES and every numeric key has its
 range in RANGES, so a typo, a wrong type or a value out of range is a one-line ConfigError naming the key and
-what it accepts. validate() adds the checks that involve two keys; load_config and runtime.resolve_config
+what it accepts (the model's choices and shape rules are GPTConfig's own: CHOICES and validate() take them from
+model.py). validate() adds the checks that involve two keys; load_config and runtime.resolve_config
 (which every command and the trainer pass through) run it before any work starts. The resolved config is
 written back as TOML into the run directory, which makes every run reproducible from its own folder.
 """
@@ -131,9 +132,7 @@ class Config:
 
 
 CHOICES: dict[str, tuple] = {
-    "model.attention": ("sdpa", "naive"),
-    "model.position": ("learned", "rotary"),
-    "model.mlp": ("gelu", "relu2"),
+    **{f"model.{key}": allowed for key, allowed in GPTConfig.CHOICES.items()},  # the model's own, from model.py
     "train.optimizer": ("adamw", "muon"),
     "data.loader": ("auto", "ram", "memmap"),
     "data.order": ("random", "sequential"),
@@ -205,12 +204,10 @@ def validate(cfg: Config) -> Config:
     model, train = cfg.model, cfg.train
     if not is_device_name(train.device):
         raise ConfigError(f"train.device = {train.device!r} is not allowed; use {DEVICE_NAMES}")
-    if model.n_embd % model.n_head:
-        raise ConfigError(f"model.n_embd = {model.n_embd} is not a multiple of model.n_head = {model.n_head}; "
-                          f"each head gets n_embd / n_head channels")
-    if model.position == "rotary" and (model.n_embd // model.n_head) % 2:
-        raise ConfigError(f"model.position = rotary needs an even head size; n_embd / n_head = "
-                          f"{model.n_embd // model.n_head}")
+    try:  # the model's shape rules are GPTConfig's own
+        model.check(vocab_from_data=True)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if train.seq_len > model.block_size:
         raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}")
     return cfg

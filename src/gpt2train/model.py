@@ -13,18 +13,23 @@ zero-initialized residual projections, and a tanh soft cap on the logits.
 The embedding has padded_vocab_size rows (a multiple of 64, for fast matmuls) but the model is a
 distribution over vocab_size tokens: the padded columns of the logits are cut off before the softmax,
 so padded ids are never scored nor sampled, and an exported model (unpadded) gives the same numbers.
+
+Beside it: classifier.py (the soft cap and the fused classifier that loss_chunk > 0 uses) and counting.py
+(parameters and FLOPs from a GPTConfig, without building a model).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gpt2train.classifier import chunked_cross_entropy, softcap
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 
 
@@ -49,6 +54,30 @@ class GPTConfig:
     tied_head: bool = True  # the output head is the token embedding; false: a separate matrix
     zero_init_proj: bool = False  # residual projections (and an untied head) start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+
+    # The values each choice above takes (config.py's CHOICES lists these, it does not repeat them).
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ("sdpa", "naive"),
+        "position": ("learned", "rotary"),
+        "mlp": ("gelu", "relu2"),
+    }
+
+    def check(self, vocab_from_data: bool = False) -> GPTConfig:
+        """Raise ValueError (one line naming the key) for a shape no GPT can take; returns self. GPT checks
+        its config when built, config.validate every run's; vocab_from_data: vocab_size 0 is allowed (a run
+        config's "take it from the prepared data"). The sizes' ranges are the run config's (config.RANGES)."""
+        for key, allowed in self.CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"model.{key} = {getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd = {self.n_embd} is not a multiple of model.n_head = {self.n_head}; each "
+                             f"head gets n_embd / n_head channels, so n_embd must be divisible by n_head")
+        if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"model.position = rotary needs an even head size; n_embd / n_head = "
+                             f"{self.n_embd // self.n_head}")
+        if self.vocab_size <= 0 and not vocab_from_data:
+            raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
+        return self
 
     @property
     def padded_vocab_size(self) -> int:
@@ -78,60 +107,6 @@ def preset_config(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return GPTConfig(**{**PRESETS[name], **overrides})
-
-
-# --- counting, from the config alone (no model is built: gpt2-xl costs nothing) --------------------------
-def layer_parameter_count(cfg: GPTConfig) -> int:
-    """One block: qkv (C x 3C), attention projection (C x C), MLP (C x 4C, 4C x C), two LayerNorms."""
-    C = cfg.n_embd
-    weights = 12 * C * C
-    biases = 9 * C if cfg.bias else 0  # 3C + C + 4C + C
-    return weights + biases + 2 * _layer_norm_count(cfg)
-
-
-def _layer_norm_count(cfg: GPTConfig) -> int:
-    return 2 * cfg.n_embd if cfg.bias else cfg.n_embd  # a gain (and a bias)
-
-
-def parameter_count(cfg: GPTConfig, non_embedding: bool = False) -> int:
-    """Every parameter once (the tied lm_head is the token embedding): GPT-2 124M padded is 124,475,904.
-    non_embedding leaves out the embeddings and the head (85,056,000 for GPT-2 124M), as scaling laws count."""
-    n = cfg.n_layer * layer_parameter_count(cfg) + _layer_norm_count(cfg)  # blocks and ln_f
-    if non_embedding:
-        return n
-    return n + _embedding_count(cfg) + _head_count(cfg) + _position_count(cfg)
-
-
-def _embedding_count(cfg: GPTConfig) -> int:
-    return cfg.padded_vocab_size * cfg.n_embd  # wte (and the head, when tied)
-
-
-def _head_count(cfg: GPTConfig) -> int:
-    return 0 if cfg.tied_head else cfg.padded_vocab_size * cfg.n_embd
-
-
-def _position_count(cfg: GPTConfig) -> int:
-    return cfg.block_size * cfg.n_embd if cfg.position == "learned" else 0  # rotary has no parameters
-
-
-def matmul_parameter_count(cfg: GPTConfig) -> int:
-    """Parameters that enter a matmul (linear weights and biases, the tied lm_head): autocast casts these."""
-    C = cfg.n_embd
-    per_layer = 12 * C * C + (9 * C if cfg.bias else 0)
-    return cfg.n_layer * per_layer + cfg.padded_vocab_size * C
-
-
-def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6 * N + 12 * n_layer * n_embd * seq_len.
-
-    N counts the parameters that enter a matmul: the blocks and the head (the tied lm_head is the token
-    embedding; an untied one counts, and the token embedding is then a lookup, as the position embedding
-    always is). The LayerNorms, rotations and norms of the modern options are a rounding error. 6 = 2
-    (multiply-add) * 3 (forward + two backward matmuls). The second term is attention's QK^T and AV, which
-    no parameter count sees.
-    """
-    n = parameter_count(cfg, non_embedding=True) + cfg.padded_vocab_size * cfg.n_embd  # blocks, ln_f, head
-    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
 class KVCache:
@@ -292,16 +267,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.vocab_size <= 0:
-            raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
-        if cfg.n_embd % cfg.n_head != 0:
-            raise ValueError(f"model.n_embd = {cfg.n_embd} must be divisible by model.n_head = {cfg.n_head}")
-        if cfg.attention not in ("sdpa", "naive"):
-            raise ValueError(f"model.attention = {cfg.attention!r}; use sdpa or naive")
-        if cfg.position not in ("learned", "rotary") or cfg.mlp not in ("gelu", "relu2"):
-            raise ValueError(f"model.position = {cfg.position!r}, model.mlp = {cfg.mlp!r}; use learned or rotary, "
-                             f"gelu or relu2")
-        self.config = cfg
+        self.config = cfg.check()
         V = cfg.padded_vocab_size
         # Built in GPT-2's order (wte, wpe, blocks, ln_f): the order fixes each weight's random init.
         self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(V, cfg.n_embd)))
@@ -332,10 +298,6 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters counted once (the tied lm_head is the token embedding); see parameter_count."""
-        return parameter_count(self.config, non_embedding)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
                 padding_mask: torch.Tensor | None = None, last_only: bool = False):
@@ -391,95 +353,3 @@ class GPT(nn.Module):
             return logits
         loss = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-
-def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap), in fp32: close to the logits while small, never beyond +-cap."""
-    return cap * torch.tanh(logits.float() / cap)
-
-
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          vocab_size: int | None = None, cap: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy of (hidden @ weight.T)[:, :vocab_size] against targets, `chunk` rows at a time
-    (the logits soft-capped first when cap > 0).
-
-    The full (B*T, V) logits never exist: each chunk's logits are made, scored and dropped. When gradients
-    are wanted, the fused classifier below also computes them in the same pass. Equal to the plain loss in
-    value and gradients, up to float rounding. Targets of -1 are ignored.
-    """
-    hidden = hidden.reshape(-1, hidden.size(-1))  # (B*T, C)
-    targets = targets.reshape(-1)  # (B*T,)
-    vocab_size = vocab_size or weight.size(0)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return FusedClassifier.apply(hidden, weight, targets, vocab_size, chunk, cap)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.size(0), chunk):
-        logits = _masked_logits(hidden[start : start + chunk], weight, vocab_size, cap)
-        total += F.cross_entropy(logits, targets[start : start + chunk], ignore_index=-1, reduction="sum")
-    return total / (targets != -1).sum().clamp(min=1)
-
-
-class FusedClassifier(torch.autograd.Function):
-    """The classifier and its loss in one pass per chunk: logits, log-softmax, loss, and the gradient of the
-    summed loss with respect to the logits (softmax - one-hot), turned at once into the gradients of hidden
-    and weight; backward only scales them. Per chunk the logits are read a few times while they are still
-    in cache, instead of the passes over (B*T, V) arrays that cross_entropy and its backward make, and
-    nothing of size V is saved for backward.
-
-    The matmuls run in the autocast dtype (bf16 under autocast, as the plain path's would), the softmax in
-    fp32, the weight's gradient is summed in fp32.
-    Padded vocabulary columns are set to -inf in place: never scored, zero gradient. With a soft cap the
-    logits' gradient passes through the cap's derivative, 1 - tanh^2.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, cap: float = 0.0):
-        device = hidden.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-        with torch.autocast(device, enabled=False):
-            w, hid = weight.to(dtype), hidden.to(dtype)
-            valid = targets != -1
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_hidden = torch.empty_like(hidden)
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-            for start in range(0, hidden.size(0), chunk):
-                h, t = hid[start : start + chunk], targets[start : start + chunk].clamp(min=0)
-                ok = valid[start : start + chunk, None]  # (n, 1): rows whose target counts
-                if cap > 0:  # cap * tanh(z / cap) = 2 cap * sigmoid(2 z / cap) - cap: sigmoid is far cheaper than
-                    # tanh on a CPU, the softmax ignores the shift by -cap, and 2 / cap scales the small input
-                    logits = ((h * (2 / cap)) @ w.t()).float().sigmoid_().mul_(2 * cap)  # (n, padded V)
-                else:
-                    logits = (h @ w.t()).float()  # (n, padded V); a copy then fp32 log_softmax beats its dtype=
-                if logits.size(1) > vocab_size:
-                    logits[:, vocab_size:] = float("-inf")
-                log_probs = torch.log_softmax(logits, dim=1)
-                total -= (log_probs.gather(1, t[:, None]) * ok).sum()
-                grad = log_probs.exp_()  # softmax, in place
-                grad[torch.arange(len(t), device=t.device), t] -= 1.0
-                if cap > 0:  # through the cap: d(cap * tanh(z / cap)) / dz = 4 sigmoid (1 - sigmoid)
-                    logits[:, vocab_size:] = 0.0  # -inf there, where the gradient is already 0
-                    sig = logits.mul_(1 / (2 * cap))
-                    grad.mul_(sig.addcmul_(sig, sig, value=-1.0).mul_(4.0))
-                grad = grad.to(dtype)
-                grad_hidden[start : start + chunk] = (grad @ w) * ok
-                grad_weight += grad.t() @ (h * ok)
-        count = valid.sum().clamp(min=1)
-        ctx.save_for_backward(grad_hidden, grad_weight, count)
-        ctx.weight_dtype = weight.dtype
-        return total / count
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, count = ctx.saved_tensors
-        scale = grad_loss / count
-        return grad_hidden * scale, (grad_weight * scale).to(ctx.weight_dtype), None, None, None, None
-
-
-def _masked_logits(h: torch.Tensor, weight: torch.Tensor, vocab_size: int, cap: float = 0.0) -> torch.Tensor:
-    """(rows, padded V) fp32 logits whose padded columns are -inf: masked in place, not sliced and copied."""
-    logits = (h @ weight.t()).float()
-    if cap > 0:
-        logits = softcap(logits, cap)
-    if logits.size(1) > vocab_size:
-        logits[:, vocab_size:] = float("-inf")
-    return logits

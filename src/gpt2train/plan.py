@@ -20,8 +20,9 @@ from gpt2train import devices, runtime
 from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, ConfigError
+from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
-from gpt2train.model import GPT, flops_per_token, parameter_count
+from gpt2train.model import GPT
 from gpt2train.runtime import accumulation_steps, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.units import format_bytes, format_count, format_duration, format_significant

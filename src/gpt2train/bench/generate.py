@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
+from gpt2train.counting import matmul_parameter_count
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
 from gpt2train.generate import Decoder, generate_ids
 from gpt2train.hf import export_hf
-from gpt2train.model import GPT, PRESETS, matmul_parameter_count, preset_config
+from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
 from gpt2train.units import format_utc

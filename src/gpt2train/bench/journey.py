@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 from gpt2train.config import Config, TrainConfig
+from gpt2train.counting import flops_per_token
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
-from gpt2train.model import GPT, PRESETS, flops_per_token, preset_config
+from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime

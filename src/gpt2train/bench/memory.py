@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from gpt2train.config import Config
-from gpt2train.model import GPTConfig, layer_parameter_count, matmul_parameter_count, parameter_count
+from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
+from gpt2train.model import GPTConfig
 from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.train.optim import muon_parameter_count

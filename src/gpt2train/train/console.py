@@ -14,6 +14,7 @@ import torch
 
 import gpt2train
 from gpt2train.config import Config, to_dict
+from gpt2train.counting import parameter_count
 from gpt2train.progress import on_terminal, terminal_bar
 from gpt2train.runlog import MetricsLogger
 from gpt2train.units import format_count, format_duration
@@ -77,16 +78,16 @@ class Console:
                     "world_size": runtime.world_size, "cuda": torch.version.cuda}
         self.log("run_start", step=step + 1, config=to_dict(self.cfg), runtime=runtime.record(), hardware=hardware,
                  git=git_revision(),
-                 version=gpt2train.__version__, params=model.num_params(),
-                 params_non_embedding=model.num_params(non_embedding=True), flops_per_token=trainer.flops_per_token,
+                 version=gpt2train.__version__, params=parameter_count(model.config),
+                 params_non_embedding=parameter_count(model.config, non_embedding=True), flops_per_token=trainer.flops_per_token,
                  peak_flops=trainer.peak_flops, resumed_from=trainer.state.resumed_from)
         self.launch_start, self.first_step, self.pace_from = time.time(), step + 1, None
         if not self.is_main:
             return
         print(f"device: {name} ({device}), world size {runtime.world_size}, dtype {str(runtime.dtype).split('.')[-1]}, "
               f"compile {'on' if runtime.compile else 'off'}")
-        print(f"model: {format_count(model.num_params())} parameters "
-              f"({format_count(model.num_params(non_embedding=True))} without embeddings)")
+        print(f"model: {format_count(parameter_count(model.config))} parameters "
+              f"({format_count(parameter_count(model.config, non_embedding=True))} without embeddings)")
         print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
               f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
         if trainer.peak_flops:

@@ -19,11 +19,12 @@ import torch
 from gpt2train import distributed as D
 from gpt2train.checkpoint import newest_checkpoint
 from gpt2train.config import Config, save_config, validate
+from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import load_meta
 from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
-from gpt2train.model import GPT, flops_per_token
+from gpt2train.model import GPT
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
@@ -96,10 +97,9 @@ class Trainer:
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
         self.state = RunState()
         self.guard = TrainingGuard(cfg.guard)
+        meta = {"tokenizer": self.data_meta["tokenizer"], "params": parameter_count(cfg.model), "runtime": runtime.record()}
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, runtime, self.raw_model, self.optimizer,
-                                         self.scaler, self.train_loader, self.guard, self.state,
-                                         {"tokenizer": self.data_meta["tokenizer"], "params": self.raw_model.num_params(),
-                                          "runtime": runtime.record()})
+                                         self.scaler, self.train_loader, self.guard, self.state, meta)
         if resume:
             self.checkpointer.resume(resume)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
