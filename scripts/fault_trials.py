@@ -14,7 +14,8 @@ plan up front; trial k's first kill is of kind KINDS[k % 4], so any 4 trials in 
     published S     the instant step S's folder is published, before `latest` names it
     between S       the instant step S (not a save step) is logged: between two saves
 
-GPT2TRAIN_FAULT_SLEEP_IN_SAVE makes each save pause between its steps so that those windows can be hit.
+Each trial's trainer wraps the steps of a checkpoint save (see pause_after_save_steps) so that it pauses
+after each, which widens those windows enough to hit; the library itself has no such hook.
 Runs are forked from a server process that has imported torch and gpt2train once, so a launch costs tenths
 of a second instead of the ~3 s of a fresh interpreter; what a kill can break (files on disk) is the same.
 Exit status 1 when any trial ends otherwise than the uninterrupted run.
@@ -42,7 +43,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from gpt2train.checkpoint import FAULT_SLEEP_ENV, checkpoint_name  # noqa: E402
+import gpt2train.checkpoint as C  # noqa: E402
+from gpt2train.checkpoint import checkpoint_name  # noqa: E402
 from gpt2train.config import Config, dump_toml  # noqa: E402
 from gpt2train.model import GPTConfig  # noqa: E402
 from gpt2train.runlog import METRICS_FILE, load_run  # noqa: E402
@@ -65,6 +67,33 @@ def tiny_config(data_dir: Path, max_steps: int = 8) -> Config:
     return cfg
 
 
+# --- widening a save's windows ---------------------------------------------------------------------------
+def save_steps() -> list[tuple[object, str]]:
+    """(owner, name) of each step of a checkpoint save, in the order a ring save takes them: the weights file,
+    the state file, the fsync of the staged folder (also taken by the copy to best/), the publishing rename."""
+    return [(C, "save_safetensors"), (C.torch, "save"), (C, "_fsync_tree"), (C, "publish")]
+
+
+def after_each_save_step(after, setattr=setattr) -> None:
+    """Call after() each time a step of a save has returned. Pass monkeypatch.setattr to have it undone."""
+    def followed_by_after(original):
+        def step(*args, **kwargs):
+            result = original(*args, **kwargs)
+            after()
+            return result
+
+        return step
+
+    for owner, name in save_steps():
+        setattr(owner, name, followed_by_after(getattr(owner, name)))
+
+
+def pause_after_save_steps(seconds: float) -> None:
+    """A ring save then pauses 3 times before its folder is published and once more before `latest` moves."""
+    if seconds > 0:
+        after_each_save_step(lambda: time.sleep(seconds))
+
+
 # --- launching and killing ------------------------------------------------------------------------------
 _context = None
 
@@ -84,7 +113,7 @@ def _train_in_child(argv: list[str], log: str, sleep_in_save: float):
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # a file, not a pipe nobody reads
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ[FAULT_SLEEP_ENV] = str(sleep_in_save)
+    pause_after_save_steps(sleep_in_save)
     torch.set_num_threads(1)  # the same kernels, so the same bits, in every run compared
     # tqdm's default lock is a named semaphore; a killed child never frees it and the tracker warns at exit
     tqdm.set_lock(threading.RLock())

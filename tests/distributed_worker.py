@@ -19,6 +19,17 @@ from gpt2train.train.loop import Trainer
 from gpt2train.train.optim import newton_schulz
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state with every FSDP2 shard gathered into a full tensor (on CPU).
+
+    A collective under FSDP: call it on every rank. Under DDP or a single process it is a plain copy.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = D.unwrap(model).state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("data_dir")
@@ -50,7 +61,7 @@ def main():
             per_step.append(reductions["reduce_scatter_single"])
             losses.append(float(D.all_reduce_mean(torch.tensor(loss))))
         val_loss = trainer.evaluate()
-        weights = D.full_state_dict(trainer.model)  # a collective under FSDP: every rank calls it
+        weights = full_state_dict(trainer.model)  # a collective under FSDP: every rank calls it
         if trainer.is_main:
             master = trainer.raw_model.transformer.h[0].attn.c_attn.weight  # the sharded master weight
             torch.save({"losses": losses, "val_loss": val_loss, "weights": weights,

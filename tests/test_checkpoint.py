@@ -22,6 +22,9 @@ from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.train.loop import Trainer, train
 
+sys.path.insert(0, str(REPO / "scripts"))
+from fault_trials import after_each_save_step  # noqa: E402  the steps of a save, as the SIGKILL trials widen them
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -109,18 +112,18 @@ class Crash(BaseException):
 
 def test_a_crash_at_any_instant_of_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch):
     instants = 0
-    for crash_at in range(1, 10):
+    for crash_at in range(1, 12):
         run = tmp_path / f"run{crash_at}"
         fake_save(run, 1, best=True)
         calls = 0
 
-        def pause(crash_at=crash_at):
+        def crash_once_there(crash_at=crash_at):
             nonlocal calls
             calls += 1
             if calls == crash_at:
                 raise Crash
 
-        monkeypatch.setattr(C, "_pause_for_fault_tests", pause)
+        after_each_save_step(crash_once_there, monkeypatch.setattr)
         try:
             fake_save(run, 2, best=True)
         except Crash:
@@ -133,7 +136,8 @@ def test_a_crash_at_any_instant_of_a_save_leaves_a_loadable_checkpoint(tmp_path,
         assert weights["w"][0].item() == meta["step"]
         C.recover(run / "checkpoints")
         assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
-    assert instants == 4  # after the weights, after state.pt, after meta + fsync, before `latest` moves
+    # after the weights, after state.pt, after meta + fsync, before `latest` moves, best/'s copy synced unrenamed
+    assert instants == 5
 
 
 def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ one-line errors for bad input that never cost the data already on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -19,7 +20,6 @@ import pytest
 import gpt2train.data.prepare as prepare_module
 from conftest import one_line, run_cli
 from gpt2train.data.prepare import (
-    PrepareInterrupted,
     load_meta,
     prepare_documents,
     prepare_files,
@@ -29,6 +29,26 @@ from gpt2train.data.prepare import (
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
+
+
+class PrepareInterrupted(RuntimeError):
+    """Stands for a crash of prepare."""
+
+
+@contextlib.contextmanager
+def interrupted_after_shards(count: int):
+    """Within the block prepare stops, as if killed, right after it has recorded its `count`-th shard."""
+    record = prepare_module.save_state
+
+    def save_state(path, writers, next_doc, rule):
+        record(path, writers, next_doc, rule)
+        written = sum(len(w.shards) for w in writers.values())
+        if written >= count:
+            raise PrepareInterrupted(f"stopped after {written} shards")
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(PrepareInterrupted):
+        patch.setattr(prepare_module, "save_state", save_state)
+        yield
 
 
 def shard_tokens_of(folder, meta, split) -> np.ndarray:
@@ -194,8 +214,8 @@ def test_meta_records_each_shards_count_and_largest_id(txt_folder, char_data, tm
 def test_a_resume_state_without_largest_ids_reads_them_from_the_written_shards(txt_folder, tmp_path):
     fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
     out = tmp_path / "out"
-    with pytest.raises(PrepareInterrupted):
-        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=3)
+    with interrupted_after_shards(3):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
     (state_path,) = out.glob(".prepare-*/state.json")
     state = json.loads(state_path.read_text())
     for split in state["splits"].values():
@@ -208,8 +228,8 @@ def test_a_resume_state_without_largest_ids_reads_them_from_the_written_shards(t
 def test_resume_after_interruption_is_identical(txt_folder, tmp_path):
     fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
     out = tmp_path / "out"
-    with pytest.raises(PrepareInterrupted):
-        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=3)
+    with interrupted_after_shards(3):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
     assert not (out / "meta.json").exists()  # an interrupted run is not a dataset
     staged = list(out.glob(".prepare-*/train_000000.bin"))
     assert len(staged) == 1
@@ -250,8 +270,8 @@ def test_a_crash_while_moving_shards_into_place_is_finished_by_the_rerun(txt_fol
 
 def test_a_damaged_resume_state_starts_over(txt_folder, tmp_path, capsys):
     out = tmp_path / "out"
-    with pytest.raises(PrepareInterrupted):
-        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False, _stop_after_shards=2)
+    with interrupted_after_shards(2):
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
     (state,) = out.glob(".prepare-*/state.json")
     state.write_text("")  # what a power loss can leave
     meta = prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
@@ -263,8 +283,8 @@ def test_a_damaged_resume_state_starts_over(txt_folder, tmp_path, capsys):
 def test_a_finished_rerun_removes_an_interrupted_run_of_other_inputs(txt_folder, tmp_path):
     out = tmp_path / "out"
     prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
-    with pytest.raises(PrepareInterrupted):
-        prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=1000, progress=False, _stop_after_shards=1)
+    with interrupted_after_shards(1):
+        prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=1000, progress=False)
     assert list(out.glob(".prepare-*"))
     prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)  # already prepared
     assert not list(out.glob(".prepare-*"))
@@ -275,8 +295,8 @@ def test_resume_val_tokens_mode(txt_folder, tmp_path):
     fresh = prepare_files([txt_folder], tmp_path / "fresh", **kwargs)
     for stop in (1, 4):
         out = tmp_path / f"out{stop}"
-        with pytest.raises(PrepareInterrupted):
-            prepare_files([txt_folder], out, _stop_after_shards=stop, **kwargs)
+        with interrupted_after_shards(stop):
+            prepare_files([txt_folder], out, **kwargs)
         assert prepare_files([txt_folder], out, **kwargs)["shard_tokens"] == fresh["shard_tokens"]
         for names in fresh["shards"].values():
             for n in names:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import REPO, WELL_CONDITIONED_EPS, one_line, tiny_config
-from distributed_worker import worker_config
+from distributed_worker import full_state_dict, worker_config
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
@@ -242,7 +242,7 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     losses = [ref.train_step()["loss"] for _ in range(3)]
     np.testing.assert_allclose(fsdp["losses"], losses, rtol=0, atol=TOL)
     assert abs(fsdp["val_loss"] - ref.evaluate()) <= TOL
-    assert_close(fsdp["weights"], D.full_state_dict(ref.raw_model))
+    assert_close(fsdp["weights"], full_state_dict(ref.raw_model))
 
 
 @pytest.mark.slow
@@ -264,7 +264,7 @@ def test_muon_two_processes_equal_one_process(char_data, tmp_path, monkeypatch, 
     cfg.train.optimizer = "muon"
     ref = Trainer(cfg, None)
     np.testing.assert_allclose(two["losses"], [ref.train_step()["loss"] for _ in range(3)], rtol=0, atol=TOL)
-    assert_close(two["weights"], D.full_state_dict(ref.raw_model))
+    assert_close(two["weights"], full_state_dict(ref.raw_model))
 
 
 @pytest.mark.slow

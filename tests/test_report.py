@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -113,7 +115,8 @@ def test_report_writes_every_figure_and_a_self_contained_page(tmp_path):
     assert text.count(IMG_TAG) == len(GPU_FIGURES)
     assert "<script" not in text and "http://" not in text and "https://" not in text  # no external assets
     assert f"{BEST_VAL:.4f}" in text
-    assert "&lt;b&gt;thou&lt;/b&gt; &amp; &quot;thee&quot;" in text
+    (sample,) = re.findall(r"<pre>(.*?)</pre>", text, re.S)
+    assert html.unescape(sample) == SAMPLE_TEXT and "<b>" not in sample and '"' not in sample  # escaped, not lost
     assert SAMPLE_TEXT not in text
     assert "grad norm spike" in text  # the guard event is listed
     for highlight in ("4 / 4 / 128", "NVIDIA H100", "abc1234", "bfloat16", "2.13.0", "cosine"):
@@ -240,7 +243,7 @@ def test_page_has_every_section_and_no_unfilled_placeholder(tmp_path):
     for heading in ("<h1>gpt2train report</h1>", "<h2>Summary</h2>", "<h2>Figures</h2>",
                     "<h2>Guard events and resumes</h2>", "<h2>Last sample</h2>"):
         assert text.count(heading) == 1, heading
-    assert text.count("<table>") == 2 and "<style>" in text and "$" not in text
+    assert text.count("<table>") == 2 and "<style>" in text and "{{" not in text and "{%" not in text
     assert text.index("<h2>Summary</h2>") < text.index("<h2>Figures</h2>") < text.index("<h2>Last sample</h2>")
 
 

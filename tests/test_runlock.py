@@ -4,13 +4,13 @@ its start takes back the run directory it made, and nothing that was there befor
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
 
+import filelock
 import pytest
 
 from conftest import REPO, one_line, run_cli, tiny_config
@@ -21,13 +21,16 @@ from gpt2train.train import runlock
 from gpt2train.train.loop import Trainer, train
 from gpt2train.train.step import TrainStep
 
-HOLD = ("import sys, time; from gpt2train.train import runlock; runlock.acquire(sys.argv[1]); "
-        "print('locked', flush=True); time.sleep(600)")
+HOLD = ("import sys, time, filelock; from gpt2train.train import runlock; "
+        "filelock.FileLock = filelock.SoftFileLock if sys.argv[2] == 'soft' else filelock.FileLock; "
+        "runlock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(600)")
 
 
-def hold_lock_in_another_process(run_dir) -> subprocess.Popen:
+def hold_lock_in_another_process(run_dir, kind: str = "native") -> subprocess.Popen:
+    """A process holding the run lock; kind "soft": filelock's soft lock, as where the OS has no flock."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir), kind], env=env, stdout=subprocess.PIPE,
+                            text=True)
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -51,20 +54,40 @@ def test_a_live_run_dir_is_refused_and_a_killed_holder_does_not_block(char_data,
     finally:
         holder.send_signal(signal.SIGKILL)  # as kill -9: no cleanup runs, the kernel drops the lock
         holder.wait()
-    assert (run / ".lock").read_text().split()[0] == str(holder.pid)  # the stale pid stays in the file
+    assert (run / runlock.HOLDER_NAME).read_text().split()[0] == str(holder.pid)  # the stale pid stays behind
     assert train(tiny_config(char_data, max_steps=2), run)["step"] == 2
+
+
+def test_where_there_is_no_flock_a_soft_lock_refuses_a_live_run_and_a_killed_ones_does_not_block(char_data, tmp_path,
+                                                                                                monkeypatch):
+    """filelock's soft lock (a file whose existence is the lock), which FileLock uses where the OS has no flock:
+    the same refusal, and the lock of a holder killed on this host is reclaimed."""
+    monkeypatch.setattr(filelock, "FileLock", filelock.SoftFileLock)
+    run = tmp_path / "run"
+    holder = hold_lock_in_another_process(run, "soft")
+    try:
+        message = one_line(runlock.RunDirInUse, train, tiny_config(char_data, max_steps=2), run)
+        assert f"(pid {holder.pid} on {socket.gethostname()})" in message
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    trainer = Trainer(tiny_config(char_data, max_steps=2), run)  # the dead holder's lock is taken over
+    try:
+        assert type(runlock._held[trainer.lock].lock) is filelock.SoftFileLock
+        assert trainer.fit()["step"] == 2
+    finally:
+        trainer.close()
 
 
 def test_a_lock_held_through_another_open_file_is_refused(char_data, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    with open(run / ".lock", "w") as fh:  # flock locks belong to the open file: this one blocks our own Trainer
-        fh.write("4242 elsewhere\n")
-        fh.flush()
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    (run / runlock.HOLDER_NAME).write_text("4242 elsewhere\n")
+    with filelock.FileLock(run / runlock.LOCK_NAME):  # a lock of its own open file: it blocks our Trainer too
         message = one_line(runlock.RunDirInUse, Trainer, tiny_config(char_data), run)
     assert "(pid 4242 on elsewhere)" in message
-    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    assert {p.name for p in run.iterdir()} <= {runlock.LOCK_NAME, runlock.HOLDER_NAME}  # nothing else made
+    assert (run / runlock.HOLDER_NAME).read_text() == "4242 elsewhere\n"  # the holder's, untouched
 
 
 def test_clean_runs_give_the_lock_back_and_resume_auto_works(char_data, tmp_path):

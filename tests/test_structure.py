@@ -218,3 +218,64 @@ def test_torch_compile_still_wraps_as_we_unwrap():
     assert compiled._orig_mod is model, "torch.compile no longer keeps the module as _orig_mod: fix distributed.unwrap"
     assert callable(getattr(torch._dynamo, "mark_static_address", None)), \
         "torch._dynamo.mark_static_address is gone: fix generate.Decoder.compiled_step"
+
+
+# --- no test hooks in the library: faults are injected from the tests (monkeypatch, a wrapper, a kill) -----
+def environment_reads(tree: ast.Module) -> set[str]:
+    """The names of the environment variables a module reads: `os.environ.get(X)`, `os.environ[X]`,
+    `os.getenv(X)` and `X in os.environ`, with X a string or a module constant holding one."""
+    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    keys = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute) and (
+                (node.func.attr in ("get", "setdefault", "pop") and is_environ(node.func.value))
+                or node.func.attr == "getenv"):
+            keys.append(node.args[0])
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            keys.append(node.slice)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            keys.append(node.left)
+    names = {k.value for k in keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return names | {constants[k.id] for k in keys if isinstance(k, ast.Name) and k.id in constants}
+
+
+def hook_parameters(tree: ast.Module) -> list[str]:
+    """Parameters named like a test hook (`_stop_after_shards`); a bare `_` (an unused argument) is fine."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *(x for x in (a.vararg, a.kwarg) if x)]:
+                if arg.arg.startswith("_") and arg.arg.strip("_"):
+                    found.append(f"{getattr(node, 'name', 'lambda')}({arg.arg})")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_no_module_reads_a_test_hook_from_the_environment(name):
+    read = environment_reads(ast.parse(modules()[name].read_text()))
+    hooks = sorted(v for v in read if "FAULT" in v.upper() or "TEST" in v.upper())
+    assert not hooks, f"{name} reads {hooks}: inject faults from the tests (monkeypatch, a wrapper), not the library"
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_no_function_takes_a_test_hook_parameter(name):
+    hooks = hook_parameters(ast.parse(modules()[name].read_text()))
+    assert not hooks, f"{name}: {hooks} look like test hooks; inject the fault from the tests instead"
+
+
+def test_the_test_hook_checks_can_fail():
+    """The two hooks this library once had are caught."""
+    old_checkpoint = ('FAULT_SLEEP_ENV = "GPT2TRAIN_FAULT_SLEEP_IN_SAVE"\n'
+                      "def pause():\n    return float(os.environ.get(FAULT_SLEEP_ENV) or 0)\n")
+    assert environment_reads(ast.parse(old_checkpoint)) == {"GPT2TRAIN_FAULT_SLEEP_IN_SAVE"}
+    assert environment_reads(ast.parse('x = os.getenv("MY_TEST")\ny = "A_TEST" in os.environ\n')) == {"MY_TEST", "A_TEST"}
+    old_prepare = "def prepare_documents(reader, *, progress=True, _stop_after_shards=None):\n    pass\n"
+    assert hook_parameters(ast.parse(old_prepare)) == ["prepare_documents(_stop_after_shards)"]
+    assert hook_parameters(ast.parse("f = lambda _: 0\n")) == []

@@ -51,7 +51,6 @@ TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when 
 # The model settings a resumed run must keep: its shape, and what its weights mean.
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias",
               "position", "rope_base", "qk_norm", "mlp", "tied_head", "logit_softcap")
-FAULT_SLEEP_ENV = "GPT2TRAIN_FAULT_SLEEP_IN_SAVE"  # tests only: seconds to sleep between the steps of a save
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -192,13 +191,6 @@ def process_umask() -> int:
         return 0o777 & ~probe.stat().st_mode
 
 
-def _pause_for_fault_tests():
-    """Widen the windows between a save's steps so that fault tests can kill a process inside one."""
-    seconds = float(os.environ.get(FAULT_SLEEP_ENV) or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
 def stage(root: Path, name: str) -> Path:
     """A fresh, empty hidden folder that becomes checkpoint `name` when published."""
     root.mkdir(parents=True, exist_ok=True)
@@ -216,13 +208,10 @@ def publish(root: Path, name: str, staged: Path, weights: dict | None, state: di
     """Write the files into `staged` (which may already hold DCP shards), make them durable, rename into place."""
     if weights is not None:
         save_safetensors(weights, staged / "model.safetensors")
-        _pause_for_fault_tests()
     torch.save(state, staged / "state.pt")
-    _pause_for_fault_tests()
     meta = {**meta, "files": _file_sizes(staged)}  # lets readers catch a truncated file without loading it
     (staged / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _fsync_tree(staged)
-    _pause_for_fault_tests()
     return _swap_into_place(root, name, staged)
 
 
@@ -322,7 +311,6 @@ def save_checkpoint(run_dir: Path, step: int, weights: dict | None, state: dict,
             staged = stage(root, name)
         path = publish(root, name, staged, weights, state, meta)
         if ring:
-            _pause_for_fault_tests()
             point_latest(root, name)
             if best:
                 _link_copy(path, root, "best")

@@ -207,17 +207,6 @@ def barrier():
         dist.barrier()
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state with every FSDP2 shard gathered into a full tensor (on CPU).
-
-    A collective under FSDP: call it on every rank. Under DDP or a single process it is a plain copy.
-    """
-    from torch.distributed.tensor import DTensor
-
-    state = unwrap(model).state_dict()
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
-
-
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The plain GPT under DDP's `.module` and torch.compile's `._orig_mod`."""
     while True:

@@ -66,22 +66,22 @@ class RowBlockLinears:
     """A context in which every nn.Linear of a model computes an input of at most MAX_ROWS rows (a decode
     step, a short prefill) as one batched matmul over row blocks of its weight (BlockedLinear); larger
     inputs run F.linear as before. Decoder uses it on a CPU for fp32 weights: there MKL streams a (out, in)
-    weight through x @ W^T for a few rows at half the speed it streams the same weight's row blocks through
-    one bmm (GPT-2 124M, 2-core AVX2 CPU: 1.2 - 1.4x tokens/s at batch 1, 1.7x at batch 8;
-    docs/benchmarks.md, Generation). Nothing is copied: the blocks are views of the weights, made on the
+    weight through x @ W^T for a few rows more slowly than it streams the same weight's row blocks through
+    one bmm, and a decode step is bound by reading its weights (docs/benchmarks.md, "Matmuls in row
+    blocks"). Nothing is copied: the blocks are views of the weights, made on the
     first entry and again only after a weight was replaced or moved. Each layer gets an instance attribute
     `forward` (nn.Module calls it in place of the class's) while the context is open: a TorchFunctionMode
     would do the same for any F.linear, but it intercepts every op of the forward, which cost more than the
     blocks won in a decode step."""
 
-    MAX_ROWS = 64  # measured faster up to 64 rows, slower at 128
+    MAX_ROWS = 64  # where the blocks stop paying (docs/benchmarks.md, "Matmuls in row blocks")
 
     def __init__(self, model: nn.Module):
         self.layers = [m for m in model.modules() if isinstance(m, nn.Linear) and row_blocks(m.out_features)]
         self.forwards: dict[nn.Linear, BlockedLinear | None] = {}
 
     # Straight into the instance's __dict__: nn.Module's __setattr__ and __delattr__ checks, twice per layer
-    # and step, cost ~0.3 ms of a GPT-2 124M decode step here.
+    # and step, cost a measurable part of an eager decode step (docs/benchmarks.md, "Matmuls in row blocks").
     def __enter__(self):
         for module in self.layers:
             forward = self.forwards.get(module)
@@ -206,7 +206,8 @@ class Decoder:
     def cache_size(self, needed: int) -> int:
         """Slots to preallocate: eagerly, what this generation needs (attention reads every slot); compiled,
         that rounded up to a multiple of 128, so that generations of other lengths mostly reuse a compiled
-        step. (The whole context, one shape for all, made the compiled step on a CPU 5x slower.)"""
+        step. (The whole context, one shape for all, made the compiled step on a CPU several times slower:
+        docs/benchmarks.md, "Matmuls in row blocks".)"""
         if self.compiled is None:
             return needed
         return min(self.model.config.block_size, -(-needed // 128) * 128)

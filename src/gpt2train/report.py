@@ -1,4 +1,4 @@
-"""See a run: draw its figures and fill the HTML page from templates/report.html. Nothing else.
+"""See a run: draw its figures and render the HTML page from templates/report.html. Nothing else.
 
 The records come from gpt2train.runlog (which reads metrics.jsonl, merges relaunches and derives
 the summary numbers); this module only draws them and writes PNG figures, a one-file HTML page and
@@ -11,16 +11,15 @@ canvas: no pyplot, so a report never changes the backend or global state of the 
 from __future__ import annotations
 
 import base64
-import html
-import importlib.resources
 import io
 import json
 import math
-import string
 import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import jinja2
 
 from gpt2train import runlog
 from gpt2train.runlog import Run
@@ -338,33 +337,32 @@ SUMMARY_ROWS = [
 
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
-    """templates/report.html filled in: every value is HTML-escaped here, the template holds only markup."""
+    """templates/report.html rendered by jinja2 with autoescape on: the template holds all the markup, and
+    every value handed to it here is plain text (or base64) that jinja2 escapes."""
     generated = format_utc(time.time())
-    return _template().substitute(
-        names=", ".join(html.escape(run.name) for run in runs),
+    return _template().render(
+        names=", ".join(run.name for run in runs),
         generated=generated,
-        read_notes="\n".join(_read_notes(runs)),
+        read_notes=_read_notes(runs),
         summary=_summary_table(summaries),
-        figures="\n".join(_figure(chart, images.get(chart.name)) for chart in charts),
-        events=_events_table(runs),
-        samples="\n".join(_samples(runs)),
+        figures=[_figure(chart, images.get(chart.name)) for chart in charts],
+        events=_events(runs),
+        samples=_samples(runs),
     )
 
 
-def _template() -> string.Template:
-    # Read as package data, so it is found in a wheel install as well as in a source checkout.
-    text = importlib.resources.files("gpt2train").joinpath("templates").joinpath("report.html").read_text(encoding="utf-8")
-    return string.Template(text)
+def _template() -> jinja2.Template:
+    # A package loader finds the template in a wheel install as well as in a source checkout.
+    env = jinja2.Environment(loader=jinja2.PackageLoader("gpt2train", "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    return env.get_template("report.html")
 
 
-def _figure(chart: Chart, png: bytes | None) -> str:
-    """A chart's heading, its embedded PNG (when drawn) and its notes."""
-    parts = [f"<h3>{html.escape(chart.title)}</h3>"]
-    if png is not None:
-        data = base64.b64encode(png).decode("ascii")
-        parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(chart.title)}">')
-    parts += [f'<p class="note">{html.escape(note)}</p>' for note in chart.notes]
-    return "\n".join(parts)
+def _figure(chart: Chart, png: bytes | None) -> dict:
+    """A chart's title, its PNG as base64 (None when not drawn) and its notes."""
+    data = base64.b64encode(png).decode("ascii") if png is not None else None
+    return {"title": chart.title, "png_base64": data, "notes": chart.notes}
 
 
 def _read_notes(runs: list[Run]) -> list[str]:
@@ -375,12 +373,12 @@ def _read_notes(runs: list[Run]) -> list[str]:
         if run.truncated_last_line:
             notes.append(f"{run.name}: the last line of {runlog.METRICS_FILE} is incomplete "
                          "(a crash, or a write in progress).")
-    return [f'<p class="note">{html.escape(n)}</p>' for n in notes]
+    return notes
 
 
-def _summary_table(summaries: list[dict]) -> str:
-    head = "".join(f"<th>{html.escape(s['run'])}</th>" for s in summaries)
-    rows = [f"<tr><th></th>{head}</tr>"]
+def _summary_table(summaries: list[dict]) -> dict:
+    """{"runs": the column heads, "rows": (label, one text per run)} for the summary table."""
+    rows = []
     for label, key, fmt in SUMMARY_ROWS:
         cells = []
         for s in summaries:
@@ -390,9 +388,9 @@ def _summary_table(summaries: list[dict]) -> str:
                 text = fmt(*(s[k] for k in key))
             else:
                 text = _format(s[key], fmt)
-            cells.append(f'<td class="num">{html.escape(text)}</td>')
-        rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
-    return "<table>\n" + "\n".join(rows) + "\n</table>"
+            cells.append(text)
+        rows.append((label, cells))
+    return {"runs": [s["run"] for s in summaries], "rows": rows}
 
 
 def _format(value, fmt) -> str:
@@ -404,7 +402,8 @@ def _format(value, fmt) -> str:
         return str(value)
 
 
-def _events_table(runs: list[Run]) -> str:
+def _events(runs: list[Run]) -> list[dict]:
+    """The resumes and guard actions of every run, by run and step."""
     rows = []
     for run in runs:
         for i, rec in enumerate(run.of("run_start")):
@@ -417,29 +416,23 @@ def _events_table(runs: list[Run]) -> str:
             if rec.get("action") == "rollback":
                 detail += f"; back to step {rec.get('to_step', '?')}"
             rows.append((run.name, rec.get("step"), f"guard: {rec.get('action', '?')}", detail, rec.get("time")))
-    if not rows:
-        return '<p class="muted">None: no guard actions and no resumes.</p>'
     rows.sort(key=lambda r: (r[0], r[1] if runlog.is_int(r[1]) else -1))
-    body = "".join(
-        f"<tr><td>{html.escape(name)}</td><td class=\"num\">{html.escape(str(step))}</td><td>{html.escape(what)}</td>"
-        f"<td>{html.escape(detail)}</td><td>{_when(t)}</td></tr>"
-        for name, step, what, detail, t in rows
-    )
-    return f"<table><tr><th>run</th><th>step</th><th>event</th><th>detail</th><th>time</th></tr>{body}</table>"
+    return [{"run": name, "step": str(step), "what": what, "detail": detail, "when": _when(t)}
+            for name, step, what, detail, t in rows]
 
 
-def _samples(runs: list[Run]) -> list[str]:
+def _samples(runs: list[Run]) -> list[dict]:
+    """Each run's latest sample record; text None when it has none."""
     parts = []
     for run in runs:
         samples = run.of("sample")
         if not samples:
-            parts.append(f'<p class="muted">{html.escape(run.name)}: no sample records yet '
-                         "(eval.sample_interval logs them).</p>")
+            parts.append({"run": run.name, "text": None})
             continue
         s = samples[-1]
-        prompt = html.escape(repr(s.get("prompt", "")))  # repr: a prompt of "\n" stays visible
-        parts.append(f"<p><b>{html.escape(run.name)}</b>, step {s['step']}, prompt {prompt}:</p>")
-        parts.append(f"<pre>{html.escape(str(s.get('text', '')))}</pre>")
+        # repr: a prompt of "\n" stays visible
+        parts.append({"run": run.name, "step": s["step"], "prompt": repr(s.get("prompt", "")),
+                      "text": str(s.get("text", ""))})
     return parts
 
 

@@ -45,8 +45,8 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
 
     Why: a CPU step makes and frees the same large tensors every step (one chunk of the fused classifier's
     fp32 logits is 128 x 50,304 x 4 bytes = 25 MB). With the defaults glibc hands such blocks back to the
-    OS when freed and maps fresh pages for the next one, which the kernel then faults in and zeroes: a
-    third of the quickstart's step on a 2-core EPYC (docs/benchmarks.md). Process-wide and cheap to set;
+    OS when freed and maps fresh pages for the next one, which the kernel then faults in and zeroes: a large
+    share of a CPU step (docs/benchmarks.md, "How the allocator was found"). Process-wide and cheap to set;
     the price is a few hundred MB of freed memory the process keeps."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -113,7 +113,7 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(name: str, device_type: str, bf16_supported: bool | None = None) -> torch.dtype:
     """auto: bf16 on GPUs that have it, fp16 (with a GradScaler) on older GPUs; bf16 on a CPU that computes it
-    natively (measured 1.5-2x fp32's tokens/s, docs/benchmarks.md), fp32 elsewhere. `bf16_supported` answers
+    natively (faster than fp32 there: docs/benchmarks.md, Speed targets), fp32 elsewhere. `bf16_supported` answers
     for a GPU that is not this machine's (a plan); None asks this machine's."""
     if name != "auto":
         return DTYPES[name]
@@ -132,9 +132,9 @@ def autocast_for(device_type: str, dtype: torch.dtype):
 
 
 def resolve_compile(setting: bool | str, device_type: str) -> bool:
-    """auto: compile on CUDA; eager elsewhere. On a CPU compile made the quickstart's steps 1.25x faster,
-    but its validation loss at step 300 came out worse in 4 of 6 compiled runs (5.67-5.80 against 5.61-5.63
-    for every eager run, docs/benchmarks.md), so a CPU compiles only when asked (train.compile = true)."""
+    """auto: compile on CUDA; eager elsewhere. On a CPU compile made the quickstart's steps faster, but most
+    compiled runs ended at a worse validation loss than every eager run (docs/benchmarks.md, Speed targets:
+    the table of validation losses at step 300), so a CPU compiles only when asked (train.compile = true)."""
     if setting != "auto":
         return setting is True
     return device_type == "cuda"

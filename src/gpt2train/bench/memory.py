@@ -6,8 +6,8 @@ walking the step's phases: forward, the loss's backward, each block's backward, 
 It is arithmetic only, so `gpt2train plan` can call it in a loop.
 
 `find_micro_batch(cfg)` measures instead: it tries training steps on the CUDA device and keeps the
-largest micro-batch that fits. `TensorMemoryTracker` measures on any device (CPU included) by watching
-every tensor storage the ops create, which is how the estimator is tested without a GPU.
+largest micro-batch that fits. The tests measure on the CPU too (tests/tensor_memory.py), which is how
+the estimator is checked without a GPU.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ import copy
 import dataclasses
 import json
 import math
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 
 from gpt2train.config import Config
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
@@ -281,48 +278,6 @@ def accumulation_for(cfg: Config, micro_batch: int, world_size: int = 1) -> tupl
             return b, target // (b * T * world_size)
     raise ValueError(f"train.total_batch_tokens = {target} is not a multiple of seq_len x world size = "
                      f"{T * world_size}; pick a multiple of it")
-
-
-# --- measuring ---------------------------------------------------------------------------------------
-class TensorMemoryTracker(TorchDispatchMode):
-    """Counts the bytes of tensor storages created by ops while active, and their peak, on any device.
-
-    A storage is counted from the op that creates it until it is freed (a weak reference tells), so
-    `current` after a forward is what autograd and the caller keep, and `peak` is the step's high-water
-    mark, the CPU analogue of torch.cuda.max_memory_allocated. Storages that existed before (parameters,
-    optimizer states) are not counted; views count once. Allocator rounding and workspaces are not seen.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.known: set[int] = set()
-        self.current = 0
-        self.peak = 0
-
-    def ignore(self, tensors):
-        """Storages that already exist and must not be counted when an op returns a view of them."""
-        for t in tensors:
-            self.known.add(t.untyped_storage().data_ptr())
-        return self
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tree_map_only(torch.Tensor, self._track, out)
-        self.peak = max(self.peak, self.current)
-        return out
-
-    def _track(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self.live or key in self.known:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int):
-        self.current -= self.live.pop(key, 0)
 
 
 # --- finding the largest micro-batch on CUDA ------------------------------------------------------------

