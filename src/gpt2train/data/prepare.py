@@ -632,24 +632,25 @@ def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None
     readers check every batch's ids as they read it (check_ids_below)."""
     fmt = meta.get("format", "llmc")
     shards = [open_tokens(p, fmt, in_memory=in_memory) for p in paths]
-    counts = (meta.get("shard_tokens") or {}).get(split)
-    if isinstance(counts, list) and len(counts) == len(shards):
-        for path, tokens, count in zip(paths, shards, counts):
-            if len(tokens) != count:
-                raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
-                                 f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
-    crcs = (meta.get("shard_crc32") or {}).get(split)
-    if isinstance(crcs, list) and len(crcs) == len(shards):
-        for path, tokens, crc in zip(paths, shards, crcs):
-            if tokens_crc32(tokens) != crc:
-                raise ShardError(f"{path} changed after `gpt2train prepare` wrote it (its checksum is not the one "
-                                 f"meta.json records): re-run `gpt2train prepare` for this folder, or restore the file")
-    max_ids = (meta.get("max_token_id") or {}).get(split)
-    if vocab_size is not None and isinstance(max_ids, list) and len(max_ids) == len(shards):
-        for path, highest in zip(paths, max_ids):
-            if highest >= vocab_size:
-                raise out_of_vocab(path, highest, vocab_size)
+    for path, tokens, count in zip(paths, shards, recorded(meta, "shard_tokens", split, len(shards))):
+        if len(tokens) != count:
+            raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
+                             f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
+    for path, tokens, crc in zip(paths, shards, recorded(meta, "shard_crc32", split, len(shards))):
+        if tokens_crc32(tokens) != crc:
+            raise ShardError(f"{path} changed after `gpt2train prepare` wrote it (its checksum is not the one "
+                             f"meta.json records): re-run `gpt2train prepare` for this folder, or restore the file")
+    for path, highest in zip(paths, recorded(meta, "max_token_id", split, len(shards)) if vocab_size is not None else ()):
+        if highest >= vocab_size:
+            raise out_of_vocab(path, highest, vocab_size)
     return shards
+
+
+def recorded(meta: dict, key: str, split: str, shards: int) -> list:
+    """What prepare recorded per shard of the split under `key`; empty where it recorded none (other tools,
+    older prepares) or not one value per shard."""
+    values = (meta.get(key) or {}).get(split)
+    return values if isinstance(values, list) and len(values) == shards else []
 
 
 def detect_layout(folder: Path) -> dict | None:
