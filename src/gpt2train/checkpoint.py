@@ -106,23 +106,25 @@ def load_model_state(model: GPT, state: dict[str, torch.Tensor], source: str | P
     model.load_state_dict(state, strict=False)
 
 
-def rng_state() -> dict:
-    """This process's random generators, as plain Python values and tensors (loadable with weights_only)."""
-    name, key, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class ProcessRNG:
+    """This process's random generators (Python, NumPy, torch's CPU and CUDA ones) as a component with a state
+    dict of plain Python values and tensors (loadable with weights_only)."""
 
+    def state_dict(self) -> dict:
+        name, key, pos, has_gauss, gauss = np.random.get_state()
+        state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
+                 "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
 
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    name, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        name, key, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def check_same_shape(saved_model: dict, model: dict) -> None:
