@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
+import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
@@ -120,7 +121,7 @@ def test_a_crash_at_any_instant_of_a_save_leaves_a_loadable_checkpoint(tmp_path,
             if calls == crash_at:
                 raise Crash
 
-        monkeypatch.setattr(C, "_pause_for_fault_tests", pause)
+        monkeypatch.setattr(checkpoint_format, "_pause_for_fault_tests", pause)
         try:
             fake_save(run, 2, best=True)
         except Crash:
@@ -146,7 +147,7 @@ def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeyp
             raise Crash
         real_replace(src, dst)
 
-    monkeypatch.setattr(C.os, "replace", replace)
+    monkeypatch.setattr(checkpoint_format.os, "replace", replace)
     with pytest.raises(Crash):
         fake_save(tmp_path, 2, ring=False, best=True)
     monkeypatch.undo()

@@ -1,10 +1,11 @@
 """The trainer's checkpoint management: resume, periodic and best saves, and rollback after a guard verdict.
 
-The files and their atomicity are checkpoint.py's; this component decides when to save, and collects what goes
-in from the components it is handed (name -> an object with state_dict / load_state_dict: the model, the
-optimizer, the scaler, the guard, the run's counters, every rank's RNG and train-loader position, the loggers'
-continuity), so that a resumed run continues exactly as if never stopped. It knows where each one's state lies
-in a checkpoint (the tables below), none of their fields.
+The files and their atomicity are checkpoint/format.py's, the training state and the resume checks
+checkpoint/state.py's; this component decides when to save, and collects what goes in from the components it
+is handed (name -> an object with state_dict / load_state_dict: the model, the optimizer, the scaler, the
+guard, the run's counters, every rank's RNG and train-loader position, the loggers' continuity), so that a
+resumed run continues exactly as if never stopped. It knows where each one's state lies in a checkpoint (the
+tables below), none of their fields.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import torch
 from gpt2train import distributed as D
 from gpt2train.checkpoint import (
     CheckpointError,
-    check_same_optimizer,
-    check_same_shape,
+    check_resume,
     load_training_checkpoint,
     newest_checkpoint,
     point_latest,
@@ -32,12 +32,10 @@ from gpt2train.checkpoint import (
     ring_entries,
     save_training_checkpoint,
     set_aside_newer,
-    weights_only_message,
 )
-from gpt2train.config import Config, ConfigError, to_dict
+from gpt2train.config import Config, to_dict
 from gpt2train.ranges import UsageError
 from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
-from gpt2train.runtime import Runtime
 from gpt2train.train.guard import GuardError
 
 
@@ -125,41 +123,6 @@ def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
                         "Python), or pass another --out to start a new run")
 
 
-def batch_layout(runtime: Runtime) -> dict:
-    """How a run splits its optimizer step: recorded in meta.json, compared on resume."""
-    return {"tokens_per_step": runtime.tokens_per_step, "seq_len": runtime.seq_len,
-            "micro_batch": runtime.micro_batch, "grad_accum": runtime.grad_accum, "world_size": runtime.world_size}
-
-
-def saved_layout(meta: dict) -> dict:
-    """A checkpoint's batch layout; checkpoints from before it was recorded have it in their config."""
-    if "batch" in meta:
-        return meta["batch"]
-    train, world_size = meta["config"]["train"], int(meta.get("world_size", 1))
-    per_pass = train["micro_batch"] * train["seq_len"] * world_size
-    accum = train["total_batch_tokens"] // per_pass if train["total_batch_tokens"] > 0 else 1
-    return {"tokens_per_step": per_pass * accum, "seq_len": train["seq_len"], "micro_batch": train["micro_batch"],
-            "grad_accum": accum, "world_size": world_size}
-
-
-def check_same_batch(saved: dict, now: dict) -> bool:
-    """Refuse a resume whose optimizer step holds other tokens (the LR schedule and the data position would
-    mean another run); True when only the split into micro-batches, accumulation and ranks changed."""
-    if saved["seq_len"] != now["seq_len"]:
-        raise ConfigError(f"cannot resume: train.seq_len changed ({saved['seq_len']} -> {now['seq_len']}); the data "
-                          f"position counts windows of seq_len tokens: set train.seq_len = {saved['seq_len']}")
-    if saved["tokens_per_step"] != now["tokens_per_step"]:
-        raise ConfigError(f"cannot resume: tokens per step changed ({saved['tokens_per_step']} -> "
-                          f"{now['tokens_per_step']}); set train.total_batch_tokens = {saved['tokens_per_step']} "
-                          "(accumulation makes up a smaller micro_batch or world size)")
-    return any(saved[k] != now[k] for k in ("micro_batch", "grad_accum", "world_size"))
-
-
-def describe_layout(layout: dict) -> str:
-    return (f"{layout['world_size']} rank(s) x {layout['micro_batch']} sequences x {layout['grad_accum']} "
-            f"micro-step(s)")
-
-
 class Checkpointer:
     def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, batch: dict,
                  components: dict[str, Stateful], facts: dict):
@@ -212,17 +175,9 @@ class Checkpointer:
         """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
         the REWOUND ones and leaves the rest (the data, the guard) moving forward, so that the bad batches are
         not replayed."""
-        meta = read_meta(ckpt)
-        if "imported_from" in meta:  # weights only: no optimizer, scaler or data position to continue from
-            raise CheckpointError(weights_only_message(ckpt))
-        check_same_shape(meta["config"]["model"], to_dict(self.cfg)["model"])
-        check_same_optimizer(ckpt, meta["config"].get("train", {}), to_dict(self.cfg)["train"])
-        if restore_data:  # before any tensor is loaded: a refused resume changes nothing
-            saved_batch = saved_layout(meta)
-            if check_same_batch(saved_batch, self.batch) and self.dist.is_main:
-                print(f"note: resuming {describe_layout(saved_batch)} as {describe_layout(self.batch)}: the same "
-                      f"{self.batch['tokens_per_step']:,} tokens per step, the data continues where it stopped",
-                      file=sys.stderr)
+        note = check_resume(ckpt, read_meta(ckpt), to_dict(self.cfg), self.batch if restore_data else None)
+        if note and self.dist.is_main:
+            print(note, file=sys.stderr)
         saved, meta = load_training_checkpoint(ckpt, self.components["model"], self.components["optimizer"],
                                                sharded=self.sharded)
         for name, component in self.components.items():
@@ -233,9 +188,9 @@ class Checkpointer:
         return meta
 
     def _saved_state(self, name: str, component: Stateful, saved: dict, meta: dict) -> dict | None:
-        """Component `name`'s state in a checkpoint (the tables above). Every rank's loader holds the same stream position
-        (ranks slice each draw), so under another world size any saved rank's will do, and the loader maps it onto
-        this run's micro-batch (TokenLoader.load_state_dict)."""
+        """Component `name`'s state in a checkpoint (the tables above). Every rank's loader holds the same stream
+        position (ranks slice each draw), so under another world size any saved rank's will do, and the loader
+        maps it onto this run's micro-batch (TokenLoader.load_state_dict)."""
         if name in IN_META:
             return {key: meta.get(key) for key in component.state_dict()}
         if name in PER_RANK:
