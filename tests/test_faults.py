@@ -120,14 +120,14 @@ def fill_disk_on_save(monkeypatch, nth: int):
     """The nth weights file written runs out of space halfway, as on a full disk."""
     original, calls = checkpoint_format.save_file, [0]
 
-    def save_file(tensors, path):
+    def save_file(tensors, path, metadata=None):
         calls[0] += 1
         if calls[0] == nth:
-            original(tensors, path)
+            original(tensors, path, metadata=metadata)
             with open(path, "r+b") as f:
                 f.truncate(f.seek(0, 2) // 2)
             raise OSError(errno.ENOSPC, "No space left on device")
-        original(tensors, path)
+        original(tensors, path, metadata=metadata)
 
     monkeypatch.setattr(checkpoint_format, "save_file", save_file)
 
