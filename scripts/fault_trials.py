@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import gpt2train.checkpoint as C  # noqa: E402
+import gpt2train.checkpoint.format as checkpoint_files  # noqa: E402  where a save's steps run
 from gpt2train.checkpoint import checkpoint_name  # noqa: E402
 from gpt2train.config import Config, dump_toml  # noqa: E402
 from gpt2train.model import GPTConfig  # noqa: E402
@@ -71,7 +71,8 @@ def tiny_config(data_dir: Path, max_steps: int = 8) -> Config:
 def save_steps() -> list[tuple[object, str]]:
     """(owner, name) of each step of a checkpoint save, in the order a ring save takes them: the weights file,
     the state file, the fsync of the staged folder (also taken by the copy to best/), the publishing rename."""
-    return [(C, "save_safetensors"), (C.torch, "save"), (C, "_fsync_tree"), (C, "publish")]
+    files = checkpoint_files
+    return [(files, "save_safetensors"), (files.torch, "save"), (files, "_fsync_tree"), (files, "publish")]
 
 
 def after_each_save_step(after, setattr=setattr) -> None:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
+import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
@@ -150,7 +151,7 @@ def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeyp
             raise Crash
         real_replace(src, dst)
 
-    monkeypatch.setattr(C.os, "replace", replace)
+    monkeypatch.setattr(checkpoint_format.os, "replace", replace)
     with pytest.raises(Crash):
         fake_save(tmp_path, 2, ring=False, best=True)
     monkeypatch.undo()

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
+import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
 from conftest import REPO, tiny_config
 from gpt2train import cli
 from gpt2train.config import GuardConfig, dump_toml
@@ -117,7 +118,7 @@ def test_rollbacks_that_loop_stop_the_run_with_a_clear_error(char_data, tmp_path
 # --- a full disk -------------------------------------------------------------------------------------------
 def fill_disk_on_save(monkeypatch, nth: int):
     """The nth weights file written runs out of space halfway, as on a full disk."""
-    original, calls = C.save_file, [0]
+    original, calls = checkpoint_format.save_file, [0]
 
     def save_file(tensors, path, metadata=None):
         calls[0] += 1
@@ -128,7 +129,7 @@ def fill_disk_on_save(monkeypatch, nth: int):
             raise OSError(errno.ENOSPC, "No space left on device")
         original(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(C, "save_file", save_file)
+    monkeypatch.setattr(checkpoint_format, "save_file", save_file)
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(char_data, tmp_path, monkeypatch, capsys):

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conftest import one_line, run_cli, tiny_config
+from gpt2train.checkpoint import saved_layout
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
-from gpt2train.train.checkpointing import saved_layout
 from gpt2train.train.loop import Trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

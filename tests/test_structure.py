@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "runlog"}),
     ("model", {"model", "classifier", "counting", "config", "runtime", "generate"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
-    ("storage", {"checkpoint", "hf"}),
+    ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("train", {"train", "train.optim", "train.guard", "train.step", "train.signals", "train.console",
                "train.checkpointing", "train.runlock", "train.init_from", "train.loop"}),
@@ -107,9 +107,9 @@ def test_no_module_imports_a_layer_above_it(name):
 
 def test_the_layer_check_can_fail(tmp_path):
     """checkpoint importing train/ (as it once did) is caught."""
-    bad = tmp_path / "checkpoint.py"
+    bad = tmp_path / "state.py"
     bad.write_text("from gpt2train.train.loop import Trainer\n")
-    assert imported(bad) == {"train.loop"} and layer_of("train.loop") > layer_of("checkpoint")
+    assert imported(bad) == {"train.loop"} and layer_of("train.loop") > layer_of("checkpoint.state")
 
 
 def test_one_file_calls_backward():

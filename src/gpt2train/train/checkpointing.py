@@ -1,8 +1,11 @@
 """The trainer's checkpoint management: resume, periodic and best saves, and rollback after a guard verdict.
 
-The files and their atomicity are checkpoint.py's; this component decides when to save and what goes in:
-the model, the optimizer, the scaler, the guard, the run's counters (RunState), and every rank's RNG and
-train-loader position, so that a resumed run continues exactly as if never stopped.
+The files and their atomicity are checkpoint/format.py's, the training state and the resume checks
+checkpoint/state.py's; this component decides when to save, and collects what goes in from the components it
+is handed (name -> an object with state_dict / load_state_dict: the model, the optimizer, the scaler, the
+guard, the run's counters, every rank's RNG and train-loader position, the loggers' continuity), so that a
+resumed run continues exactly as if never stopped. It knows where each one's state lies in a checkpoint (the
+tables below), none of their fields.
 """
 
 from __future__ import annotations
@@ -12,14 +15,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import torch
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import (
     CheckpointError,
-    check_same_optimizer,
-    check_same_shape,
+    check_resume,
     load_training_checkpoint,
     newest_checkpoint,
     point_latest,
@@ -27,23 +30,33 @@ from gpt2train.checkpoint import (
     recover,
     resolve_checkpoint,
     ring_entries,
-    rng_state,
     save_training_checkpoint,
     set_aside_newer,
-    set_rng_state,
-    weights_only_message,
 )
-from gpt2train.config import Config, ConfigError, to_dict
-from gpt2train.data.loader import TokenLoader
+from gpt2train.config import Config, to_dict
 from gpt2train.ranges import UsageError
 from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
-from gpt2train.runtime import Runtime
-from gpt2train.train.guard import GuardError, TrainingGuard
+from gpt2train.train.guard import GuardError
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+# Where each component's state lies in a checkpoint: the layout checkpoints have always had, so older ones load.
+WEIGHTS = ("model", "optimizer")  # the on-disk format's own: safetensors + state.pt["optimizer"], or DCP shards
+IN_META = ("position", "run", "logger")  # plain values at meta.json's top level, readable without torch
+PER_RANK = ("rng", "loader")  # state.pt["ranks"][rank][name], every rank's own; the rest: state.pt[name], rank 0's
+SAME_ON_EVERY_RANK = ("loader",)  # so a rank the checkpoint did not have takes rank 0's (its RNG stays seeded)
+REWOUND = ("model", "optimizer", "scaler", "position")  # what a rollback reloads; the rest moves forward
 
 
 @dataclass
 class RunState:
-    """The run's counters: what a checkpoint's meta.json records besides the tensors."""
+    """The run's counters. Its state dict is what meta.json records of them; its `position` (step and tokens)
+    is a component of its own, the part a rollback rewinds with the weights."""
 
     step: int = 0  # optimizer steps done
     tokens: int = 0
@@ -52,10 +65,35 @@ class RunState:
     wall_before: float = 0.0  # training wall seconds of earlier launches
     launch_start: float = field(default_factory=time.time)
     resumed_from: str | None = None
-    wandb_run_id: str | None = None  # the run's one W&B run, which a resume continues
 
     def wall_seconds(self) -> float:
         return self.wall_before + (time.time() - self.launch_start)
+
+    def state_dict(self) -> dict:
+        return {"val_loss": self.val_loss, "best_val_loss": None if math.isinf(self.best_val) else self.best_val,
+                "train_wall_s": self.wall_seconds()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.val_loss = state.get("val_loss")
+        self.best_val = float(state.get("best_val_loss") or math.inf)
+        self.wall_before = float(state.get("train_wall_s") or 0.0)
+
+    @property
+    def position(self) -> RunPosition:
+        return RunPosition(self)
+
+
+@dataclass
+class RunPosition:
+    """Where the run is (optimizer steps done, tokens seen), as a component: a view of its RunState."""
+
+    run: RunState
+
+    def state_dict(self) -> dict:
+        return {"step": self.run.step, "tokens": self.run.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run.step, self.run.tokens = int(state["step"]), int(state["tokens"])
 
 
 class RunExists(UsageError):
@@ -85,49 +123,13 @@ def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
                         "Python), or pass another --out to start a new run")
 
 
-def batch_layout(runtime: Runtime) -> dict:
-    """How a run splits its optimizer step: recorded in meta.json, compared on resume."""
-    return {"tokens_per_step": runtime.tokens_per_step, "seq_len": runtime.seq_len,
-            "micro_batch": runtime.micro_batch, "grad_accum": runtime.grad_accum, "world_size": runtime.world_size}
-
-
-def saved_layout(meta: dict) -> dict:
-    """A checkpoint's batch layout; checkpoints from before it was recorded have it in their config."""
-    if "batch" in meta:
-        return meta["batch"]
-    train, world_size = meta["config"]["train"], int(meta.get("world_size", 1))
-    per_pass = train["micro_batch"] * train["seq_len"] * world_size
-    accum = train["total_batch_tokens"] // per_pass if train["total_batch_tokens"] > 0 else 1
-    return {"tokens_per_step": per_pass * accum, "seq_len": train["seq_len"], "micro_batch": train["micro_batch"],
-            "grad_accum": accum, "world_size": world_size}
-
-
-def check_same_batch(saved: dict, now: dict) -> bool:
-    """Refuse a resume whose optimizer step holds other tokens (the LR schedule and the data position would
-    mean another run); True when only the split into micro-batches, accumulation and ranks changed."""
-    if saved["seq_len"] != now["seq_len"]:
-        raise ConfigError(f"cannot resume: train.seq_len changed ({saved['seq_len']} -> {now['seq_len']}); the data "
-                          f"position counts windows of seq_len tokens: set train.seq_len = {saved['seq_len']}")
-    if saved["tokens_per_step"] != now["tokens_per_step"]:
-        raise ConfigError(f"cannot resume: tokens per step changed ({saved['tokens_per_step']} -> "
-                          f"{now['tokens_per_step']}); set train.total_batch_tokens = {saved['tokens_per_step']} "
-                          "(accumulation makes up a smaller micro_batch or world size)")
-    return any(saved[k] != now[k] for k in ("micro_batch", "grad_accum", "world_size"))
-
-
-def describe_layout(layout: dict) -> str:
-    return (f"{layout['world_size']} rank(s) x {layout['micro_batch']} sequences x {layout['grad_accum']} "
-            f"micro-step(s)")
-
-
 class Checkpointer:
-    def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, runtime: Runtime, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loader: TokenLoader,
-                 guard: TrainingGuard, state: RunState, extra_meta: dict):
-        self.cfg, self.run_dir, self.dist, self.runtime = cfg, run_dir, dist, runtime
-        self.model, self.optimizer, self.scaler, self.loader, self.guard = model, optimizer, scaler, loader, guard
-        self.state = state
-        self.extra_meta = extra_meta  # tokenizer, parameter count: facts of the run saved with every checkpoint
+    def __init__(self, cfg: Config, run_dir: Path | None, dist: D.DistInfo, batch: dict,
+                 components: dict[str, Stateful], facts: dict):
+        """`batch`: this launch's batch_layout; `components`: what a checkpoint holds, named as the tables above place them;
+        `facts`: what every checkpoint records of the run besides (tokenizer, parameter count, runtime)."""
+        self.cfg, self.run_dir, self.dist, self.batch = cfg, run_dir, dist, batch
+        self.components, self.facts = components, facts
         self.sharded = cfg.train.distributed == "fsdp" and dist.enabled  # DCP checkpoints
         self.last_save = time.time()
 
@@ -144,7 +146,7 @@ class Checkpointer:
     # --- resume ----------------------------------------------------------------------------------
     def resume(self, resume: str) -> Path | None:
         """`auto`: the newest good checkpoint of the run directory, or a fresh start when there is none;
-        otherwise a run directory (its newest good checkpoint) or a checkpoint folder."""
+        otherwise a run directory (its newest good checkpoint) or a checkpoint folder. Returns the checkpoint."""
         if resume == "auto":
             if self.run_dir is None:
                 return None
@@ -167,78 +169,63 @@ class Checkpointer:
         else:
             ckpt = resolve_checkpoint(resume)
         self.load(ckpt, restore_data=True)
-        self.state.resumed_from = str(ckpt)
         return ckpt
 
     def load(self, ckpt: Path, restore_data: bool) -> dict:
-        """Load a checkpoint into the live run. `restore_data` (resume): also every rank's RNG and loader state,
-        the guard and the counters of the run; a rollback leaves those moving forward so that the bad batches
-        are not replayed."""
-        meta = read_meta(ckpt)
-        if "imported_from" in meta:  # weights only: no optimizer, scaler or data position to continue from
-            raise CheckpointError(weights_only_message(ckpt))
-        check_same_shape(meta["config"]["model"], to_dict(self.cfg)["model"])
-        check_same_optimizer(ckpt, meta["config"].get("train", {}), to_dict(self.cfg)["train"])
-        if restore_data:  # before any tensor is loaded: a refused resume changes nothing
-            saved_batch, now_batch = saved_layout(meta), batch_layout(self.runtime)
-            if check_same_batch(saved_batch, now_batch) and self.dist.is_main:
-                print(f"note: resuming {describe_layout(saved_batch)} as {describe_layout(now_batch)}: the same "
-                      f"{now_batch['tokens_per_step']:,} tokens per step, the data continues where it stopped",
-                      file=sys.stderr)
-        saved, meta = load_training_checkpoint(ckpt, self.model, self.optimizer, sharded=self.sharded)
-        self.scaler.load_state_dict(saved["scaler"])
-        state = self.state
-        if restore_data:
-            self._restore_ranks(saved["ranks"])
-            self.guard.load_state_dict(saved.get("guard", {}))
-            state.best_val = float(meta.get("best_val_loss") or math.inf)
-            state.val_loss = meta.get("val_loss")
-            state.wall_before = float(meta.get("train_wall_s") or 0.0)
-            state.wandb_run_id = meta.get("wandb_run_id")
-        state.step, state.tokens = int(meta["step"]), int(meta["tokens"])
+        """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
+        the REWOUND ones and leaves the rest (the data, the guard) moving forward, so that the bad batches are
+        not replayed."""
+        note = check_resume(ckpt, read_meta(ckpt), to_dict(self.cfg), self.batch if restore_data else None)
+        if note and self.dist.is_main:
+            print(note, file=sys.stderr)
+        saved, meta = load_training_checkpoint(ckpt, self.components["model"], self.components["optimizer"],
+                                               sharded=self.sharded)
+        for name, component in self.components.items():
+            if name not in WEIGHTS and (restore_data or name in REWOUND):
+                state = self._saved_state(name, component, saved, meta)
+                if state is not None:  # absent from older checkpoints: the component keeps its fresh state
+                    component.load_state_dict(state)
         return meta
 
-    def _restore_ranks(self, ranks: list[dict]):
-        """This rank's RNG and loader position. Every rank's loader holds the same stream position (ranks slice
-        each draw), so under another world size any saved rank's will do, and the loader maps it onto this
-        run's micro-batch (TokenLoader.load_state_dict). The RNG of a rank the checkpoint did not have stays
-        seeded from seed + rank."""
-        mine = ranks[self.dist.rank] if self.dist.rank < len(ranks) else None
-        if mine is not None:
-            set_rng_state(mine["rng"])
-        self.loader.load_state_dict((mine or ranks[0])["loader"])
+    def _saved_state(self, name: str, component: Stateful, saved: dict, meta: dict) -> dict | None:
+        """Component `name`'s state in a checkpoint (the tables above). Every rank's loader holds the same stream
+        position (ranks slice each draw), so under another world size any saved rank's will do, and the loader
+        maps it onto this run's micro-batch (TokenLoader.load_state_dict)."""
+        if name in IN_META:
+            return {key: meta.get(key) for key in component.state_dict()}
+        if name in PER_RANK:
+            ranks, rank = saved["ranks"], self.dist.rank
+            mine = ranks[rank] if rank < len(ranks) else ranks[0] if name in SAME_ON_EVERY_RANK else None
+            return None if mine is None else mine[name]
+        return saved.get(name)
 
     # --- save ------------------------------------------------------------------------------------
     def save(self, ring: bool = True, best: bool = False) -> Path | None:
-        """Save a checkpoint: into the ring (`ring`), and/or as best/ (`best`). Every rank contributes its RNG and
-        loader state; rank 0 writes (every rank writes its own shards under FSDP)."""
+        """Save a checkpoint: into the ring (`ring`), and/or as best/ (`best`). Every rank contributes its own
+        state; rank 0 writes (every rank writes its own shards under FSDP)."""
         if self.run_dir is None:
             return None
-        if ring:
-            self.guard.after_checkpoint()
-        state = self.state
-        ranks = D.all_gather_objects({"rng": rng_state(), "loader": self.loader.state_dict()})
-        saved = {"scaler": self.scaler.state_dict(), "ranks": ranks, "guard": self.guard.state_dict()}
-        meta = {"tokens": state.tokens, "val_loss": state.val_loss,
-                "best_val_loss": None if math.isinf(state.best_val) else state.best_val,
-                "train_wall_s": state.wall_seconds(), "config": to_dict(self.cfg),
-                "world_size": self.dist.world_size, "batch": batch_layout(self.runtime), "torch": torch.__version__,
-                "wandb_run_id": state.wandb_run_id, **self.extra_meta}
-        path = save_training_checkpoint(self.run_dir, state.step, self.model, self.optimizer, saved, meta,
-                                        is_main=self.dist.is_main, sharded=self.sharded,
-                                        keep_last=self.cfg.checkpoint.keep_last, ring=ring, best=best)
+        states = {name: c.state_dict() for name, c in self.components.items() if name not in WEIGHTS}
+        saved = {name: state for name, state in states.items() if name not in IN_META + PER_RANK}
+        saved["ranks"] = D.all_gather_objects({name: states[name] for name in PER_RANK if name in states})
+        meta = {key: value for name in IN_META if name in states for key, value in states[name].items()}
+        meta.update({"config": to_dict(self.cfg), "world_size": self.dist.world_size, "batch": self.batch,
+                     "torch": torch.__version__, **self.facts})
+        path = save_training_checkpoint(self.run_dir, meta["step"], self.components["model"],
+                                        self.components["optimizer"], saved, meta, is_main=self.dist.is_main,
+                                        sharded=self.sharded, keep_last=self.cfg.checkpoint.keep_last, ring=ring,
+                                        best=best)
         if ring:
             self.last_save = time.time()
         return path
 
     # --- rollback --------------------------------------------------------------------------------
-    def rollback(self, reason: str) -> int:
-        """Reload the newest good checkpoint (weights, optimizer, scaler; not the data); returns its step."""
-        step = self.state.step
+    def rollback(self, why: str, before_load: Callable[[int], None] = lambda to_step: None) -> int:
+        """Reload the newest good checkpoint's REWOUND components (not the data); returns its step. `why`: what
+        went wrong at which step; `before_load(to_step)` may refuse the rollback (the guard, when rollbacks loop)."""
         ckpt = newest_checkpoint(self.run_dir, warn=self.dist.is_main) if self.run_dir is not None else None
         if ckpt is None:
-            raise GuardError(f"guard: {reason} at step {step} and no checkpoint to roll back to; "
+            raise GuardError(f"guard: {why} and no checkpoint to roll back to; "
                              "lower train.lr, check the data, or save earlier (checkpoint.every_steps)")
-        self.guard.before_rollback(int(ckpt.name.split("_")[-1]), step)
-        self.load(ckpt, restore_data=False)
-        return self.state.step
+        before_load(int(ckpt.name.split("_")[-1]))
+        return int(self.load(ckpt, restore_data=False)["step"])

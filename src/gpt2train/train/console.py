@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from gpt2train.config import Config, to_dict
 from gpt2train.counting import parameter_count
 from gpt2train.progress import on_terminal, terminal_bar
 from gpt2train.runlog import MetricsLogger
+from gpt2train.runtime import Runtime
 from gpt2train.units import format_count, format_duration
 
 
@@ -42,17 +44,32 @@ def say_already_finished(run_dir: Path | None, state, max_steps: int, is_main: b
             "reason": ALREADY_FINISHED}
 
 
+@dataclass
+class LogContinuity:
+    """What the loggers of a later launch continue, saved with every checkpoint: the run's one W&B run."""
+
+    wandb_run_id: str | None = None
+
+    def state_dict(self) -> dict:
+        return {"wandb_run_id": self.wandb_run_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.wandb_run_id = state.get("wandb_run_id")
+
+
 class Console:
     def __init__(self, cfg: Config, run_dir: Path | None, is_main: bool, device: torch.device, start_step: int = 1,
-                 wandb_run_id: str | None = None):
+                 continuity: LogContinuity | None = None):
         """`start_step`: the first step this launch trains (after a resume, the checkpoint's step + 1);
-        `wandb_run_id`: the W&B run a resumed launch continues (from the checkpoint's meta.json)."""
+        `continuity`: the W&B run a resumed launch continues (from the checkpoint), filled in on a first launch."""
         self.cfg, self.is_main, self.device = cfg, is_main, device
         if is_main and run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+        continuity = continuity if continuity is not None else LogContinuity()
         self.logger = MetricsLogger(run_dir if is_main else None, cfg.log.tensorboard, cfg.log.wandb,
                                     cfg.log.wandb_project, cfg.log.wandb_mode, to_dict(cfg),
-                                    start_step=start_step, wandb_run_id=wandb_run_id)
+                                    start_step=start_step, wandb_run_id=continuity.wandb_run_id)
+        continuity.wandb_run_id = self.logger.wandb_run_id  # made by the logger on a first W&B launch
         self.bar = None
         self.launch_start = time.time()
         self.first_step = 1  # of this launch
@@ -70,36 +87,36 @@ class Console:
             print(text, flush=True)
 
     # --- a launch --------------------------------------------------------------------------------
-    def start(self, trainer, step: int):
-        """The run_start record and the banner: device, model, batch, MFU basis, resume."""
-        device, runtime, model = trainer.device, trainer.runtime, trainer.raw_model
+    def start(self, step: int, runtime: Runtime, flops_per_token: float, peak_flops: float | None,
+              resumed_from: str | None = None, init_source: str | None = None):
+        """The run_start record and the banner: device, model, batch, MFU basis, and where the weights came from
+        (`resumed_from` a checkpoint, or `init_source` for train.init_from)."""
+        device, model = self.device, self.cfg.model
+        params, params_non_embedding = parameter_count(model), parameter_count(model, non_embedding=True)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         hardware = {"device": str(device), "device_name": name, "torch": torch.__version__,
                     "world_size": runtime.world_size, "cuda": torch.version.cuda}
         self.log("run_start", step=step + 1, config=to_dict(self.cfg), runtime=runtime.record(), hardware=hardware,
-                 git=git_revision(),
-                 version=gpt2train.__version__, params=parameter_count(model.config),
-                 params_non_embedding=parameter_count(model.config, non_embedding=True), flops_per_token=trainer.flops_per_token,
-                 peak_flops=trainer.peak_flops, resumed_from=trainer.state.resumed_from)
+                 git=git_revision(), version=gpt2train.__version__, params=params,
+                 params_non_embedding=params_non_embedding, flops_per_token=flops_per_token, peak_flops=peak_flops,
+                 resumed_from=resumed_from)
         self.launch_start, self.first_step, self.pace_from = time.time(), step + 1, None
         if not self.is_main:
             return
         print(f"device: {name} ({device}), world size {runtime.world_size}, dtype {str(runtime.dtype).split('.')[-1]}, "
               f"compile {'on' if runtime.compile else 'off'}")
-        print(f"model: {format_count(parameter_count(model.config))} parameters "
-              f"({format_count(parameter_count(model.config, non_embedding=True))} without embeddings)")
+        print(f"model: {format_count(params)} parameters ({format_count(params_non_embedding)} without embeddings)")
         print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
               f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
-        if trainer.peak_flops:
-            print(f"mfu: against {trainer.peak_flops / 1e12:.0f} TFLOP/s per device, "
-                  f"{trainer.flops_per_token / 1e6:.1f} MFLOP per token")
+        if peak_flops:
+            print(f"mfu: against {peak_flops / 1e12:.0f} TFLOP/s per device, {flops_per_token / 1e6:.1f} MFLOP per token")
         else:
             print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.devices.DEVICES); "
                   "reporting tokens/s only")
-        if trainer.state.resumed_from:
-            print(f"resumed from {trainer.state.resumed_from} at step {step}")
-        elif trainer.init_source:
-            print(f"weights from {trainer.init_source} (train.init_from); starting at step 0 with a fresh optimizer")
+        if resumed_from:
+            print(f"resumed from {resumed_from} at step {step}")
+        elif init_source:
+            print(f"weights from {init_source} (train.init_from); starting at step 0 with a fresh optimizer")
         self.open_bar(step)
 
     def open_bar(self, step: int):

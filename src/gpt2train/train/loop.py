@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpt2train import distributed as D
-from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint
 from gpt2train.config import Config, save_config, validate
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.loader import TokenLoader
@@ -28,7 +28,7 @@ from gpt2train.model import GPT
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.train import init_from, runlock
 from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
-from gpt2train.train.console import Console, say_already_finished
+from gpt2train.train.console import Console, LogContinuity, say_already_finished
 from gpt2train.train.guard import TrainingGuard
 from gpt2train.train.optim import make_optimizer, set_lr
 from gpt2train.train.signals import StopSignal
@@ -45,8 +45,7 @@ def seed_everything(seed: int):
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
         self.run_dir = Path(run_dir) if run_dir else None
-        # The inputs first: a bad config or missing data stops here, before the run directory is made or locked.
-        # The data's tokenizer sizes the model (vocab_size 0).
+        # The inputs first (a bad config or missing data stops before the run directory is made); the data sizes the vocab.
         validate(cfg)
         self.data_meta = load_meta(cfg.data.dir)
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
@@ -95,22 +94,21 @@ class Trainer:
         self.step_fn = TrainStep(self.model, self.optimizer, self.train_loader.next_batch, runtime,
                                  clip_params=self.raw_model.parameters(), grad_clip=cfg.train.grad_clip,
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
-        self.state = RunState()
-        self.guard = TrainingGuard(cfg.guard)
-        meta = {"tokenizer": self.data_meta["tokenizer"], "params": parameter_count(cfg.model), "runtime": runtime.record()}
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, runtime, self.raw_model, self.optimizer,
-                                         self.scaler, self.train_loader, self.guard, self.state, meta)
-        if resume:
-            self.checkpointer.resume(resume)
+        self.state, self.guard, self.logs = RunState(), TrainingGuard(cfg.guard), LogContinuity()
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, batch_layout(runtime), {
+            "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler, "guard": self.guard,
+            "rng": ProcessRNG(), "loader": self.train_loader, "position": self.state.position, "run": self.state,
+            "logger": self.logs}, {"tokenizer": self.data_meta["tokenizer"], "params": parameter_count(cfg.model),
+                                   "runtime": runtime.record()})
+        ckpt = self.checkpointer.resume(resume) if resume else None
+        self.state.resumed_from = str(ckpt) if ckpt else None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
         self.console = self.evals = None  # stay None for a run resumed at its end: it logs no launch, opens no logger
         if self.state.step >= cfg.train.max_steps:
             return
         # After the resume: the loggers learn where this launch starts and which W&B run it continues.
-        self.console = Console(cfg, self.run_dir, self.is_main, self.device, start_step=self.state.step + 1,
-                               wandb_run_id=self.state.wandb_run_id)
-        self.state.wandb_run_id = self.console.logger.wandb_run_id  # made by the logger on a first W&B launch
+        self.console = Console(cfg, self.run_dir, self.is_main, self.device, self.state.step + 1, self.logs)
         self.evals = PeriodicEvals(cfg, self.raw_model, self.val_loader, self.data_meta["tokenizer"], runtime.autocast,
                                    self.console.log, self.console.print, self.is_main)
 
@@ -132,7 +130,7 @@ class Trainer:
             return say_already_finished(self.run_dir, state, cfg.train.max_steps, self.is_main)
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
-        console.start(self, state.step)
+        console.start(state.step, self.runtime, self.flops_per_token, self.peak_flops, state.resumed_from, self.init_source)
         state.launch_start = self.checkpointer.last_save = time.time()
         first_step, reason, val_loss = state.step + 1, "done", None
         with StopSignal() as stop_signal:
@@ -163,6 +161,8 @@ class Trainer:
                 # A regular save goes into the ring; a new best alone is written to best/ only.
                 regular = self.checkpointer.regular_due(step, last, minutes_due, stop)
                 best = is_best and cfg.checkpoint.save_best
+                if regular:
+                    self.guard.after_checkpoint()  # a new checkpoint: the run got past what made it roll back
                 if regular or best:
                     path = self.checkpointer.save(ring=regular, best=best)
                     console.log("checkpoint", step=step, path=str(path), best=best)
@@ -185,7 +185,7 @@ class Trainer:
 
     def _rollback(self, reason: str, out: dict, loss: float):
         step = self.state.step
-        to_step = self.checkpointer.rollback(reason)
+        to_step = self.checkpointer.rollback(f"{reason} at step {step}", lambda to: self.guard.before_rollback(to, step))
         self.console.redo_from(to_step + 1)  # before the guard record, so that the mirrors keep it
         self.console.log("guard", step=step, action="rollback", reason=reason, loss=_finite_or_none(loss),
                          grad_norm=_finite_or_none(out["grad_norm"]), to_step=to_step)

@@ -1,5 +1,7 @@
-"""Checkpoints that hold everything a resumed run needs, written so that a crash at any instant loses at most
-the steps since the previous save.
+"""The on-disk format of checkpoints: staged, published and verified atomically, found again (latest, the
+ring, best/), recovered after a crash, and the weights saved and loaded. A crash at any instant loses at most
+the steps since the previous save. (What a training state holds: state.py; what `ckpt inspect` prints:
+inspect.py.)
 
 Layout of a run directory:
 
@@ -22,35 +24,25 @@ caught before it is loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
-import random
 import re
 import shutil
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
-from gpt2train.config import Config, ConfigError, config_from_resolved
-from gpt2train.model import GPT, GPTConfig
-from gpt2train.runlog import RUNTIME_FIELDS, ran_and_asked, setting_text
-from gpt2train.units import format_bytes, format_count, format_duration
+from gpt2train.config import Config, config_from_resolved
+from gpt2train.model import GPT
 
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
-# The model settings a resumed run must keep: its shape, and what its weights mean.
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias",
-              "position", "rope_base", "qk_norm", "mlp", "tied_head", "logit_softcap")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -103,45 +95,6 @@ def load_model_state(model: GPT, state: dict[str, torch.Tensor], source: str | P
         raise CheckpointError(f"{source}: the weights do not match the model of its config ({problem}); the files "
                               f"come from different models: use a checkpoint saved whole, or an earlier one")
     model.load_state_dict(state, strict=False)
-
-
-def rng_state() -> dict:
-    """This process's random generators, as plain Python values and tensors (loadable with weights_only)."""
-    name, key, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (name, key.tolist(), pos, has_gauss, gauss),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict):
-    random.setstate(state["python"])
-    name, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def check_same_shape(saved_model: dict, model: dict) -> None:
-    """Refuse to resume into a model of another shape (other training settings may change)."""
-    gpt2 = dataclasses.asdict(GPTConfig())  # a checkpoint older than a key was made with its default
-    saved_model = {k: saved_model.get(k, gpt2.get(k)) for k in SHAPE_KEYS}
-    changed = [k for k in SHAPE_KEYS if saved_model[k] != model.get(k)]
-    if changed:
-        diff = ", ".join(f"{k}: {saved_model[k]} -> {model.get(k)}" for k in changed)
-        raise ConfigError(f"cannot resume: model settings changed ({diff}); resume with the checkpoint's model "
-                          "settings or start a new run directory")
-
-
-def check_same_optimizer(ckpt: Path, saved_train: dict, train: dict) -> None:
-    """Refuse to resume under another train.optimizer: the checkpoint holds the state of the one it used."""
-    saved, now = saved_train.get("optimizer", "adamw"), train["optimizer"]  # older checkpoints: AdamW
-    if saved != now:
-        raise ConfigError(f"cannot resume: train.optimizer changed ({saved} -> {now}) and {ckpt} holds {saved}'s "
-                          f"state; set train.optimizer = \"{saved}\", or start a new run directory with "
-                          f"--set train.init_from={ckpt} (weights only)")
 
 
 # --- writing ------------------------------------------------------------------------------------------
@@ -322,7 +275,7 @@ def save_checkpoint(run_dir: Path, step: int, weights: dict | None, state: dict,
         previous = newest_checkpoint(run_dir, warn=False)
         kept = f"{previous.name} is intact" if previous is not None else "no earlier checkpoint exists"
         code = getattr(e, "errno", None)
-        why = os.strerror(code) if code else _reason(e)
+        why = os.strerror(code) if code else short_reason(e)
         raise CheckpointSaveError(f"could not save checkpoint {name} in {root}: {why}; "
                                   f"{kept}; free space and rerun with --resume auto", code) from None
 
@@ -343,7 +296,7 @@ def read_meta(ckpt: Path) -> dict:
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({_reason(e)}); the checkpoint is corrupt") from None
+        raise CheckpointError(f"{ckpt}/meta.json is unreadable ({short_reason(e)}); the checkpoint is corrupt") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{ckpt}/meta.json lacks step or config; the checkpoint is corrupt")
     return meta
@@ -366,7 +319,7 @@ def verify(ckpt: Path) -> dict:
         with zipfile.ZipFile(ckpt / "state.pt") as z:  # torch.save writes a zip archive
             z.namelist()
     except Exception as e:  # truncated or overwritten files
-        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)})") from None
+        raise CheckpointError(f"{ckpt} is damaged ({short_reason(e)})") from None
     if meta.get("sharded") and not (ckpt / "dcp" / ".metadata").is_file():
         raise CheckpointError(f"{ckpt} is damaged: dcp/.metadata is missing")
     return meta
@@ -413,7 +366,7 @@ def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, di
         weights = load_file(str(ckpt / "model.safetensors"))
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True) if with_state else None
     except Exception as e:  # damaged in a way the size check cannot see
-        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
+        raise CheckpointError(f"{ckpt} is damaged ({short_reason(e)}); resume from an earlier checkpoint") from None
     return weights, state, meta
 
 
@@ -427,201 +380,9 @@ def load_model(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
     return model.to(device).eval(), cfg, meta
 
 
-def _reason(e: Exception) -> str:
+def short_reason(e: Exception) -> str:
+    """An exception as one short line: its type and the first line of its message."""
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}"[:200]
 
 
-# --- the training state of a live run (model, optimizer, sharded or not) ---------------------------------
-def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                             state: dict, meta: dict, *, is_main: bool, sharded: bool, keep_last: int,
-                             ring: bool, best: bool) -> Path:
-    """Save from every rank at once. Plain runs: rank 0 writes weights and optimizer. FSDP runs (`sharded`):
-    every rank writes its shards of model and optimizer with DCP into the staging folder, and rank 0 adds the
-    full weights (for sampling and export), the rest of the state and meta.json. Rank 0's outcome is shared,
-    so a failed save raises CheckpointSaveError on every rank."""
-    from gpt2train import distributed as D
-
-    root = Path(run_dir) / "checkpoints"
-    name = checkpoint_name(step) if ring else "best"
-    staged, weights, error = None, None, None
-    if sharded:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-
-        if is_main:
-            recover(root)
-            stage(root, name)
-        D.barrier()
-        staged = root / f".tmp-{name}"
-        model_sd, optim_sd = get_state_dict(model, dcp_optimizers(optimizer))
-        try:
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staged / "dcp"))
-        except Exception as e:  # DCP reports a failed write on every rank
-            error = (f"could not save checkpoint {name} in {root}: {_reason(e)}; free space and rerun with --resume auto",
-                     getattr(e, "errno", None))
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        weights = {k: v.contiguous() for k, v in full.items() if k not in tied_keys(model)}
-        meta = {**meta, "sharded": True}
-    else:
-        state = {**state, "optimizer": optimizer.state_dict()} if is_main else state
-        meta = {**meta, "sharded": False}
-    path = None
-    if is_main and error is None:
-        try:
-            weights = weights if sharded else model_state(model)
-            path = save_checkpoint(run_dir, step, weights, state, meta, keep_last=keep_last, ring=ring, best=best,
-                                   staged=staged)
-        except CheckpointSaveError as e:
-            error = (str(e), e.errno)
-    error = D.all_gather_objects(error)[0]  # rank 0's outcome decides for all
-    if error is not None:
-        raise CheckpointSaveError(*error)
-    return path or root / name
-
-
-def dcp_optimizers(optimizer):
-    """What DCP's get/set_state_dict take: torch optimizers, so Muon + AdamW as the list of the two."""
-    return getattr(optimizer, "optimizers", optimizer)
-
-
-def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                             sharded: bool) -> tuple[dict, dict]:
-    """Load weights and optimizer state into a live model (wrapped or not) and return (state, meta).
-
-    A sharded (FSDP) checkpoint loads into any world size, FSDP or not, through DCP's resharding; a plain one
-    cannot be loaded into an FSDP run."""
-    meta = verify(ckpt)
-    try:
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
-    check_training_state(ckpt, state, meta)
-    if meta.get("sharded"):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(model, dcp_optimizers(optimizer))
-        both = {"model": model_sd, "optim": optim_sd}
-        with warnings.catch_warnings():  # loading a sharded checkpoint into one process is intended
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(both, checkpoint_id=str(ckpt / "dcp"))
-        set_state_dict(model, dcp_optimizers(optimizer), model_state_dict=both["model"], optim_state_dict=both["optim"])
-        return state, meta
-    if sharded:
-        raise CheckpointError(f"{ckpt} was saved without FSDP; resume it with train.distributed = \"ddp\" "
-                              "(or one process), or start a new run directory")
-    try:
-        weights = load_file(str(ckpt / "model.safetensors"))
-    except Exception as e:
-        raise CheckpointError(f"{ckpt} is damaged ({_reason(e)}); resume from an earlier checkpoint") from None
-    from gpt2train.distributed import unwrap
-
-    if "optimizer" not in state:
-        raise CheckpointError(weights_only_message(ckpt))
-    load_model_state(unwrap(model), weights, ckpt / "model.safetensors")
-    load_optimizer_state(optimizer, state["optimizer"], ckpt)
-    return state, meta
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, ckpt: Path) -> None:
-    """The optimizer's state, whose moments must have the shapes of the parameters they belong to: torch
-    loads mismatched ones silently and fails at the next step."""
-    fix = "resume from a checkpoint of this model, or start a new run directory"
-    try:
-        optimizer.load_state_dict(saved)
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise CheckpointError(f"{ckpt}/state.pt: the optimizer state does not fit this model ({_reason(e)}); "
-                              f"{fix}") from None
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for name, value in optimizer.state.get(param, {}).items():
-                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
-                    raise CheckpointError(f"{ckpt}/state.pt: optimizer {name} has shape {tuple(value.shape)} for a "
-                                          f"parameter of shape {tuple(param.shape)}; {fix}")
-
-
-RESUME_STATE_KEYS = ("scaler", "ranks")  # besides the optimizer (absent in weights-only checkpoints: own message)
-
-
-def check_training_state(ckpt: Path, state, meta: dict) -> None:
-    """What a resume reads from state.pt and meta.json is there: else one line, not a KeyError mid-resume."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{ckpt}/state.pt holds a {type(state).__name__}, not a training state; resume from "
-                              f"an earlier checkpoint")
-    if "optimizer" not in state and not meta.get("sharded"):
-        raise CheckpointError(weights_only_message(ckpt))
-    missing = [k for k in RESUME_STATE_KEYS if k not in state] + [k for k in ("tokens",) if type(meta.get(k)) is not int]
-    if missing:
-        raise CheckpointError(f"{ckpt} lacks {', '.join(missing)}: it cannot be resumed; resume from an earlier "
-                              f"checkpoint, or start a new run with --set train.init_from={ckpt} (weights only)")
-
-
-def weights_only_message(ckpt: Path) -> str:
-    return (f"{ckpt} holds weights only (an import-hf checkpoint: no optimizer state to resume); to fine-tune "
-            f"from it, start a new run with --set train.init_from={ckpt} instead of --resume")
-
-
-# --- inspection ---------------------------------------------------------------------------------------
-def describe_checkpoint(path: str | Path) -> str:
-    """A few lines a person reads: where, step, tokens, losses, when, model, tokenizer, config summary.
-    Raises CheckpointError (one line) for a damaged checkpoint."""
-    path = Path(path)
-    ckpt = resolve_checkpoint(path)
-    meta = verify(ckpt)
-    cfg = meta["config"]
-    model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
-    tok = meta.get("tokenizer") or {}
-    val, best = meta.get("val_loss"), meta.get("best_val_loss")
-    saved = meta.get("saved_at")
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(saved)) if isinstance(saved, (int, float)) else "?"
-    params = f", {format_count(meta['params'])} parameters" if isinstance(meta.get("params"), int) else ""
-    wall = meta.get("train_wall_s")
-    size = sum((meta.get("files") or {}).values())
-    lines = [
-        f"checkpoint  {ckpt}",
-        f"step        {meta['step']:,} of {train.get('max_steps', '?'):,}" if isinstance(train.get("max_steps"), int)
-        else f"step        {meta['step']:,}",
-        f"tokens      {meta.get('tokens', 0):,}",
-        f"val loss    {_loss(val)} (best {_loss(best)})",
-        f"saved       {when} by gpt2train {meta.get('version', '?')}"
-        + (f", after {format_duration(wall)} of training" if isinstance(wall, (int, float)) else ""),
-        f"model       {model.get('n_layer')} layers, {model.get('n_head')} heads, {model.get('n_embd')} wide, "
-        f"block {model.get('block_size')}, vocab {model.get('vocab_size')}{params}",
-        f"tokenizer   {tok.get('kind', '?')}" + (f" (vocab {len(tok['chars'])} chars)" if "chars" in tok else ""),
-        f"config      data {data.get('dir')}; lr {train.get('lr')} {train.get('schedule')}, "
-        f"{train.get('micro_batch')} x {train.get('seq_len')} tokens per micro-batch, "
-        f"{train.get('total_batch_tokens') or 'one micro-batch'} per step, seed {train.get('seed')}",
-        f"ran         {_ran(meta.get('runtime'), train, meta.get('imported_from'))}",
-        f"format      {'sharded (DCP, ' if meta.get('sharded') else 'plain (safetensors + state.pt, '}"
-        f"world size {meta.get('world_size', '?')}), {format_bytes(size)}",
-    ]
-    root = ckpt.parent
-    ring = [p.name for _, p in ring_entries(root)]
-    if ring:
-        latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-        names = [f"{n} (latest)" if n == latest else n for n in reversed(ring)]
-        best_meta = (root / "best" / "meta.json")
-        best_text = ""
-        if best_meta.is_file():
-            try:
-                b = json.loads(best_meta.read_text())
-                best_text = f"; best/ is step {b.get('step')} (val loss {_loss(b.get('val_loss'))})"
-            except (OSError, json.JSONDecodeError):
-                best_text = "; best/ is unreadable"
-        lines.append(f"ring        {', '.join(names)}{best_text}")
-    return "\n".join(lines)
-
-
-def _ran(runtime, train: dict, imported_from) -> str:
-    """The dtype, compile and device the run trained with, beside what its config asked."""
-    if imported_from is not None:
-        return f"not trained here: imported from {imported_from}"
-    if not isinstance(runtime, dict):
-        asked = ", ".join(f"{key} {setting_text(train.get(key))}" for key in RUNTIME_FIELDS)
-        return f"not recorded (saved before gpt2train recorded it); asked: {asked}"
-    return ", ".join(f"{key} {ran_and_asked(runtime.get(key), train.get(key))}" for key in RUNTIME_FIELDS)
-
-
-def _loss(x) -> str:
-    return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"

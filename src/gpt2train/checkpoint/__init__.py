@@ -1,0 +1,43 @@
+"""Checkpoints, by job: format.py the files on disk (atomic saves, verify, recover, latest, the ring, best/,
+the weights), state.py the training state of a live run (plain and DCP) and every resume check, inspect.py
+what `ckpt inspect` prints. This package's names are the ones callers use."""
+
+from gpt2train.checkpoint.format import (
+    CheckpointError,
+    CheckpointSaveError,
+    checkpoint_name,
+    load_checkpoint,
+    load_model,
+    load_model_state,
+    model_state,
+    newest_checkpoint,
+    point_latest,
+    read_meta,
+    recover,
+    resolve_checkpoint,
+    ring_entries,
+    save_checkpoint,
+    save_safetensors,
+    set_aside_newer,
+    verify,
+    weights_mismatch,
+)
+from gpt2train.checkpoint.inspect import describe_checkpoint
+from gpt2train.checkpoint.state import (
+    ProcessRNG,
+    batch_layout,
+    check_resume,
+    check_same_shape,
+    load_optimizer_state,
+    load_training_checkpoint,
+    save_training_checkpoint,
+    saved_layout,
+)
+
+__all__ = [
+    "CheckpointError", "CheckpointSaveError", "ProcessRNG", "batch_layout", "check_resume",
+    "check_same_shape", "checkpoint_name", "describe_checkpoint", "load_checkpoint", "load_model", "load_model_state",
+    "load_optimizer_state", "load_training_checkpoint", "model_state", "newest_checkpoint", "point_latest", "read_meta",
+    "recover", "resolve_checkpoint", "ring_entries", "save_checkpoint", "save_safetensors", "save_training_checkpoint",
+    "saved_layout", "set_aside_newer", "verify", "weights_mismatch",
+]
