@@ -175,6 +175,7 @@ class Engine:
         self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
         self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
         self.waiting: deque[Completion] = deque()
+        self.joining: list[Completion] = []  # admitted at this step, not yet prefilled
         self.wakeup = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -243,7 +244,7 @@ class Engine:
 
     def step(self) -> None:
         left = self.drop_ended()
-        new = self.admit()
+        new = self.joining = self.admit()
         self.make_room(left, new)
         produced = []
         if self.rows:
@@ -336,9 +337,10 @@ class Engine:
     def fail_all(self, reason: str) -> None:
         """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
         with self.wakeup:
-            failed = [r.completion for r in self.rows] + list(self.waiting)
+            running = [r.completion for r in self.rows]
+            failed = running + [c for c in self.joining if c not in running] + list(self.waiting)
             self.waiting.clear()
-        self.rows = []
+        self.rows, self.joining = [], []
         self.cache.realign([], 0)
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
         for c in failed:
