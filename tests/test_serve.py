@@ -91,6 +91,14 @@ def test_tokens_are_the_same_alone_as_beside_requests_joining_and_leaving():
     assert len({text for text, _ in together}) == len(REQUESTS)
 
 
+def test_a_row_is_free_once_its_last_piece_is_out():
+    async def one(engine):
+        await complete(engine, "abc", 3)
+        return engine.running
+
+    assert run_engine(one) == 0
+
+
 def test_a_request_starts_without_waiting_for_a_longer_one_to_finish():
     async def two(engine):
         order = []

@@ -2,7 +2,8 @@
 running batch at the next step (its prompt prefilled into a free row) and leaves it the step it ends.
 
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
-  1. rows whose completion ended or was cancelled leave; waiting completions take the free rows;
+  1. rows whose completion was cancelled leave (an ended one left at the end of its last step); waiting
+     completions take the free rows;
   2. the cache is realigned when rows left or room is short (model.KVCache.realign): the running rows
      move to rows 0..n-1, right-aligned at the slot count, so a decode step reads rows 0..n-1 only;
   3. one decode step for the running rows (generate.Decoder, one id per row), then one prefill of the
@@ -176,6 +177,7 @@ class Engine:
         self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
         self.waiting: deque[Completion] = deque()
         self.joining: list[Completion] = []  # admitted at this step, not yet prefilled
+        self.rows_left = False  # since the last realign: the running rows are no longer rows 0..n-1
         self.wakeup = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
@@ -243,22 +245,22 @@ class Engine:
                     self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def step(self) -> None:
-        left = self.drop_ended()
+        self.drop_ended()  # cancelled since the last step
         new = self.joining = self.admit()
-        self.make_room(left, new)
+        self.make_room(new)
         produced = []
         if self.rows:
             produced += self.decode()
         if new:
             produced += self.prefill(new)
+        self.drop_ended()  # ended at this step: free before their last piece is out
         self.deliver(produced)
 
-    def drop_ended(self) -> bool:
-        """Rows whose completion ended or was cancelled leave; whether any did."""
+    def drop_ended(self) -> None:
+        """Rows whose completion ended or was cancelled leave (the rest move up at the next realign)."""
         kept = [r for r in self.rows if not (r.ended or r.completion.cancelled)]
-        left = len(kept) < len(self.rows)
+        self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
-        return left
 
     def admit(self) -> list[Completion]:
         with self.wakeup:
@@ -269,18 +271,19 @@ class Engine:
                     new.append(completion)
             return new
 
-    def make_room(self, left: bool, new: list[Completion]) -> None:
+    def make_room(self, new: list[Completion]) -> None:
         """Realign the cache when rows left (the rest move up), or when the next decode step has no slot
         or the new prompts no room before it. After the decode step the new prompts end at its slot."""
         longest_prompt = max((len(c.prompt_ids) for c in new), default=0)
         if not self.rows:
             self.cache.realign([], longest_prompt)
-            return
-        need = max(max(r.cached for r in self.rows), longest_prompt - 1)
-        if left or self.cache.length < need or self.cache.length + 1 > self.cache.size:
-            self.cache.realign([r.slot for r in self.rows], need)
-            for i, row in enumerate(self.rows):
-                row.slot = i
+        else:
+            need = max(max(r.cached for r in self.rows), longest_prompt - 1)
+            if self.rows_left or self.cache.length < need or self.cache.length + 1 > self.cache.size:
+                self.cache.realign([r.slot for r in self.rows], need)
+                for i, row in enumerate(self.rows):
+                    row.slot = i
+        self.rows_left = False
 
     def decode(self) -> list[tuple[Row, Piece]]:
         """One step of the running rows: each feeds its last token."""
