@@ -408,6 +408,10 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
     print(f"serving {Path(ckpt)} on http://{host}:{port}/ ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
           f"up to {max_batch} rows){key}; /health answers 200 once the model is loaded", file=sys.stderr, flush=True)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot listen, after logging why
+        raise OSError(f"could not listen on {host}:{port} (uvicorn's message above says why); is the port in use? "
+                      f"pass another --port") from None
     if failures:
         raise failures[0]
