@@ -307,6 +307,19 @@ def cmd_bench_generate(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from gpt2train.bench.serve import ServeBenchOptions, run_serve_bench
+
+    options = ServeBenchOptions(model=args.model, device=args.device, dtype=args.dtype, compile=args.compile,
+                                concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats)
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
+    result = run_serve_bench(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench_quality(args) -> int:
     from gpt2train.bench.quality import QualityOptions, run_quality, target_line
 
@@ -535,6 +548,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     g.set_defaults(func=cmd_bench_generate)
+    v = bench.add_parser("serve", help="gpt2train serve under load: requests/s, output tok/s, time to first token, "
+                         "inter-token latency; against the plain batched decode (pip install 'gpt2train[serve]')")
+    v.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
+    v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's")
+    v.add_argument("--concurrency", type=batch_size_list, default=[1, 8],
+                   help="clients at once, comma-separated levels (default 1,8)")
+    v.add_argument("--requests", type=COUNT, default=0, help="requests per level (default: twice the level, at least 4)")
+    v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default 64)")
+    v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request (default 128)")
+    v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch (default: the largest level)")
+    v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default 2)")
+    v.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
+    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype (auto: as for sample)")
+    v.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
+    v.set_defaults(func=cmd_bench_serve)
     q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
                          "time to reach GPT-2's validation loss")
     q.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP
