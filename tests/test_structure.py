@@ -22,7 +22,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("train", {"train", "train.optim", "train.guard", "train.step", "train.signals", "train.console",
                "train.checkpointing", "train.runlock", "train.init_from", "train.loop"}),
-    ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "plan", "doctor", "report"}),
+    ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve", "plan", "doctor",
+               "report"}),
+    # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
+    ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "__main__"}),
 ]
 

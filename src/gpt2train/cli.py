@@ -23,7 +23,12 @@ from gpt2train.ranges import (
     DEVICE_NAMES,
     DTYPE_NAMES,
     EXPLICIT_DTYPE_NAMES,
+    NEW_TOKENS,
+    SAMPLES,
     SEEDS,
+    TEMPERATURES,
+    TOP_K,
+    TOP_P,
     Range,
     UsageError,
     above,
@@ -220,6 +225,22 @@ def cropped_to_context(ids: list[int], context: int) -> list[int]:
     return ids[-context:]
 
 
+SERVE_PACKAGES = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+
+
+def cmd_serve(args) -> int:
+    try:
+        from gpt2train.serve.app import serve
+    except ImportError as e:
+        if e.name not in SERVE_PACKAGES:
+            raise
+        raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
+                          f"pip install 'gpt2train[serve]'") from None
+    serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device)
+    return 0
+
+
 def cmd_import_hf(args) -> int:
     from gpt2train.checkpoint import read_meta
     from gpt2train.hf import describe_tokenizer, import_hf_to_run
@@ -319,6 +340,19 @@ def cmd_bench_generate(args) -> int:
                               hf_dtype=args.hf_dtype or "")
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-generate", ".json")
     result = run_generate_bench(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from gpt2train.bench.serve import ServeBenchOptions, run_serve_bench
+
+    options = ServeBenchOptions(model=args.model, device=args.device, dtype=args.dtype, compile=args.compile,
+                                concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats)
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
+    result = run_serve_bench(options, out)
     print(result["markdown"])
     print(f"wrote {out}")
     return 0
@@ -464,17 +498,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work) (default empty, which "
                    "starts from EOT)")
-    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=200,
+    p.add_argument("--max-new-tokens", type=ranged(int, NEW_TOKENS), default=200,
                    help="tokens to generate after the prompt, fewer if the model ends the text (default %(default)s)")
-    p.add_argument("--temperature", type=ranged(float, at_least(0)), default=0.8,
+    p.add_argument("--temperature", type=ranged(float, TEMPERATURES), default=0.8,
                    help="randomness: 0 greedy, 1 the model's own probabilities (default %(default)s)")
-    p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens, 0: all "
+    p.add_argument("--top-k", type=ranged(int, TOP_K), default=200, help="sample from the k likeliest tokens, 0: all "
                    "(default %(default)s)")
-    p.add_argument("--top-p", type=PROBABILITY_MASS, default=1.0, help="nucleus: the likeliest tokens holding "
+    p.add_argument("--top-p", type=ranged(float, TOP_P), default=1.0, help="nucleus: the likeliest tokens holding "
                    "this probability, in (0, 1], 1: all (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=1337, help="the same seed prints the same text (all samples "
                    "together); change it for another (default %(default)s)")
-    p.add_argument("--num-samples", type=ranged(int, between(1, 10_000)), default=1,
+    p.add_argument("--num-samples", type=ranged(int, SAMPLES), default=1,
                    help="how many continuations of the prompt, generated as one batch; 1 streams (default %(default)s)")
     p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps "
                    "(default %(default)s)")
@@ -483,6 +517,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype while sampling (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible completions API with continuous batching, and a playground "
+                       "page (pip install 'gpt2train[serve]')")
+    p.add_argument("--ckpt", required=True, help="run directory, checkpoint folder or Hugging Face GPT-2 folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 is this machine only "
+                   "(default %(default)s)")
+    p.add_argument("--port", type=ranged(int, between(1, 65535)), default=8000, help="TCP port (default %(default)s)")
+    p.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default %(default)s)")
+    p.add_argument("--max-queue", type=COUNT, default=64,
+                   help="completions that may wait for a free row; more get 429 (default %(default)s)")
+    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps "
+                   "(default %(default)s)")
+    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
     p.add_argument("source", metavar="HF_DIR_OR_NAME", help="folder with config.json + model.safetensors, or e.g. gpt2")
@@ -587,6 +638,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers' alone (default: the same as --dtype)")
     g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     g.set_defaults(func=cmd_bench_generate)
+    v = bench.add_parser("serve", help="gpt2train serve under load: requests/s, output tok/s, time to first token, "
+                         "inter-token latency; against the plain batched decode (pip install 'gpt2train[serve]')")
+    v.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
+    v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's")
+    v.add_argument("--concurrency", type=batch_size_list, default=[1, 8],
+                   help="clients at once, comma-separated levels (default 1,8)")
+    v.add_argument("--requests", type=COUNT, default=0, help="requests per level (default: twice the level, at least 4)")
+    v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default 64)")
+    v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request (default 128)")
+    v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch (default: the largest level)")
+    v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default 2)")
+    v.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
+    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype (auto: as for sample)")
+    v.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
+    v.set_defaults(func=cmd_bench_serve)
     q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
                          "time to reach GPT-2's validation loss")
     q.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP

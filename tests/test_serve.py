@@ -1,0 +1,453 @@
+"""gpt2train serve: the continuous-batching engine (tokens the same alone or beside others, rows joining and
+leaving), the app's answers and refusals in process, and a real server in a thread: a client that leaves
+frees its row."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from gpt2train.generate import generate
+from gpt2train.serve.app import API_KEY_ENV
+from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
+from serving import CONTEXT, TOKENIZER, greedy, running, tiny_app, tiny_engine, tiny_model, wait_ready
+
+GREEDY = Sampling(temperature=0)
+
+
+async def complete(engine: Engine, prompt: str, max_tokens: int, sampling: Sampling = GREEDY,
+                   stop: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(text, finish_reason) of one completion run by the engine."""
+    inbox = Inbox()
+    engine.submit([Completion(TOKENIZER.encode(prompt), max_tokens, inbox, sampling, stop)])
+    text = ""
+    while True:
+        for _, piece in await inbox.get():
+            text += piece.text
+            if piece.finish_reason:
+                return text, piece.finish_reason
+
+
+async def after_steps(engine: Engine, steps: int) -> None:
+    """Until the engine has run `steps` forwards, or no work is left (then there is no step to wait for)."""
+    await asyncio.sleep(0)  # a task just created submits first
+    while engine.steps < steps and (engine.running or engine.queued):
+        await asyncio.sleep(0.001)
+
+
+def run_engine(coroutine_fn, **engine_options):
+    engine = tiny_engine(**engine_options).start()
+    try:
+        return asyncio.run(coroutine_fn(engine))
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------- the engine
+
+
+# (prompt, max_tokens, seed: None greedy, else sampled at temperature 1 with that seed)
+REQUESTS = [("abc", 30, None), ("h", 12, 1), ("bad cafe\nge", 20, None), ("a", 1, None), ("ggg", 25, 2),
+            ("dead beef", 9, None), ("c", 40, 3), ("fed", 7, None), ("ab ab ab ab ab ab", 18, 4), ("e", 33, 5)]
+
+
+def sampling_of(seed: int | None) -> Sampling:
+    return GREEDY if seed is None else Sampling(temperature=1.0, seed=seed)
+
+
+def reference(model, prompt: str, max_tokens: int, seed: int | None) -> tuple[str, str]:
+    """`generate`'s continuation of the prompt alone: greedy, or drawn with that seed."""
+    if seed is None:
+        return greedy(model, prompt, max_tokens)
+    ids = generate(model, TOKENIZER.encode(prompt), max_tokens, temperature=1.0, seed=seed, eot_id=TOKENIZER.eot_id)
+    ended = ids[-1] == TOKENIZER.eot_id
+    return TOKENIZER.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
+
+
+def test_tokens_are_the_same_alone_as_beside_requests_joining_and_leaving():
+    """float32: every request's text is `generate`'s for its prompt alone (greedy, or sampled with the same
+    seed), whether it runs alone or among requests of other lengths that start at other steps, more of
+    them than rows (some wait, rows leave and the cache is realigned)."""
+    model = tiny_model()
+
+    async def staggered(engine):
+        tasks = []
+        for i, (prompt, n, seed) in enumerate(REQUESTS):
+            tasks.append(asyncio.create_task(complete(engine, prompt, n, sampling_of(seed))))
+            await after_steps(engine, engine.steps + i % 3)  # some join together, some a few steps later
+        return await asyncio.gather(*tasks)
+
+    together = run_engine(staggered, max_batch=3)
+    alone = [run_engine(lambda e, p=p, n=n, s=s: complete(e, p, n, sampling_of(s))) for p, n, s in REQUESTS[:3]]
+    assert together == [reference(model, *request) for request in REQUESTS]
+    assert alone == together[:3]
+    assert len({text for text, _ in together}) == len(REQUESTS)
+
+
+def test_a_row_is_free_once_its_last_piece_is_out():
+    async def one(engine):
+        await complete(engine, "abc", 3)
+        return engine.running
+
+    assert run_engine(one) == 0
+
+
+def test_a_request_starts_without_waiting_for_a_longer_one_to_finish():
+    async def two(engine):
+        order = []
+
+        async def tracked(name, prompt, n):
+            await complete(engine, prompt, n)
+            order.append(name)
+
+        long = asyncio.create_task(tracked("long", "abc", 40))
+        await after_steps(engine, 3)
+        await tracked("short", "d", 3)
+        await long
+        return order
+
+    assert run_engine(two, max_batch=2) == ["short", "long"]
+
+
+def test_a_seeded_request_is_reproducible_alone():
+    seeded = Sampling(temperature=1.0, top_k=5, top_p=0.9, seed=11)
+    first = run_engine(lambda e: complete(e, "abc", 30, seeded))
+    assert first == run_engine(lambda e: complete(e, "abc", 30, seeded))
+    assert first != run_engine(lambda e: complete(e, "abc", 30, Sampling(1.0, 5, 0.9, seed=12)))
+
+
+def test_a_completion_ends_before_its_stop_string():
+    model = tiny_model()
+    text, _ = greedy(model, "abc", 30)
+    stop = text[5:7]  # a string the greedy text holds
+    want = text[:text.index(stop)]
+    assert run_engine(lambda e: complete(e, "abc", 30, stop=("zz", stop))) == (want, "stop")
+
+
+def test_stop_text_holds_back_what_could_start_a_stop_string():
+    stop = StopText(("END", "xy"))
+    assert stop.push("abc E") == ("abc ", False)  # "E" may start END
+    assert stop.push("N") == ("", False)
+    assert stop.push("D and more") == ("", True)  # the stop string and what follows are never shown
+    stop = StopText(("END",))
+    assert stop.push("abE") == ("ab", False)
+    assert stop.push("x") == ("Ex", False)  # not a stop after all: released
+    assert stop.flush() == ""
+    stop = StopText(("xy", "b"))
+    assert stop.push("axyb") == ("a", True)  # the earliest of several
+
+
+def test_a_failing_step_ends_its_completions_with_an_error_and_the_engine_serves_on(monkeypatch):
+    prefill = Engine.prefill
+    failures = iter([RuntimeError("out of memory")])
+
+    def failing_once(self, new):
+        for error in failures:
+            raise error
+        return prefill(self, new)
+
+    monkeypatch.setattr(Engine, "prefill", failing_once)
+
+    async def two(engine):
+        return await complete(engine, "abc", 5), await complete(engine, "abc", 5)
+
+    failed, served = run_engine(two)
+    assert failed == ("the engine failed: RuntimeError: out of memory", "error")
+    assert served == greedy(tiny_model(), "abc", 5)
+
+
+def test_submit_refuses_more_than_the_free_rows_and_the_queue():
+    from gpt2train.serve.engine import QueueFull
+
+    async def overfill():
+        engine = tiny_engine(max_batch=2, max_queue=1)  # not started: nothing leaves the queue
+        inbox = Inbox()
+        engine.submit([Completion([1], 5, inbox), Completion([1], 5, inbox)])  # the two free rows
+        engine.submit([Completion([1], 5, inbox)])  # the waiting place
+        with pytest.raises(QueueFull):
+            engine.submit([Completion([1], 5, inbox)])
+        with pytest.raises(ValueError, match="do not fit"):
+            engine.submit([Completion([1] * 10, CONTEXT - 9, inbox)])
+
+    asyncio.run(overfill())
+
+
+# ---------------------------------------------------------------- the app, in process
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(tiny_app(max_batch=4, max_queue=4, max_body_bytes=4096)) as client:
+        wait_ready(client)
+        yield client
+
+
+def test_completion_answers_in_openai_shape(client):
+    model = tiny_model()
+    r = client.post("/v1/completions", json={"prompt": ["abc", "h"], "max_tokens": 12, "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+    want = [greedy(model, "abc", 12)] * 2 + [greedy(model, "h", 12)] * 2
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(i, text, reason) for i, (text, reason) in enumerate(want)]
+    tokens = sum(len(text) + (reason == "stop") for text, reason in want)  # a char is a token; EOT counts
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": tokens, "total_tokens": 4 + tokens}
+
+
+def test_stream_sends_openai_events_ending_with_done(client):
+    want, reason = greedy(tiny_model(), "bad", 20)
+    with client.stream("POST", "/v1/completions", json={"prompt": "bad", "max_tokens": 20, "temperature": 0,
+                                                         "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == reason
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(want) + (reason == "stop")
+
+
+def test_models_health_metrics_and_the_page(client):
+    assert client.get("/health").json() == {"status": "ok", "model": "tiny"}
+    model = client.get("/v1/models").json()["data"][0]
+    assert model["id"] == "tiny" and model["context_length"] == CONTEXT
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 0})
+    metrics = client.get("/metrics").text
+    for name in ('gpt2train_requests_total{status="200"}', 'gpt2train_requests_total{status="400"}',
+                 "gpt2train_prompt_tokens_total", "gpt2train_completion_tokens_total", "gpt2train_queue_depth",
+                 "gpt2train_batch_rows", "gpt2train_time_to_first_token_seconds_bucket",
+                 "gpt2train_inter_token_latency_seconds_bucket"):
+        assert name in metrics, name
+
+
+BAD = [  # (body, the field named)
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2]}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "abc", "max_tokens": CONTEXT - 2}, "max_tokens"),  # 3 + 46 > 48: past the context
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_k": -1}, "top_k"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 9}, "n"),  # more than --max-batch + --max-queue (8)
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "seed": 2**31}, "seed"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options"),
+    ({"prompt": "a", "logprobs": 2}, "logprobs"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "a", "color": "red"}, "color"),
+    ({"prompt": "a", "model": 3}, "model"),
+    ({"prompt": "XYZ"}, "prompt"),  # characters the char tokenizer has no id for
+]
+
+
+@pytest.mark.parametrize("body, field", BAD, ids=[json.dumps(b)[:40] for b, _ in BAD])
+def test_a_bad_field_is_a_400_naming_it(client, body, field):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"] and len(error["message"].splitlines()) == 1
+
+
+def test_neutral_values_of_openai_fields_are_accepted(client):
+    body = {"prompt": "a", "max_tokens": 2, "model": "anything", "user": "u", "echo": False, "logprobs": None,
+            "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None,
+            "stop": None, "seed": None, "n": None}
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"[" * 2000 + b"]" * 2000, b"\xff\xfe{}",
+                                  b'{"prompt": "\\ud800"}'],
+                         ids=["not json", "an array", "nested 2000 deep", "not UTF-8", "a lone surrogate"])
+def test_a_body_that_is_not_a_json_object_is_a_400(client, body):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_over_the_limit_is_a_413_declared_or_not(client):
+    big = json.dumps({"prompt": "a" * 5000}).encode()
+    assert client.post("/v1/completions", content=big).status_code == 413
+    chunked = client.post("/v1/completions", content=iter([big[:3000], big[3000:]]))  # no Content-Length
+    assert chunked.status_code == 413 and "exceeds" in chunked.json()["error"]["message"]
+
+
+def test_unknown_paths_and_methods_answer_json(client):
+    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/completions").status_code == 405
+
+
+def test_the_api_key_guards_v1_but_not_health(monkeypatch):
+    with TestClient(tiny_app(api_key="s3cret")) as client:
+        wait_ready(client)
+        body = {"prompt": "a", "max_tokens": 2}
+        assert client.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and API_KEY_ENV in r.json()["error"]["message"]
+        assert client.get("/v1/models").status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert client.get("/v1/models", headers=ok).status_code == 200
+
+
+def test_health_is_503_until_the_model_is_loaded():
+    loaded = threading.Event()
+
+    def slow_load():
+        loaded.wait(30)
+        return tiny_engine()
+
+    from gpt2train.serve.app import create_app
+
+    with TestClient(create_app(slow_load, model_id="tiny")) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the model is loading"
+        loaded.set()
+        wait_ready(client)
+        assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+
+
+def test_a_model_that_fails_to_load_is_reported_by_health():
+    def broken():
+        raise FileNotFoundError("no weights here")
+
+    from gpt2train.serve.app import create_app
+
+    with TestClient(create_app(broken, model_id="tiny")) as client:
+        deadline = time.monotonic() + 30
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "failed", "error": "FileNotFoundError: no weights here"}
+
+
+# ---------------------------------------------------------------- a real server, in a thread
+
+
+def test_a_full_queue_is_a_429(monkeypatch):
+    """One row and one waiting place, the engine held before its first step: the third request is refused."""
+    gate = threading.Event()
+    step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: (gate.wait(30), step(self)))
+    app = tiny_app(max_batch=1, max_queue=1)
+
+    async def three(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            body = {"prompt": "a", "max_tokens": 3}
+            first = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(2)]
+            engine = app.state.served.engine
+            while engine.queued < 2:
+                await asyncio.sleep(0.01)
+            refused = await http.post("/v1/completions", json=body)
+            gate.set()
+            return refused, await asyncio.gather(*first)
+
+    with running(app) as url:
+        refused, served = asyncio.run(three(url))
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert [r.status_code for r in served] == [200, 200]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row_within_one_decode_step(monkeypatch):
+    """A long stream beside another: after its client closes the connection, its row is in at most one
+    more decode step, and the engine is down to the other row."""
+    decoded: list[tuple[int, set]] = []  # (step, the completions decoded)
+    cancelled_at: dict[Completion, int] = {}
+    decode, cancel = Engine.decode, Completion.cancel
+    app = tiny_app(max_batch=4)
+
+    def recording_decode(self):
+        decoded.append((self.steps, {row.completion for row in self.rows}))
+        time.sleep(0.005)  # steps of a bigger model: the stream has time to be read and dropped
+        return decode(self)
+
+    def recording_cancel(self):
+        cancelled_at.setdefault(self, app.state.served.engine.steps)
+        cancel(self)
+
+    monkeypatch.setattr(Engine, "decode", recording_decode)
+    monkeypatch.setattr(Completion, "cancel", recording_cancel)
+    with running(app) as url:
+        engine = app.state.served.engine
+        deadline = time.monotonic() + 30
+        other = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
+                                 kwargs={"json": {"prompt": "h", "max_tokens": CONTEXT - 1}, "timeout": 60})
+        other.start()
+        while engine.running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": CONTEXT - 3,
+                                                               "stream": True, "temperature": 0}) as r:
+                assert next(r.iter_lines()).startswith("data: ")
+                assert engine.running == 2
+            # the response is closed: the connection drops mid-stream
+            while not cancelled_at:
+                assert time.monotonic() < deadline, "the server did not notice the client leave"
+                time.sleep(0.001)
+        (gone, at), = cancelled_at.items()
+        while engine.running > 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert gone.max_tokens == CONTEXT - 3 and engine.running == 1
+        other.join()
+    after = [step for step, completions in decoded if step > at and gone in completions]
+    assert len(after) <= 1, after
+    assert any(step > at for step, _ in decoded)  # the other request kept decoding after it left
+
+
+def test_greedy_float32_through_http_matches_generate_for_concurrent_clients():
+    """Concurrent HTTP clients of different lengths: each answer is its prompt's `generate` alone."""
+    model = tiny_model()
+    prompts = [("abc", 30), ("h", 12), ("bad cafe\nge", 20), ("dead", 9), ("c", 40), ("fed", 7)]
+
+    async def all_at_once(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={"prompt": p, "max_tokens": n,
+                                                                              "temperature": 0}) for p, n in prompts))
+
+    with running(tiny_app(max_batch=4)) as url:
+        answers = asyncio.run(all_at_once(url))
+    got = [(a.json()["choices"][0]["text"], a.json()["choices"][0]["finish_reason"]) for a in answers]
+    assert got == [greedy(model, p, n) for p, n in prompts]
+
+
+def test_bf16_weights_serve_too():
+    with TestClient(create_bf16_app()) as client:
+        wait_ready(client)
+        r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 5, "temperature": 0.7, "seed": 1})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def create_bf16_app():
+    from gpt2train.serve.app import create_app
+
+    return create_app(lambda: tiny_engine(model=tiny_model(torch.bfloat16)), model_id="tiny-bf16")

@@ -1,0 +1,146 @@
+"""Real clients against `gpt2train serve` run as a command: the official `openai` package (completions, and
+streaming) and `curl -N`, with the API key on; and the command's one-line errors (a missing extra, a bad
+checkpoint, a port in use)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import REPO, run_cli
+from gpt2train import cli
+from gpt2train.checkpoint import model_state, save_checkpoint
+from gpt2train.config import Config, to_dict
+from gpt2train.hf import load_pretrained
+from serving import TOKENIZER, greedy, tiny_model
+
+KEY = "test-key-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_run(folder) -> None:
+    cfg = Config()
+    cfg.model = tiny_model().config
+    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": TOKENIZER.spec()}
+    save_checkpoint(folder, step=0, weights=model_state(tiny_model()), state={}, meta=meta)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`python -m gpt2train serve` on a free port, float32, the API key set; yields (base URL, run dir)."""
+    run = tmp_path_factory.mktemp("serve") / "run"
+    save_tiny_run(run)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPT2TRAIN_API_KEY": KEY}
+    log = open(run.parent / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(run), "--port", str(port),
+                             "--dtype", "float32", "--max-batch", "4"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (run.parent / "server.log").read_text()
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url, run
+    finally:
+        proc.terminate()  # SIGTERM: uvicorn shuts down gracefully, then exits by the signal
+        proc.wait(timeout=30)
+        log.close()
+    assert "Application shutdown complete" in (run.parent / "server.log").read_text()
+
+
+def expected(run, prompt: str, max_tokens: int) -> tuple[str, str]:
+    return greedy(load_pretrained(run), prompt, max_tokens)
+
+
+def test_the_openai_package_completes_and_streams(server):
+    url, run = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    want, reason = expected(run, "bad cafe", 20)
+    done = client.completions.create(model="tiny", prompt="bad cafe", max_tokens=20, temperature=0)
+    assert done.choices[0].text == want and done.choices[0].finish_reason == reason
+    assert done.usage.prompt_tokens == len("bad cafe")
+    assert done.usage.completion_tokens == len(want) + (reason == "stop")
+    stream = client.completions.create(model="tiny", prompt="bad cafe", max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+    assert [m.id for m in client.models.list()] == [str(run)]
+    several = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=0.9, seed=3)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
+
+
+def test_the_openai_package_sees_a_wrong_key_and_a_bad_field(server):
+    url, _ = server
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="tiny", prompt="a", max_tokens=2)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2, top_p=1.5)
+    assert "top_p" in str(e.value)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_server_sent_events(server):
+    url, run = server
+    want, reason = expected(run, "h", 15)
+    body = json.dumps({"prompt": "h", "max_tokens": 15, "temperature": 0, "stream": True})
+    out = subprocess.run(["curl", "-sN", "--fail-with-body", "-H", f"Authorization: Bearer {KEY}", "-H",
+                          "Content-Type: application/json", "-d", body, f"{url}/v1/completions"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = out.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == reason
+    health = subprocess.run(["curl", "-s", f"{url}/health"], capture_output=True, text=True, timeout=60).stdout
+    assert json.loads(health)["status"] == "ok"  # open without the key
+
+
+def test_serve_without_the_extra_names_it_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.delitem(sys.modules, "gpt2train.serve.app", raising=False)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = cli.main(["serve", "--ckpt", str(tmp_path)])
+    assert status == 1
+    assert err.getvalue() == ("error: `gpt2train serve` needs FastAPI, uvicorn and prometheus-client (fastapi is "
+                              "missing): pip install 'gpt2train[serve]'\n")
+
+
+def test_serve_refuses_a_bad_checkpoint_and_a_port_in_use(tmp_path):
+    missing = run_cli("serve", "--ckpt", str(tmp_path / "nothing"), "--port", str(free_port()))
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "does not exist" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+    save_tiny_run(tmp_path / "run")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--port", str(taken.getsockname()[1]))
+    assert busy.returncode == 1
+    assert busy.stderr.strip().splitlines()[-1].startswith("error: could not listen on 127.0.0.1:"), busy.stderr
+    bad = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--max-batch", "0")
+    assert bad.returncode == 2 and "--max-batch" in bad.stderr
+
