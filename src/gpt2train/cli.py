@@ -17,7 +17,21 @@ import sys
 import time
 from pathlib import Path
 
-from gpt2train.ranges import DEVICE_NAMES, SEEDS, Range, UsageError, above, at_least, between, is_device_name
+from gpt2train.ranges import (
+    DEVICE_NAMES,
+    NEW_TOKENS,
+    SAMPLES,
+    SEEDS,
+    TEMPERATURES,
+    TOP_K,
+    TOP_P,
+    Range,
+    UsageError,
+    above,
+    at_least,
+    between,
+    is_device_name,
+)
 
 
 def ranged(kind: type, allowed: Range):
@@ -172,6 +186,22 @@ def cmd_sample(args) -> int:
     elapsed = time.perf_counter() - start
     print(f"\n--- {n} tokens in {elapsed:.2f} s ({n / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
     print(decoder.describe(args.num_samples), file=sys.stderr)
+    return 0
+
+
+SERVE_PACKAGES = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+
+
+def cmd_serve(args) -> int:
+    try:
+        from gpt2train.serve.app import serve
+    except ImportError as e:
+        if e.name not in SERVE_PACKAGES:
+            raise
+        raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
+                          f"pip install 'gpt2train[serve]'") from None
+    serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device)
     return 0
 
 
@@ -382,13 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sample", help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work); empty starts from EOT")
-    p.add_argument("--max-new-tokens", type=POSITIVE_INT, default=200)
-    p.add_argument("--temperature", type=ranged(float, at_least(0)), default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=COUNT, default=200, help="sample from the k likeliest tokens (0: all)")
-    p.add_argument("--top-p", type=PROBABILITY_MASS, default=1.0, help="nucleus: the likeliest tokens holding "
+    p.add_argument("--max-new-tokens", type=ranged(int, NEW_TOKENS), default=200)
+    p.add_argument("--temperature", type=ranged(float, TEMPERATURES), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=ranged(int, TOP_K), default=200, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=ranged(float, TOP_P), default=1.0, help="nucleus: the likeliest tokens holding "
                    "this probability, in (0, 1] (1: all)")
     p.add_argument("--seed", type=SEED, default=1337, help="makes the sample (all of them together) reproducible")
-    p.add_argument("--num-samples", type=ranged(int, between(1, 10_000)), default=1,
+    p.add_argument("--num-samples", type=ranged(int, SAMPLES), default=1,
                    help="how many continuations of the prompt, generated as one batch (1 streams)")
     p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
@@ -396,6 +426,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' dtype while sampling (auto: bf16 on GPUs and on CPUs with native bf16, else fp32)")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible completions API with continuous batching, and a playground "
+                       "page (pip install 'gpt2train[serve]')")
+    p.add_argument("--ckpt", required=True, help="run directory, checkpoint folder or Hugging Face GPT-2 folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=ranged(int, between(1, 65535)), default=8000, help="default 8000")
+    p.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default 8)")
+    p.add_argument("--max-queue", type=COUNT, default=64,
+                   help="completions that may wait for a free row; more get 429 (default 64)")
+    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
+    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype (auto: as for sample)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
     p.add_argument("source", metavar="HF_DIR_OR_NAME", help="folder with config.json + model.safetensors, or e.g. gpt2")

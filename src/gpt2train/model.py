@@ -17,6 +17,7 @@ so padded ids are never scored nor sampled, and an exported model (unpadded) giv
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -191,6 +192,40 @@ class KVCache:
         self.k[layer].index_copy_(2, self.slots, k)
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, :self.reads], self.v[layer][:, :, :self.reads]
+
+    # Continuous batching (serve/engine.py): rows join and leave a running batch while the others decode.
+
+    def rows(self, start: int, stop: int, filled: int | None = None) -> KVCache:
+        """Rows [start, stop) as a cache of their own, sharing this one's memory. filled None: sharing the
+        used-slot count too (a decode step of these rows advances every row); a number: a count of their
+        own, from that slot (a prefill of new rows at the slots just before the others' next one)."""
+        view = copy.copy(self)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.real = self.real[start:stop]
+        if filled is not None:
+            view.filled = torch.tensor(filled, dtype=torch.long, device=self.filled.device)
+        return view
+
+    def realign(self, rows: list[int], length: int) -> None:
+        """Move `rows` (in that order) to rows 0, 1, ..., each row's real tokens right-aligned to end at slot
+        `length`, which becomes the used-slot count; the other rows are emptied. Tokens keep their order and
+        position ids, so a row continues as before: this drops the slots that rows which left, and the
+        padding between them, took."""
+        n = len(rows)
+        index = torch.tensor(rows, dtype=torch.long, device=self.real.device)
+        real = self.real.index_select(0, index)  # (n, size)
+        counts = real.sum(1)
+        if n and not int(counts.max()) <= length <= self.size:
+            raise ValueError(f"cannot realign rows holding {int(counts.max())} tokens to {length} of {self.size} slots")
+        real_first = torch.sort(real.to(torch.int8), dim=1, descending=True, stable=True).indices  # real slots, in order
+        offset = torch.arange(length, device=index.device) - (length - counts)[:, None]  # (n, length): which real token
+        source = real_first.gather(1, offset.clamp(min=0))  # (n, length): the slot it comes from
+        for t in (*self.k, *self.v):
+            t[:n, :, :length] = t[index[:, None], :, source].transpose(1, 2)  # (n, length, nh, hs) -> (n, nh, length, hs)
+        self.real.zero_()
+        self.real[:n, :length] = offset >= 0
+        self.filled.fill_(length)
 
 
 def rotary_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,3 +61,10 @@ def is_device_name(name: str) -> bool:
 
 # NumPy takes seeds below 2**32; the trainer adds the rank and 1, sampling the sample's index.
 SEEDS = between(0, 2**31 - 1)
+
+# Sampling: `sample`'s arguments and the fields of `serve`'s requests take the same numbers.
+NEW_TOKENS = at_least(1)
+TEMPERATURES = at_least(0)  # 0: greedy
+TOP_K = at_least(0)  # 0: no limit
+TOP_P = between(0, 1, low_open=True)  # 1: no limit
+SAMPLES = between(1, 10_000)

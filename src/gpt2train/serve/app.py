@@ -1,0 +1,413 @@
+"""The HTTP face of `gpt2train serve`: OpenAI's POST /v1/completions (one JSON answer, or server-sent events
+with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics (Prometheus text) and the
+playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its status: 400 a field's
+type or range (named), 401 the API key, 413 the body's size, 429 a full queue, 503 the model still loading;
+a request never reaches the engine unless it is good, and never gets a 500 for its own fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.resources
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException
+
+from gpt2train.serve.engine import Completion, Engine, Inbox, Piece, QueueFull, Sampling
+from gpt2train.serve.request import BadRequest, CompletionRequest, parse_completion_request
+
+API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
+MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
+log = logging.getLogger("gpt2train.serve")
+
+
+class ApiError(Exception):
+    """A refusal: its status, a one-line message, OpenAI's error type and the field it concerns."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several apps in one process stay apart)."""
+
+    def __init__(self, served: Served):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("gpt2train_requests", "requests to /v1/ by status code", ["status"], registry=r)
+        self.prompt_tokens = Counter("gpt2train_prompt_tokens", "prompt tokens of accepted requests", registry=r)
+        self.completion_tokens = Counter("gpt2train_completion_tokens", "tokens generated", registry=r)
+        Gauge("gpt2train_queue_depth", "completions waiting for a row", registry=r).set_function(
+            lambda: served.engine.queued if served.engine else 0)
+        Gauge("gpt2train_batch_rows", "rows decoding in the batch", registry=r).set_function(
+            lambda: served.engine.running if served.engine else 0)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+        self.ttft = Histogram("gpt2train_time_to_first_token_seconds", "request received to its first token",
+                              buckets=buckets, registry=r)
+        self.itl = Histogram("gpt2train_inter_token_latency_seconds", "time between a completion's tokens",
+                             buckets=buckets, registry=r)
+
+
+class Served:
+    """What the app serves: the engine once loaded, or why loading failed."""
+
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.error: str | None = None
+
+    def ready(self) -> Engine:
+        if self.engine is None:
+            raise ApiError(503, f"the model failed to load: {self.error}" if self.error else "the model is loading",
+                           "server_error", headers={"Retry-After": "5"})
+        return self.engine
+
+
+class CountRequests:
+    """ASGI middleware: each /v1/ response counted by its status (streams too, unlike a response hook)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; `load` builds the engine in a thread at startup (/health answers 503 until it is done)."""
+    served = Served()
+    metrics = Metrics(served)
+    playground = importlib.resources.files("gpt2train.serve").joinpath("playground.html").read_text(encoding="utf-8")
+    created = int(time.time())
+
+    def load_in_background():
+        try:
+            served.engine = load().start()
+            log.info("model %s loaded", model_id)
+        except Exception as e:  # noqa: BLE001 -- reported by /health and to whoever started the server
+            served.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.error("the model failed to load: %s", served.error)
+            if on_load_error is not None:
+                on_load_error(e)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        threading.Thread(target=load_in_background, name="gpt2train-load", daemon=True).start()
+        yield
+        if served.engine is not None:
+            served.engine.stop()
+
+    app = FastAPI(title="gpt2train", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CountRequests, metrics=metrics)
+    app.state.served = served
+    app.state.metrics = metrics
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, f"a valid API key is required: send `Authorization: Bearer <key>` (the server's "
+                           f"{API_KEY_ENV})", "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return error_response(e.status, e.message, e.kind, e.param, e.headers)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, e: BadRequest):
+        return error_response(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):  # a bug: still JSON, and counted
+        log.exception("internal error")
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels("500").inc()
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse(playground)
+
+    @app.get("/health")
+    async def health():
+        if served.engine is None:
+            status = {"status": "failed", "error": served.error} if served.error else {"status": "loading"}
+            return JSONResponse(status, 503)
+        return {"status": "ok", "model": model_id}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        engine = served.ready()
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "gpt2train", "context_length": engine.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        started = time.perf_counter()
+        authorize(request)
+        body = await read_body(request, max_body_bytes)
+        engine = served.ready()
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
+            raise BadRequest(None, "the body is not valid JSON") from None
+        req = parse_completion_request(data)
+        prompt_ids = encode_prompts(engine, req)
+        if req.choices > engine.capacity:
+            raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
+                             f"{engine.capacity} (--max-batch + --max-queue)")
+        inbox = Inbox()
+        jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stop, index=i * req.n + j)
+                for i, ids in enumerate(prompt_ids) for j in range(req.n)]
+        try:
+            engine.submit(jobs)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
+                           headers={"Retry-After": "1"}) from None
+        metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
+        answer = Answer(f"cmpl-{uuid.uuid4().hex}", model_id, jobs, sum(len(ids) for ids in prompt_ids), metrics,
+                        started)
+        if req.stream:
+            return EventStream(answer, req.include_usage)
+        return await answer.whole(request)
+
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes (declared, or as it arrives)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body of {int(declared):,} bytes exceeds this server's {limit:,}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the body exceeds this server's {limit:,} bytes")
+    return bytes(body)
+
+
+def encode_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
+    """Each prompt's ids (an empty one starts from end-of-text, as `sample` does); 400 when a prompt cannot
+    be encoded or, with max_tokens, does not fit the context."""
+    tokenizer = engine.tokenizer
+    found = []
+    for i, prompt in enumerate(req.prompts):
+        try:
+            ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+        except Exception as e:  # noqa: BLE001 -- a character the tokenizer has no id for, a lone surrogate ...
+            raise BadRequest("prompt", f"prompt {i} cannot be encoded: {str(e).splitlines()[0] if str(e) else e!r}") \
+                from None
+        if len(ids) + req.max_tokens > engine.context:
+            raise BadRequest("max_tokens", f"prompt {i} has {len(ids)} tokens; with max_tokens {req.max_tokens} that "
+                             f"exceeds the model's context of {engine.context} tokens")
+        found.append(ids)
+    return found
+
+
+def sampling(req: CompletionRequest, index: int) -> Sampling:
+    """Choice `index` of a seeded request draws from seed + index: the n choices of a prompt differ, and
+    each is reproducible."""
+    seed = None if req.seed is None else (req.seed + index) % 2**31
+    return Sampling(req.temperature, req.top_k, req.top_p, seed)
+
+
+class Answer:
+    """One request's completions as their pieces arrive: streamed as server-sent events, or gathered into
+    one JSON answer; the latency metrics are observed on the way."""
+
+    def __init__(self, request_id: str, model_id: str, jobs: list[Completion], prompt_tokens: int, metrics: Metrics,
+                 started: float):
+        self.id, self.model_id, self.jobs = request_id, model_id, jobs
+        self.inbox = jobs[0].inbox
+        self.prompt_tokens, self.metrics, self.started = prompt_tokens, metrics, started
+        self.created = int(time.time())
+        self.texts = [""] * len(jobs)
+        self.tokens = [0] * len(jobs)
+        self.finish: list[str | None] = [None] * len(jobs)
+        self.last_arrival: list[float | None] = [None] * len(jobs)
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(index, piece) as they come, a completion's pieces of one hand-over merged into one."""
+        open_ = len(self.jobs)
+        while open_:
+            merged: dict[int, Piece] = {}
+            for index, piece in await self.inbox.get():
+                if index in merged:
+                    m = merged[index]
+                    merged[index] = Piece(m.text + piece.text, m.tokens + piece.tokens, piece.finish_reason)
+                else:
+                    merged[index] = piece
+            for index, piece in merged.items():
+                self.observe(index, piece)
+                open_ -= piece.finish_reason is not None
+                yield index, piece
+
+    def observe(self, index: int, piece: Piece) -> None:
+        now = time.perf_counter()
+        if piece.tokens:
+            before = self.last_arrival[index]
+            if before is None:
+                self.metrics.ttft.observe(now - self.started)
+            else:
+                for _ in range(piece.tokens):
+                    self.metrics.itl.observe((now - before) / piece.tokens)
+            self.last_arrival[index] = now
+            self.metrics.completion_tokens.inc(piece.tokens)
+        self.texts[index] += piece.text
+        self.tokens[index] += piece.tokens
+        if piece.finish_reason:
+            self.finish[index] = piece.finish_reason
+
+    def usage(self) -> dict:
+        completion = sum(self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def chunk(self, choices: list[dict], **more) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
+                "choices": choices, **more}
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: `data: {chunk}` per piece of text, a last chunk per completion with its
+        finish_reason, the usage if asked for, then `data: [DONE]`. A client that leaves cancels them."""
+        try:
+            async for index, piece in self.pieces():
+                if piece.finish_reason == "error":
+                    yield sse({"error": {"message": piece.text, "type": "server_error", "param": None, "code": 500}})
+                    return
+                if piece.text or piece.finish_reason:
+                    yield sse(self.chunk([{"text": piece.text, "index": index, "logprobs": None,
+                                           "finish_reason": piece.finish_reason}]))
+            if include_usage:
+                yield sse(self.chunk([], usage=self.usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Free the rows of the completions still running (a client that left)."""
+        for job in self.jobs:
+            job.cancel()
+
+    async def whole(self, request: Request) -> JSONResponse:
+        """Every completion's text in one answer; a client that leaves first cancels them."""
+        gather = asyncio.ensure_future(self.drain())
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not gather.done():
+                gather.cancel()
+                self.cancel()
+        if not gather.done() or gather.cancelled():
+            return error_response(499, "the client closed the request", "invalid_request_error")
+        if "error" in self.finish:
+            return error_response(500, next(t for t, f in zip(self.texts, self.finish) if f == "error"), "server_error")
+        choices = [{"text": text, "index": i, "logprobs": None, "finish_reason": reason}
+                   for i, (text, reason) in enumerate(zip(self.texts, self.finish))]
+        return JSONResponse(self.chunk(choices, usage=self.usage()))
+
+    async def drain(self) -> None:
+        async for _ in self.pieces():
+            pass
+
+
+class EventStream(StreamingResponse):
+    """An Answer's server-sent events. Starlette cancels the stream when the client disconnects; the rows
+    are freed then, even if the stream had not started."""
+
+    def __init__(self, answer: Answer, include_usage: bool):
+        super().__init__(answer.events(include_usage), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.answer = answer
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.answer.cancel()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone (after the body, the server's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
+          dtype: str = "auto", compile: bool | str = "auto", device: str = "auto") -> None:
+    """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
+    weights load while the server already answers /health (503 until they are in)."""
+    import uvicorn
+
+    from gpt2train.distributed import resolve_device
+    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
+    from gpt2train.runtime import resolve_dtype
+
+    tokenizer = load_pretrained_tokenizer(ckpt)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device.type)
+
+    def load() -> Engine:
+        model = load_pretrained(ckpt, device=torch_device).to(torch_dtype)
+        return Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, compile=compile)
+
+    failures: list[BaseException] = []
+
+    def stop_on_failure(e: BaseException) -> None:
+        failures.append(e)
+        server.should_exit = True
+
+    app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None,
+                     on_load_error=stop_on_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
+    print(f"serving {Path(ckpt)} on http://{host}:{port}/ ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
+          f"up to {max_batch} rows){key}; /health answers 200 once the model is loaded", file=sys.stderr, flush=True)
+    server.run()
+    if failures:
+        raise failures[0]

@@ -1,0 +1,350 @@
+"""Continuous batching: one loop owns the model and one KV cache of max_batch rows; a completion joins the
+running batch at the next step (its prompt prefilled into a free row) and leaves it the step it ends.
+
+The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
+  1. rows whose completion ended or was cancelled leave; waiting completions take the free rows;
+  2. the cache is realigned when rows left or room is short (model.KVCache.realign): the running rows
+     move to rows 0..n-1, right-aligned at the slot count, so a decode step reads rows 0..n-1 only;
+  3. one decode step for the running rows (generate.Decoder, one id per row), then one prefill of the
+     new rows' prompts, left-padded, written just before the next step's slot (KVCache.rows);
+  4. each row draws its next token with its own settings and generator, and its new text (held back while
+     a character or a stop string is incomplete) goes to its request's Inbox.
+Greedy rows are the argmax of their own logits, so in float32 a request's greedy tokens are the same
+alone or beside others (up to the rounding of batched matmuls, which generate_batch's rows share).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from gpt2train.generate import Decoder, TextStream, left_padded, sample_next
+from gpt2train.model import GPT, KVCache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0  # 1: no limit
+    seed: int | None = None  # None: a fresh random seed
+
+
+@dataclass
+class Piece:
+    """What one completion produced since its last piece: text (possibly empty), the tokens it covers, and
+    on its last piece why it ended: "stop" (end-of-text or a stop string), "length", or "error"."""
+
+    text: str
+    tokens: int = 1
+    finish_reason: str | None = None
+
+
+class QueueFull(Exception):
+    """More completions than free rows plus the waiting places: try again later."""
+
+
+class Inbox:
+    """Where the pieces of one request's completions arrive, from the engine's thread, to be read on the
+    event loop that made it: `await inbox.get()` gives every (index, piece) that came since the last get."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.lock = threading.Lock()
+        self.items: list[tuple[int, Piece]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, items: list[tuple[int, Piece]]) -> None:
+        """From the engine's thread; RuntimeError if the event loop is closed (the server stopped)."""
+        with self.lock:
+            self.items.extend(items)
+        self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def get(self) -> list[tuple[int, Piece]]:
+        await self.ready.wait()
+        self.ready.clear()  # before taking: a put after this take sets it again
+        with self.lock:
+            items, self.items = self.items, []
+        return items
+
+
+@dataclass(eq=False)
+class Completion:
+    """One row's work: prompt_ids continued by up to max_tokens tokens, ending early at end-of-text or at
+    a stop string (which is not shown). Its pieces go to `inbox` tagged with `index`."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    inbox: Inbox
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    index: int = 0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Free its row (or its waiting place) at the engine's next step; no more pieces come."""
+        self.cancelled = True
+
+
+class StopText:
+    """Text as a completion may show it: up to the first stop string (which ends it), with any ending that
+    could be the start of a stop string held back until the next text tells."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text to show now, whether a stop string was reached)."""
+        text = self.held + text
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return text[:min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])),
+                   default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
+
+
+class Row:
+    """A running completion: its generator, its text so far and how many of its tokens the cache holds."""
+
+    def __init__(self, completion: Completion, tokenizer, device: torch.device, slot: int):
+        self.completion = completion
+        self.slot = slot  # its row of the KV cache
+        self.cached = len(completion.prompt_ids)  # tokens of it in the cache (once prefilled)
+        self.generated = 0
+        self.last = 0  # the token to feed at the next decode step
+        self.ended = False
+        self.text = TextStream(tokenizer)
+        self.stop = StopText(completion.stop)
+        seed = completion.sampling.seed
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def push(self, token: int, eot_id: int | None) -> Piece:
+        """The piece that `token` adds; marks the row ended when it ends the completion."""
+        self.generated += 1
+        self.last = token
+        if token == eot_id:
+            return self.end("stop", "")
+        shown, stopped = self.stop.push(self.text.push(token))
+        if stopped:
+            return self.end("stop", shown, flush=False)
+        if self.generated >= self.completion.max_tokens:
+            return self.end("length", shown)
+        return Piece(shown)
+
+    def end(self, reason: str, shown: str, flush: bool = True) -> Piece:
+        """The last piece: what was held back (an incomplete character, a possible stop string's start)."""
+        self.ended = True
+        if flush:
+            more, stopped = self.stop.push(self.text.flush())
+            shown += more if stopped else more + self.stop.flush()
+            reason = "stop" if stopped else reason
+        return Piece(shown, 1, reason)
+
+
+class Engine:
+    """Continuous batching over one model: submit() completions from an event loop; the engine's thread
+    decodes every running row at each step and lets new completions in as rows free up."""
+
+    def __init__(self, model: GPT, tokenizer, max_batch: int = 8, max_queue: int = 64, compile: bool | str = "auto"):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError(f"max_batch {max_batch} must be at least 1 and max_queue {max_queue} at least 0")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch, self.max_queue = max_batch, max_queue
+        param = next(model.parameters())
+        self.device = param.device
+        self.block_size = model.config.block_size
+        self.decoder = Decoder(model, compile=compile)
+        # The whole context in every row: a row's tokens never need more slots than block_size.
+        self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
+        self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
+        self.waiting: deque[Completion] = deque()
+        self.wakeup = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.stopping = False
+        self.steps = 0  # forwards run (decode steps and prefills)
+        # Sampling stays within the tokenizer's ids (the model's vocabulary may be padded beyond them).
+        self.vocab = min(tokenizer.vocab_size, model.config.vocab_size)
+
+    # ------------------------------------------------------------------ the server's side
+
+    @property
+    def context(self) -> int:
+        return self.block_size
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def capacity(self) -> int:
+        """Completions the engine takes at once: every row, and every waiting place."""
+        return self.max_batch + self.max_queue
+
+    def submit(self, completions: list[Completion]) -> None:
+        """Queue completions (all or none); QueueFull when more than max_queue would wait for a row."""
+        for c in completions:
+            if not c.prompt_ids or len(c.prompt_ids) + c.max_tokens > self.block_size or c.max_tokens < 1:
+                raise ValueError(f"a prompt of {len(c.prompt_ids)} tokens and max_tokens {c.max_tokens} do not fit "
+                                 f"the context of {self.block_size} tokens")
+        with self.wakeup:
+            free = self.max_batch - len(self.rows)
+            if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
+            self.waiting.extend(completions)
+            self.wakeup.notify()
+
+    def start(self) -> Engine:
+        self.thread = threading.Thread(target=self.run, name="gpt2train-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.wakeup:
+            self.stopping = True
+            self.wakeup.notify()
+        if self.thread is not None:
+            self.thread.join()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        with torch.no_grad():  # per thread: the server's threads' setting does not reach this one
+            while True:
+                with self.wakeup:
+                    while not (self.rows or self.waiting or self.stopping):
+                        self.wakeup.wait()
+                    if self.stopping:
+                        return
+                try:
+                    self.step()
+                except Exception as e:  # noqa: BLE001 -- end the completions it touched; keep serving the next ones
+                    self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def step(self) -> None:
+        left = self.drop_ended()
+        new = self.admit()
+        self.make_room(left, new)
+        produced = []
+        if self.rows:
+            produced += self.decode()
+        if new:
+            produced += self.prefill(new)
+        self.deliver(produced)
+
+    def drop_ended(self) -> bool:
+        """Rows whose completion ended or was cancelled leave; whether any did."""
+        kept = [r for r in self.rows if not (r.ended or r.completion.cancelled)]
+        left = len(kept) < len(self.rows)
+        self.rows = kept
+        return left
+
+    def admit(self) -> list[Completion]:
+        with self.wakeup:
+            new = []
+            while self.waiting and len(self.rows) + len(new) < self.max_batch:
+                completion = self.waiting.popleft()
+                if not completion.cancelled:
+                    new.append(completion)
+            return new
+
+    def make_room(self, left: bool, new: list[Completion]) -> None:
+        """Realign the cache when rows left (the rest move up), or when the next decode step has no slot
+        or the new prompts no room before it. After the decode step the new prompts end at its slot."""
+        longest_prompt = max((len(c.prompt_ids) for c in new), default=0)
+        if not self.rows:
+            self.cache.realign([], longest_prompt)
+            return
+        need = max(max(r.cached for r in self.rows), longest_prompt - 1)
+        if left or self.cache.length < need or self.cache.length + 1 > self.cache.size:
+            self.cache.realign([r.slot for r in self.rows], need)
+            for i, row in enumerate(self.rows):
+                row.slot = i
+
+    def decode(self) -> list[tuple[Row, Piece]]:
+        """One step of the running rows: each feeds its last token."""
+        n = len(self.rows)
+        ids = [r.last for r in self.rows]
+        if self.decoder.compiled is not None:  # one shape for every step: all rows, the free ones idle
+            ids += [0] * (self.max_batch - n)
+            cache = self.cache
+        else:
+            cache = self.cache.rows(0, n)
+        logits = self.decoder(torch.tensor(ids, device=self.device)[:, None], cache)[:n]
+        self.steps += 1
+        for row in self.rows:
+            row.cached += 1
+        return self.emit(self.rows, logits)
+
+    def prefill(self, new: list[Completion]) -> list[tuple[Row, Piece]]:
+        """The new completions' prompts into the next free rows, ending just before the next step's slot."""
+        first = len(self.rows)
+        rows = [Row(c, self.tokenizer, self.device, first + i) for i, c in enumerate(new)]
+        tokens, real = left_padded([c.prompt_ids for c in new], self.block_size, None, self.device)
+        self.cache.real[first:first + len(new)] = False  # a former row's tokens, if any
+        view = self.cache.rows(first, first + len(new), filled=self.cache.length - tokens.size(1))
+        logits = self.decoder.prefill(tokens, real, view)
+        self.steps += 1
+        self.rows += rows
+        return self.emit(rows, logits)
+
+    def emit(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[Row, Piece]]:
+        """Each row's next token (greedy rows together, sampling rows each with its generator) and piece."""
+        logits = logits[:, :self.vocab]
+        tokens = logits.argmax(-1).tolist()
+        for i, row in enumerate(rows):
+            s = row.completion.sampling
+            if s.temperature > 0:
+                tokens[i] = int(sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, row.generator))
+        eot_id = getattr(self.tokenizer, "eot_id", None)
+        return [(row, row.push(token, eot_id)) for row, token in zip(rows, tokens)]
+
+    def deliver(self, produced: list[tuple[Row, Piece]]) -> None:
+        """Each request's pieces in one hand-over to its event loop (not one per token)."""
+        by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
+        for row, piece in produced:
+            if not row.completion.cancelled:
+                by_inbox.setdefault(row.completion.inbox, []).append((row.completion.index, piece))
+        for inbox, items in by_inbox.items():
+            try:
+                inbox.put(items)
+            except RuntimeError:  # its event loop is closed: nobody reads these any more
+                for row, _ in produced:
+                    if row.completion.inbox is inbox:
+                        row.completion.cancel()
+
+    def fail_all(self, reason: str) -> None:
+        """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
+        with self.wakeup:
+            failed = [r.completion for r in self.rows] + list(self.waiting)
+            self.waiting.clear()
+        self.rows = []
+        self.cache.realign([], 0)
+        by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
+        for c in failed:
+            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(f"the engine failed: {reason}", 0, "error")))
+        for inbox, items in by_inbox.items():
+            try:
+                inbox.put(items)
+            except RuntimeError:
+                pass
