@@ -12,10 +12,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
 from gpt2train.checkpoint import model_state, save_checkpoint
@@ -90,15 +92,17 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path):
     pytest.fail(f"gpt2train serve did not answer /health with 200 in {SERVER_START_S} s:\n{log.read_text()}")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`gpt2train serve` on 127.0.0.1 and a free port, in float32 and eager; yields its base URL."""
-    tmp = tmp_path_factory.mktemp("playground_server")
-    ckpt = streaming_checkpoint(tmp / "run")
+@contextmanager
+def running_server(ckpt: Path, log: Path, api_key: str | None = None):
+    """`gpt2train serve` on 127.0.0.1 and a free port, in float32 and eager, with or without an API key;
+    yields its base URL and stops it after."""
+    from gpt2train.serve.app import API_KEY_ENV
+
     url = f"http://127.0.0.1:{free_port()}"
-    log = tmp / "serve.log"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("GPT2TRAIN_API_KEY", None)  # the page's own key field is not under test here
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1",
                                  "--port", url.rsplit(":", 1)[1], "--dtype", "float32", "--compile", "false"],
@@ -116,6 +120,17 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return streaming_checkpoint(tmp_path_factory.mktemp("playground_ckpt") / "run")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    with running_server(checkpoint, tmp_path_factory.mktemp("playground_server") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def browser():
     if sync_playwright is None:
         need("the playwright package is not installed")
@@ -127,17 +142,38 @@ def browser():
         browser.close()
 
 
-@pytest.fixture
-def page(browser, server):
+@contextmanager
+def open_page(browser, url: str):
+    """The playground at url in a fresh browser context; an exception in the page's script fails the test."""
     context = browser.new_context(viewport={"width": 1000, "height": 800})
     page = context.new_page()
     page.set_default_timeout(60_000)
     errors = []
-    page.on("pageerror", lambda e: errors.append(str(e)))  # an exception in the page's script
-    page.goto(server + "/")
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url + "/")
     yield page
     context.close()
     assert not errors, errors
+
+
+@pytest.fixture
+def page(browser, server):
+    with open_page(browser, server) as page:
+        yield page
+
+
+def rows_decoding(url: str) -> float:
+    """The server's gauge of rows in its running batch, read from GET /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return next(f.samples[0].value for f in families if f.name == "gpt2train_batch_rows")
+
+
+def wait_no_rows_decoding(url: str):
+    deadline = time.monotonic() + 60
+    while rows_decoding(url) != 0:
+        assert time.monotonic() < deadline, "the server still decodes a row a minute after Stop"
+        time.sleep(0.1)
 
 
 def server_error(url: str, body: dict) -> str:
@@ -167,7 +203,7 @@ def fill_settings(page, prompt: str, max_tokens: int):
     page.get_by_label("Top-p").fill("1")
 
 
-def test_playground_streams_text_and_stop_ends_it(page, tmp_path):
+def test_playground_streams_text_and_stop_ends_it(page, server, tmp_path):
     status = page.get_by_role("status")
     expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")  # GET /v1/models was read
     fill_settings(page, "hello world", max_tokens=BLOCK_SIZE - 100)
@@ -180,22 +216,25 @@ def test_playground_streams_text_and_stop_ends_it(page, tmp_path):
     assert 0 < first < second
     expect(page.locator("#shown-prompt")).to_have_text("hello world")
     expect(page.locator("#stats")).to_contain_text("tokens/s")
+    page.screenshot(path=str(tmp_path / "playground-streaming.png"), full_page=True)
 
     page.get_by_role("button", name="Stop").click()
     expect(status).to_contain_text("Stopped after")
     stopped = completion_length(page)
     page.wait_for_timeout(1000)  # a stream still running would add text here
     assert completion_length(page) == stopped < BLOCK_SIZE - 100
-    # Each token of a char vocabulary is one character: the count the page reports is the text's length.
-    assert status.text_content() == f"Stopped after {stopped} tokens."
+    # Each token of a char vocabulary is one character; the page counts streamed pieces, one token or more each.
+    counted = int(re.fullmatch(r"Stopped after (\d+) tokens?\.", status.text_content()).group(1))
+    assert 0 < counted <= stopped
     assert set(page.locator("#completion").text_content()) <= set(VOCAB)
     expect(page.get_by_role("button", name="Generate")).to_be_enabled()
     expect(page.get_by_role("button", name="Stop")).to_be_disabled()
+    wait_no_rows_decoding(server)  # the abort reached the server, which freed the row long before max_tokens
 
     shot = tmp_path / "playground.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 0
-    print(f"screenshot: {shot}")
+    print(f"screenshots: {shot} and {shot.with_stem('playground-streaming')}")
 
 
 def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
@@ -203,8 +242,8 @@ def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
     fill_settings(page, "abc", max_tokens=5)
     page.get_by_role("button", name="Generate").click()
     expect(status).to_have_text("Done: max tokens or the context's end (length).")
-    assert completion_length(page) == 5
-    assert re.search(r"^5 tokens · first after \d+ ms · [\d.]+ tokens/s$", page.locator("#stats").text_content())
+    assert completion_length(page) == 5  # and the usage at the end tells the page it was 5 tokens
+    assert re.search(r"^5 tokens · first after \d+ ms( · [\d.]+ tokens/s)?$", page.locator("#stats").text_content())
 
     # Upper case is not in the checkpoint's vocabulary: the server answers 400 with a message the page shows.
     page.get_by_label("Prompt").fill("Hello")
@@ -212,3 +251,21 @@ def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
     expect(status).to_contain_text("Error 400: ")
     assert status.text_content() == f"Error 400: {server_error(server, {'prompt': 'Hello', 'max_tokens': 5})}"
     expect(page.get_by_role("button", name="Generate")).to_be_enabled()
+
+
+def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path):
+    key = "playground-test-key"
+    with running_server(checkpoint, tmp_path / "serve.log", api_key=key) as url, open_page(browser, url) as page:
+        status = page.get_by_role("status")
+        expect(page.locator("#model")).to_contain_text("Model: unknown (401: a valid API key is required")
+        fill_settings(page, "abc", max_tokens=5)
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_contain_text("Error 401: a valid API key is required")
+
+        page.get_by_text("API key", exact=True).click()  # the field is folded away until asked for
+        page.get_by_label("API key").fill(key)
+        page.get_by_label("API key").press("Tab")  # a changed key reloads the model's name with it
+        expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_have_text("Done: max tokens or the context's end (length).")
+        assert completion_length(page) == 5
