@@ -94,7 +94,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path):
 
 @contextmanager
 def running_server(ckpt: Path, log: Path, api_key: str | None = None):
-    """`gpt2train serve` on 127.0.0.1 and a free port, in float32 and eager, with or without an API key;
+    """`gpt2train serve` on 127.0.0.1 and a free port, on the CPU in float32 and eager, with or without an API key;
     yields its base URL and stops it after."""
     from gpt2train.serve.app import API_KEY_ENV
 
@@ -105,7 +105,7 @@ def running_server(ckpt: Path, log: Path, api_key: str | None = None):
         env[API_KEY_ENV] = api_key
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1",
-                                 "--port", url.rsplit(":", 1)[1], "--dtype", "float32", "--compile", "false"],
+                                 "--port", url.rsplit(":", 1)[1], "--device", "cpu", "--dtype", "float32", "--compile", "false"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, proc, log)
