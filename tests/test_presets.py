@@ -94,6 +94,7 @@ def test_the_wheel_ships_the_presets(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"gpt2train/configs/{name}.toml" for name in PRESETS} <= names
     assert "gpt2train/templates/report.html" in names
+    assert "gpt2train/serve/playground.html" in names  # what `gpt2train serve` answers at /
 
 
 @pytest.mark.parametrize("preset", ["shakespeare-modern", "gpt2-modern"])

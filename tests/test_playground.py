@@ -1,0 +1,271 @@
+"""The playground page at `/`, in a real browser: Debian's chromium driven by Playwright, against `gpt2train serve`
+started in a subprocess on a tiny checkpoint. The screenshot is kept in the test's tmp folder (its path printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO
+from gpt2train.checkpoint import model_state, save_checkpoint
+from gpt2train.config import Config, to_dict
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import CharTokenizer
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # the dev extra installs it; `need` says so
+    sync_playwright = None
+
+# Playwright's own browser download cannot work here: it drives the distribution's chromium (`make setup-dev`
+# installs Debian's). CHROMIUM names another Chromium or Chrome binary.
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+# Without the background-networking flags Chromium keeps trying to reach Google's hosts, which a closed
+# network refuses; as root it needs --no-sandbox (Playwright adds it, with --headless and a fresh profile).
+CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+VOCAB = "abcdefghijklmnopqrstuvwxyz "
+BLOCK_SIZE = 8192  # room for thousands of new tokens: the text is still streaming when Stop is pressed
+SERVER_START_S = 180
+
+
+def need(what: str):
+    """Skip off CI, saying how to install what is missing; on CI (CI set) the browser test must run, so fail."""
+    message = f"{what}: `make setup-dev` installs it"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI runs the browser test, it must not skip)")
+    pytest.skip(message)
+
+
+def streaming_checkpoint(run_dir: Path) -> Path:
+    """A char-vocabulary model whose next-token distribution is the same at every position and puts the
+    end-of-text token far below the rest: sampling never ends early, so a long answer streams until stopped."""
+    tok = CharTokenizer(VOCAB)
+    cfg = Config()
+    cfg.model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK_SIZE, vocab_size=tok.vocab_size)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        # The last LayerNorm outputs its bias (all ones) whatever its input; logits are that vector times each
+        # token's (tied) embedding, so end-of-text, embedded as all minus ones, scores -n_embd, the others ~N(0, 1).
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.transformer.wte.weight[tok.eot_id] = -1.0
+    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": tok.spec()}
+    save_checkpoint(run_dir, step=0, weights=model_state(model), state={}, meta=meta)
+    return run_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path):
+    """Poll GET /health until 200; fail with the server's log if it exits or never gets there."""
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"gpt2train serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or 503 while the model loads
+        time.sleep(0.2)
+    pytest.fail(f"gpt2train serve did not answer /health with 200 in {SERVER_START_S} s:\n{log.read_text()}")
+
+
+@contextmanager
+def running_server(ckpt: Path, log: Path, api_key: str | None = None):
+    """`gpt2train serve` on 127.0.0.1 and a free port, on the CPU in float32 and eager, with or without an API key;
+    yields its base URL and stops it after."""
+    from gpt2train.serve.app import API_KEY_ENV
+
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1",
+                                 "--port", url.rsplit(":", 1)[1], "--device", "cpu", "--dtype", "float32", "--compile", "false"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return streaming_checkpoint(tmp_path_factory.mktemp("playground_ckpt") / "run")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    with running_server(checkpoint, tmp_path_factory.mktemp("playground_server") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if sync_playwright is None:
+        need("the playwright package is not installed")
+    if not CHROMIUM.exists():
+        need(f"{CHROMIUM} is missing (Debian's chromium package)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@contextmanager
+def open_page(browser, url: str):
+    """The playground at url in a fresh browser context; an exception in the page's script fails the test."""
+    context = browser.new_context(viewport={"width": 1000, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url + "/")
+    yield page
+    context.close()
+    assert not errors, errors
+
+
+@pytest.fixture
+def page(browser, server):
+    with open_page(browser, server) as page:
+        yield page
+
+
+def rows_decoding(url: str) -> float:
+    """The server's gauge of rows in its running batch, read from GET /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return next(f.samples[0].value for f in families if f.name == "gpt2train_batch_rows")
+
+
+def wait_no_rows_decoding(url: str):
+    deadline = time.monotonic() + 60
+    while rows_decoding(url) != 0:
+        assert time.monotonic() < deadline, "the server still decodes a row a minute after Stop"
+        time.sleep(0.1)
+
+
+def server_error(url: str, body: dict) -> str:
+    """The message of the 4xx JSON error the server answers to this completion request."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert 400 <= e.value.code < 500, e.value.code
+    return json.loads(e.value.read())["error"]["message"]
+
+
+def completion_length(page) -> int:
+    return page.locator("#completion").evaluate("e => e.textContent.length")
+
+
+def wait_longer_than(page, n: int) -> int:
+    page.wait_for_function("n => document.getElementById('completion').textContent.length > n", arg=n)
+    return completion_length(page)
+
+
+def fill_settings(page, prompt: str, max_tokens: int):
+    page.get_by_label("Prompt").fill(prompt)
+    page.get_by_label("Max tokens").fill(str(max_tokens))
+    page.get_by_label("Temperature").fill("1")
+    page.get_by_label("Top-k").fill("10")  # end-of-text scores lowest: never among the 10 kept
+    page.get_by_label("Top-p").fill("1")
+
+
+def test_playground_streams_text_and_stop_ends_it(page, server, tmp_path):
+    status = page.get_by_role("status")
+    expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")  # GET /v1/models was read
+    fill_settings(page, "hello world", max_tokens=BLOCK_SIZE - 100)
+    page.get_by_role("button", name="Generate").click()
+    expect(status).to_have_text("Generating…")
+
+    # The text arrives in pieces while the request runs: two different lengths seen before the end.
+    first = wait_longer_than(page, 0)
+    second = wait_longer_than(page, first)
+    assert 0 < first < second
+    expect(page.locator("#shown-prompt")).to_have_text("hello world")
+    expect(page.locator("#stats")).to_contain_text("tokens/s")
+    page.screenshot(path=str(tmp_path / "playground-streaming.png"), full_page=True)
+
+    page.get_by_role("button", name="Stop").click()
+    expect(status).to_contain_text("Stopped after")
+    stopped = completion_length(page)
+    page.wait_for_timeout(1000)  # a stream still running would add text here
+    assert completion_length(page) == stopped < BLOCK_SIZE - 100
+    # Each token of a char vocabulary is one character; the page counts streamed pieces, one token or more each.
+    counted = int(re.fullmatch(r"Stopped after (\d+) tokens?\.", status.text_content()).group(1))
+    assert 0 < counted <= stopped
+    assert set(page.locator("#completion").text_content()) <= set(VOCAB)
+    expect(page.get_by_role("button", name="Generate")).to_be_enabled()
+    expect(page.get_by_role("button", name="Stop")).to_be_disabled()
+    wait_no_rows_decoding(server)  # the abort reached the server, which freed the row long before max_tokens
+
+    shot = tmp_path / "playground.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 0
+    print(f"screenshots: {shot} and {shot.with_stem('playground-streaming')}")
+
+
+def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
+    status = page.get_by_role("status")
+    fill_settings(page, "abc", max_tokens=5)
+    page.get_by_role("button", name="Generate").click()
+    expect(status).to_have_text("Done: max tokens or the context's end (length).")
+    assert completion_length(page) == 5  # and the usage at the end tells the page it was 5 tokens
+    assert re.search(r"^5 tokens · first after \d+ ms( · [\d.]+ tokens/s)?$", page.locator("#stats").text_content())
+
+    # Upper case is not in the checkpoint's vocabulary: the server answers 400 with a message the page shows.
+    page.get_by_label("Prompt").fill("Hello")
+    page.get_by_role("button", name="Generate").click()
+    expect(status).to_contain_text("Error 400: ")
+    assert status.text_content() == f"Error 400: {server_error(server, {'prompt': 'Hello', 'max_tokens': 5})}"
+    expect(page.get_by_role("button", name="Generate")).to_be_enabled()
+
+
+def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path):
+    key = "playground-test-key"
+    with running_server(checkpoint, tmp_path / "serve.log", api_key=key) as url, open_page(browser, url) as page:
+        status = page.get_by_role("status")
+        expect(page.locator("#model")).to_contain_text("Model: unknown (401: a valid API key is required")
+        fill_settings(page, "abc", max_tokens=5)
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_contain_text("Error 401: a valid API key is required")
+
+        page.get_by_text("API key", exact=True).click()  # the field is folded away until asked for
+        page.get_by_label("API key").fill(key)
+        page.get_by_label("API key").press("Tab")  # a changed key reloads the model's name with it
+        expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_have_text("Done: max tokens or the context's end (length).")
+        assert completion_length(page) == 5
