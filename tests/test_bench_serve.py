@@ -46,7 +46,7 @@ def test_the_targets_of_issue_31():
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--model", "gpt3"], "unknown model preset 'gpt3'"),
+    (["--model", "gpt3"], "argument --model: invalid choice: 'gpt3' (choose from 'gpt2', "),
     (["--concurrency", "1,x"], "'x' is not an integer"),
     (["--concurrency", "0"], "0 is out of range"),
     (["--new-tokens", "200"], "exceed gpt2-tiny's block_size 128"),

@@ -640,18 +640,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_bench_generate)
     v = bench.add_parser("serve", help="gpt2train serve under load: requests/s, output tok/s, time to first token, "
                          "inter-token latency; against the plain batched decode (pip install 'gpt2train[serve]')")
-    v.add_argument("--model", default="gpt2", help="model preset, random weights (default gpt2: 124M)")
-    v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's")
-    v.add_argument("--concurrency", type=batch_size_list, default=[1, 8],
-                   help="clients at once, comma-separated levels (default 1,8)")
-    v.add_argument("--requests", type=COUNT, default=0, help="requests per level (default: twice the level, at least 4)")
-    v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default 64)")
-    v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request (default 128)")
-    v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch (default: the largest level)")
-    v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default 2)")
-    v.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
-    v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' dtype (auto: as for sample)")
+    v.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
+                   help="model shape, random weights: %(choices)s (default %(default)s)")
+    v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's "
+                   "(default %(default)s)")
+    v.add_argument("--concurrency", type=batch_size_list, default="1,8",
+                   help="clients at once, comma-separated levels (default %(default)s)")
+    v.add_argument("--requests", type=COUNT, default=0, help="requests per level, 0: twice the level, at least 4 "
+                   "(default %(default)s)")
+    v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default %(default)s)")
+    v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request "
+                   "(default %(default)s)")
+    v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch, 0: the largest level "
+                   "(default %(default)s)")
+    v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default %(default)s)")
+    v.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                   help=f"as for sample (default %(default)s; {AUTO_COMPILE_HELP})")
+    v.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     v.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
     v.set_defaults(func=cmd_bench_serve)
     q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "

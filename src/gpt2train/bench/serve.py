@@ -88,7 +88,7 @@ class RequestResult:
     error: str = ""
 
 
-def check_options(options: ServeBenchOptions) -> None:
+def check_serve_options(options: ServeBenchOptions) -> None:
     """UsageError, in one line, before any work."""
     if options.model not in PRESETS:
         raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
@@ -217,7 +217,7 @@ async def load_level(url: str, concurrency: int, requests: int, body: dict) -> t
         return results, time.perf_counter() - start
 
 
-def summarize(concurrency: int, results: list[RequestResult], wall: float) -> Level:
+def summarize_level(concurrency: int, results: list[RequestResult], wall: float) -> Level:
     good = [r for r in results if r.ok]
     ttft = [r.ttft_s * 1e3 for r in good]
     itl = [g * 1e3 for r in good for g in r.gaps_s]
@@ -250,7 +250,7 @@ def plain_tok_s(model: GPT, prompt_ids: list[int], batch: int, new_tokens: int, 
 
 
 def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progress: bool = True) -> dict:
-    check_options(options)
+    check_serve_options(options)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device.type)
     tokenizer = GPT2Tokenizer()
@@ -268,7 +268,7 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
                 for concurrency in options.concurrency:
                     requests = options.requests or max(4, 2 * concurrency)
                     results, wall = asyncio.run(load_level(url, concurrency, requests, body))
-                    levels.append(summarize(concurrency, results, wall))
+                    levels.append(summarize_level(concurrency, results, wall))
                     if progress:
                         level = levels[-1]
                         print(f"  concurrency {concurrency}: {level.output_tok_s:,.1f} output tok/s, "
@@ -297,7 +297,7 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
         "levels": [asdict(level) for level in levels],
         "targets": targets(levels),
     }
-    result["markdown"] = markdown(result)
+    result["markdown"] = serve_table(result)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,7 +322,7 @@ def targets(levels: list[Level]) -> dict:
     return found
 
 
-def markdown(result: dict) -> str:
+def serve_table(result: dict) -> str:
     lines = [f"{result['model']} (random weights) on {result['device']}, {result['dtype']}, {result['threads']} threads: "
              f"{result['prompt_tokens']}-token prompt, {result['new_tokens']} new tokens, greedy, streamed; "
              f"server --max-batch {result['max_batch']}",
