@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
+from gpt2train.bench.serve import free_port
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.model import GPT, GPTConfig
@@ -69,11 +69,6 @@ def streaming_checkpoint(run_dir: Path) -> Path:
     save_checkpoint(run_dir, step=0, weights=model_state(model), state={}, meta=meta)
     return run_dir
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path):

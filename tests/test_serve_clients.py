@@ -20,6 +20,7 @@ import pytest
 
 from conftest import REPO, run_cli
 from gpt2train import cli
+from gpt2train.bench.serve import free_port
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.hf import load_pretrained
@@ -27,11 +28,6 @@ from serving import TOKENIZER, greedy, tiny_model
 
 KEY = "test-key-1"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_tiny_run(folder) -> None:

@@ -444,6 +444,18 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
 
 
+def decoding_options() -> argparse.ArgumentParser:
+    """--device, --compile and --dtype of the commands that decode with a checkpoint (sample, serve)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, "
+                         "mps (default %(default)s)")
+    options.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+                         help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
+    options.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                         help=f"the weights' dtype while decoding (default %(default)s; {AUTO_DTYPE_HELP})")
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch. Exit status: "
                            "0 done, 1 a failure while working, 2 a usage error (bad argument or config).",
@@ -494,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("sample", help="generate text from a checkpoint")
+    decoding = decoding_options()
+    p = sub.add_parser("sample", parents=[decoding], help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work) (default empty, which "
                    "starts from EOT)")
@@ -510,16 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "together); change it for another (default %(default)s)")
     p.add_argument("--num-samples", type=ranged(int, SAMPLES), default=1,
                    help="how many continuations of the prompt, generated as one batch; 1 streams (default %(default)s)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps "
-                   "(default %(default)s)")
-    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
-                   help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help=f"weights' dtype while sampling (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible completions API with continuous batching, and a playground "
-                       "page (pip install 'gpt2train[serve]')")
+    p = sub.add_parser("serve", parents=[decoding], help="an OpenAI-compatible completions API with continuous "
+                       "batching, and a playground page (pip install 'gpt2train[serve]')")
     p.add_argument("--ckpt", required=True, help="run directory, checkpoint folder or Hugging Face GPT-2 folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 is this machine only "
                    "(default %(default)s)")
@@ -527,12 +534,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default %(default)s)")
     p.add_argument("--max-queue", type=COUNT, default=64,
                    help="completions that may wait for a free row; more get 429 (default %(default)s)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps "
-                   "(default %(default)s)")
-    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
-                   help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")

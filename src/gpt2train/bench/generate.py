@@ -192,11 +192,16 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         "speedup_vs_transformers": speedups(rows),
     }
     result["markdown"] = markdown(result)
+    write_result(result, out)
+    return result
+
+
+def write_result(result: dict, out: str | Path | None) -> None:
+    """A bench's result as JSON at `out` (its folder made), when one is given."""
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def summarize(impl: str, batch: int, timings: list[tuple[float, float]], options: GenerateOptions, model: GPT,

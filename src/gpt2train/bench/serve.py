@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import platform
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2train.bench.generate import sync
+from gpt2train.bench.generate import sync, write_result
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.devices import describe
@@ -43,6 +42,7 @@ from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
 from gpt2train.tokenizer import GPT2Tokenizer
+from gpt2train.units import format_utc
 
 
 @dataclass
@@ -291,17 +291,14 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
         "prompt_tokens": options.prompt_tokens,
         "new_tokens": options.new_tokens,
         "max_batch": max_batch,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": format_utc(time.time()),
         "torch": torch.__version__,
         "decode_path": decoder.describe(max_batch),
         "levels": [asdict(level) for level in levels],
         "targets": targets(levels),
     }
     result["markdown"] = serve_table(result)
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out)
     return result
 
 
