@@ -201,7 +201,8 @@ def cmd_serve(args) -> int:
         raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device)
+          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device,
+          prefill_tokens=args.prefill_tokens)
     return 0
 
 
@@ -448,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default 8)")
     p.add_argument("--max-queue", type=COUNT, default=64,
                    help="completions that may wait for a free row; more get 429 (default 64)")
+    p.add_argument("--prefill-tokens", type=COUNT, default=0, help="the most prompt tokens that join the batch at "
+                   "one step, one prompt at least (default 0: 2048 on CUDA, 64 on a CPU)")
     p.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, mps")
     p.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -554,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's")
     v.add_argument("--concurrency", type=batch_size_list, default=[1, 8],
                    help="clients at once, comma-separated levels (default 1,8)")
-    v.add_argument("--requests", type=COUNT, default=0, help="requests per level (default: twice the level, at least 4)")
+    v.add_argument("--requests", type=COUNT, default=0, help="requests per level (default: four times the level)")
     v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default 64)")
     v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request (default 128)")
     v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch (default: the largest level)")

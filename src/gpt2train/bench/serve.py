@@ -52,7 +52,7 @@ class ServeBenchOptions:
     dtype: str = "auto"  # the server's weights and the ceiling's (auto: as `sample`)
     compile: str = "auto"  # the server's --compile and the ceiling's Decoder (auto: on CUDA)
     concurrency: list[int] = field(default_factory=lambda: [1, 8])
-    requests: int = 0  # per concurrency level; 0: twice the concurrency, at least 4
+    requests: int = 0  # per concurrency level; 0: four times the concurrency (the first burst is a quarter)
     prompt_tokens: int = 64
     new_tokens: int = 128
     max_batch: int = 0  # the server's --max-batch; 0: the largest concurrency
@@ -266,7 +266,7 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
         try:
             with running_server(ckpt, options, max_batch, max(options.concurrency), log) as url:
                 for concurrency in options.concurrency:
-                    requests = options.requests or max(4, 2 * concurrency)
+                    requests = options.requests or 4 * concurrency
                     results, wall = asyncio.run(load_level(url, concurrency, requests, body))
                     levels.append(summarize(concurrency, results, wall))
                     if progress:
