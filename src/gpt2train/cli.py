@@ -313,7 +313,8 @@ def cmd_bench_serve(args) -> int:
 
     options = ServeBenchOptions(model=args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                                 concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
-                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats)
+                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats,
+                                prefill_tokens=args.prefill_tokens)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
     result = run_serve_bench(options, out)
     print(result["markdown"])
@@ -561,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default 64)")
     v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request (default 128)")
     v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch (default: the largest level)")
+    v.add_argument("--prefill-tokens", type=COUNT, default=0, help="the server's --prefill-tokens (default: its own)")
     v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default 2)")
     v.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="as for sample")
     v.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

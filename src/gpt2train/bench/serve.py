@@ -56,6 +56,7 @@ class ServeBenchOptions:
     prompt_tokens: int = 64
     new_tokens: int = 128
     max_batch: int = 0  # the server's --max-batch; 0: the largest concurrency
+    prefill_tokens: int = 0  # the server's --prefill-tokens (0: its default)
     repeats: int = 2  # timed runs of the ceiling, the median reported
     startup_timeout_s: float = 600.0
 
@@ -138,7 +139,7 @@ def running_server(ckpt: Path, options: ServeBenchOptions, max_batch: int, max_q
     port = free_port()
     command = [sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--port", str(port),
                "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--device", options.device,
-               "--dtype", options.dtype, "--compile", options.compile]
+               "--dtype", options.dtype, "--compile", options.compile, "--prefill-tokens", str(options.prefill_tokens)]
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"

@@ -4,12 +4,13 @@ running batch at the next step (its prompt prefilled into a free row) and leaves
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
   1. rows whose completion was cancelled leave (an ended one left at the end of its last step); waiting
      completions take the free rows;
-  2. the cache is realigned when rows left or room is short (model.KVCache.realign): the running rows
-     move to rows 0..n-1, right-aligned at the slot count, so a decode step reads rows 0..n-1 only;
+  2. the last running rows move into the rows that left (model.KVCache.move_rows), so a decode step
+     reads rows 0..n-1 only; the slots are repacked (KVCache.realign) only when room is short or many
+     slots in use hold no running row's token;
   3. one prefill of the new rows' prompts, left-padded, written just before the slot the decode step
-     writes (KVCache.rows), then that decode step for the rows that were running (generate.Decoder, one
-     id per row); at most prefill_tokens prompt tokens join at a step, so that a burst of requests does
-     not stall the running rows for long;
+     writes (KVCache.rows), its first tokens out at once; then that decode step for the rows that were
+     running (generate.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
+     that a burst of requests does not stall the running rows for long;
   4. each row draws its next token with its own settings and generator, and its new text (held back while
      a character or a stop string is incomplete) goes to its request's Inbox.
 Greedy rows are the argmax of their own logits, so in float32 a request's greedy tokens are the same
@@ -257,21 +258,24 @@ class Engine:
                     self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def step(self) -> None:
-        self.drop_ended()  # cancelled since the last step
+        self.drop_ended(cancelled=True)  # cancelled since the last step
         new = self.joining = self.admit()
         self.make_room(new)
         running = len(self.rows)
-        produced = []
-        if new:  # first: a new completion's first token costs it one forward, not two
-            produced += self.prefill(new)
+        if new:  # first, and out at once: a new completion's first token waits for no other forward
+            self.finish(self.prefill(new))
         if running:
-            produced += self.decode(running)
-        self.drop_ended()  # ended at this step: free before their last piece is out
+            self.finish(self.decode(running))
+
+    def finish(self, produced: list[tuple[Row, Piece]]) -> None:
+        self.drop_ended()  # rows that ended leave before their last piece is out
         self.deliver(produced)
 
-    def drop_ended(self) -> None:
-        """Rows whose completion ended or was cancelled leave (the rest move up at the next realign)."""
-        kept = [r for r in self.rows if not (r.ended or r.completion.cancelled)]
+    def drop_ended(self, cancelled: bool = False) -> None:
+        """Rows whose completion ended (and, at a step's start, was cancelled) leave; the last rows move into
+        their places at the next step. Within a step only new rows can end before the decode, and they come
+        after the running ones it takes."""
+        kept = [r for r in self.rows if not (r.ended or (cancelled and r.completion.cancelled))]
         self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
 
@@ -289,17 +293,36 @@ class Engine:
             return new
 
     def make_room(self, new: list[Completion]) -> None:
-        """Realign the cache when rows left (the rest move up), or when the decode step has no slot or the
-        new prompts no room before it: they end just before the slot the running rows' step writes."""
+        """The running rows in cache rows 0..n-1 (the last ones moved into the places of rows that left),
+        and slots for this step: the new prompts end just before the slot the decode step writes. The
+        slots are repacked (realign) only when that slot is past the cache, the new prompts have no room
+        before it, or the slots in use exceed the longest row by more than a quarter (a decode step reads
+        them all)."""
         longest_prompt = max((len(c.prompt_ids) for c in new), default=0)
         if not self.rows:
             self.cache.realign([], longest_prompt)
-        else:
-            need = max(max(r.cached for r in self.rows), longest_prompt)
-            if self.rows_left or self.cache.length < need or self.cache.length + 1 > self.cache.size:
-                self.cache.realign([r.slot for r in self.rows], need)
-                for i, row in enumerate(self.rows):
-                    row.slot = i
+            self.rows_left = False
+            return
+        if self.rows_left:
+            self.fill_holes()
+        longest = max(r.cached for r in self.rows)
+        need = max(longest, longest_prompt)
+        used = self.cache.length
+        if used < need or used + 1 > self.cache.size or used > longest + longest // 4:
+            self.cache.realign([r.slot for r in self.rows], need)
+            for i, row in enumerate(self.rows):
+                row.slot = i
+
+    def fill_holes(self) -> None:
+        """Rows past the running count move into the rows that left (a copy of those rows alone)."""
+        n = len(self.rows)
+        holes = sorted(set(range(n)) - {r.slot for r in self.rows})
+        movers = sorted((r for r in self.rows if r.slot >= n), key=lambda r: r.slot)
+        if movers:
+            self.cache.move_rows([r.slot for r in movers], holes)
+            for row, hole in zip(movers, holes):
+                row.slot = hole
+            self.rows.sort(key=lambda r: r.slot)
         self.rows_left = False
 
     def decode(self, n: int) -> list[tuple[Row, Piece]]:
