@@ -210,8 +210,12 @@ def test_kv_cache_rows_join_and_leave_a_running_batch():
     assert cache.real.sum(1).tolist() == [6, 0, 0] and cache.real[0, :6].all()
     got = model(b[None, 6:7], kv_cache=cache.rows(0, 1))[0, -1]
     torch.testing.assert_close(got, expected(b, 7), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="cannot realign rows holding 7 tokens to 6"):
-        cache.realign([0], 6)
+    cache.move_rows([0], [2])  # b moves to row 2, its slots as they are
+    assert cache.real[:, :7].sum(1).tolist() == [7, 0, 7] and cache.length == 7
+    got = model(torch.stack([a[0:1], a[0:1], b[7:8]]), kv_cache=cache)[2, -1]
+    torch.testing.assert_close(got, expected(b, 8), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot realign rows holding 8 tokens to 6"):
+        cache.realign([2], 6)
 
 
 def test_kv_cache_keeps_each_layer_in_a_tensor_of_its_own():

@@ -91,6 +91,56 @@ def test_tokens_are_the_same_alone_as_beside_requests_joining_and_leaving():
     assert len({text for text, _ in together}) == len(REQUESTS)
 
 
+@pytest.mark.slow  # compiling takes ~20 s on 2 cores
+def test_a_compiled_decode_step_gives_the_same_tokens():
+    """Compiled, every step decodes all rows over the whole cache (one shape): rows that are free or joined
+    at that step feed a token that is not theirs, which must stay hidden from them."""
+    model = tiny_model()
+    engine = Engine(model, TOKENIZER, max_batch=3, max_queue=16, compile=True).start()
+
+    async def staggered():
+        tasks = []
+        for prompt, n, seed in REQUESTS[:5]:
+            tasks.append(asyncio.create_task(complete(engine, prompt, n, sampling_of(seed))))
+            await after_steps(engine, engine.steps + 2)
+        return await asyncio.gather(*tasks)
+
+    try:
+        got = asyncio.run(staggered())
+    finally:
+        engine.stop()
+    assert engine.decoder.path.startswith("compiled"), engine.decoder.path
+    assert got == [reference(model, *request) for request in REQUESTS[:5]]
+
+
+@pytest.mark.parametrize("budget, joined", [(2, [1, 1, 1, 1]), (3, [1, 2, 1]), (4, [2, 2]), (100, [4])])
+def test_at_most_prefill_tokens_join_at_a_step_one_prompt_at_least(monkeypatch, budget, joined):
+    prefills = []
+    prefill = Engine.prefill
+
+    def recording(self, new):
+        prefills.append(len(new))
+        return prefill(self, new)
+
+    monkeypatch.setattr(Engine, "prefill", recording)
+    engine = Engine(tiny_model(), TOKENIZER, max_batch=4, prefill_tokens=budget)
+
+    async def burst():
+        inbox = Inbox()
+        jobs = [Completion(TOKENIZER.encode(p), 3, inbox, GREEDY, index=i) for i, p in enumerate(["ab", "cd", "e", "fgh"])]
+        engine.submit(jobs)  # before the engine starts: all four wait together
+        engine.start()
+        done = 0
+        while done < len(jobs):
+            done += sum(piece.finish_reason is not None for _, piece in await inbox.get())
+
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.stop()
+    assert prefills == joined  # prompts of 2, 2, 1 and 3 tokens: "fgh" joins alone past a budget of 2
+
+
 def test_a_row_is_free_once_its_last_piece_is_out():
     async def one(engine):
         await complete(engine, "abc", 3)
@@ -377,50 +427,66 @@ def test_a_full_queue_is_a_429(monkeypatch):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row_within_one_decode_step(monkeypatch):
-    """A long stream beside another: after its client closes the connection, its row is in at most one
-    more decode step, and the engine is down to the other row."""
-    decoded: list[tuple[int, set]] = []  # (step, the completions decoded)
+    """A stream beside another request: its client reads the first piece, then closes the connection while
+    the engine is inside the first decode step that holds the stream's row (held there until the server
+    has seen the client leave). That step is the last one the row is in; the other request decodes on."""
+    decoded: list[tuple[int, set]] = []  # (the engine's step count when a decode began, the completions in it)
     cancelled_at: dict[Completion, int] = {}
+    arrived, inside, left = threading.Event(), threading.Event(), threading.Event()
     decode, cancel = Engine.decode, Completion.cancel
     app = tiny_app(max_batch=4)
+    streamed = CONTEXT - 3  # the stream's max_tokens tells its completion apart
 
-    def recording_decode(self):
-        decoded.append((self.steps, {row.completion for row in self.rows}))
-        time.sleep(0.005)  # steps of a bigger model: the stream has time to be read and dropped
-        return decode(self)
+    def recording_decode(self, n):
+        completions = {row.completion for row in self.rows[:n]}
+        decoded.append((self.steps, completions))
+        if not arrived.wait(30):  # the other request's first steps wait for the stream to be sent
+            raise TimeoutError("the stream did not arrive")
+        if any(c.max_tokens == streamed for c in completions) and not inside.is_set():
+            inside.set()
+            left.wait(30)
+        return decode(self, n)
+
+    def recording_submit(self, completions, submit=Engine.submit):
+        submit(self, completions)
+        if completions[0].max_tokens == streamed:
+            arrived.set()
 
     def recording_cancel(self):
         cancelled_at.setdefault(self, app.state.served.engine.steps)
         cancel(self)
 
     monkeypatch.setattr(Engine, "decode", recording_decode)
+    monkeypatch.setattr(Engine, "submit", recording_submit)
     monkeypatch.setattr(Completion, "cancel", recording_cancel)
     with running(app) as url:
         engine = app.state.served.engine
         deadline = time.monotonic() + 30
         other = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
-                                 kwargs={"json": {"prompt": "h", "max_tokens": CONTEXT - 1}, "timeout": 60})
+                                 kwargs={"json": {"prompt": "h", "max_tokens": CONTEXT - 1, "temperature": 0},
+                                         "timeout": 60})
         other.start()
         while engine.running < 1:
             assert time.monotonic() < deadline
             time.sleep(0.001)
         with httpx.Client(base_url=url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": CONTEXT - 3,
+            with http.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": streamed,
                                                                "stream": True, "temperature": 0}) as r:
-                assert next(r.iter_lines()).startswith("data: ")
-                assert engine.running == 2
+                lines = r.iter_lines()  # kept: a dropped iterator closes the response
+                assert next(lines).startswith("data: ")  # the prefill's piece
+                assert inside.wait(30) and engine.running == 2
             # the response is closed: the connection drops mid-stream
             while not cancelled_at:
                 assert time.monotonic() < deadline, "the server did not notice the client leave"
                 time.sleep(0.001)
+            left.set()
         (gone, at), = cancelled_at.items()
         while engine.running > 1:
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        assert gone.max_tokens == CONTEXT - 3 and engine.running == 1
+        assert gone.max_tokens == streamed and engine.running == 1
         other.join()
-    after = [step for step, completions in decoded if step > at and gone in completions]
-    assert len(after) <= 1, after
+    assert [step for step, completions in decoded if gone in completions] == [at]  # the held step alone
     assert any(step > at for step, _ in decoded)  # the other request kept decoding after it left
 
 

@@ -237,7 +237,8 @@ def cmd_serve(args) -> int:
         raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device)
+          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device,
+          prefill_tokens=args.prefill_tokens)
     return 0
 
 
@@ -350,7 +351,8 @@ def cmd_bench_serve(args) -> int:
 
     options = ServeBenchOptions(model=args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                                 concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
-                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats)
+                                new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats,
+                                prefill_tokens=args.prefill_tokens)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
     result = run_serve_bench(options, out)
     print(result["markdown"])
@@ -534,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="rows decoded together (default %(default)s)")
     p.add_argument("--max-queue", type=COUNT, default=64,
                    help="completions that may wait for a free row; more get 429 (default %(default)s)")
+    p.add_argument("--prefill-tokens", type=COUNT, default=0, help="the most prompt tokens that join the batch at "
+                   "one step, one prompt at least; 0: 2048 on CUDA, 64 on a CPU (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
@@ -647,12 +651,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default %(default)s)")
     v.add_argument("--concurrency", type=batch_size_list, default="1,8",
                    help="clients at once, comma-separated levels (default %(default)s)")
-    v.add_argument("--requests", type=COUNT, default=0, help="requests per level, 0: twice the level, at least 4 "
+    v.add_argument("--requests", type=COUNT, default=0, help="requests per level, 0: four times the level "
                    "(default %(default)s)")
     v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default %(default)s)")
     v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request "
                    "(default %(default)s)")
     v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch, 0: the largest level "
+                   "(default %(default)s)")
+    v.add_argument("--prefill-tokens", type=COUNT, default=0, help="the server's --prefill-tokens, 0: its own "
                    "(default %(default)s)")
     v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default %(default)s)")
     v.add_argument("--compile", default="auto", choices=["auto", "true", "false"],

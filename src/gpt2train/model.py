@@ -182,6 +182,16 @@ class KVCache:
             view.filled = torch.tensor(filled, dtype=torch.long, device=self.filled.device)
         return view
 
+    def move_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Copy rows `sources` into rows `targets`, their slots as they are: rows that stay take the places
+        of rows that left, with no repacking of the slots (realign does both, at a cost of every row)."""
+        source = torch.tensor(sources, dtype=torch.long, device=self.real.device)
+        target = torch.tensor(targets, dtype=torch.long, device=self.real.device)
+        used = self.length
+        for t in (*self.k, *self.v):
+            t[target, :, :used] = t[source, :, :used]
+        self.real[target] = self.real[source]
+
     def realign(self, rows: list[int], length: int) -> None:
         """Move `rows` (in that order) to rows 0, 1, ..., each row's real tokens right-aligned to end at slot
         `length`, which becomes the used-slot count; the other rows are emptied. Tokens keep their order and

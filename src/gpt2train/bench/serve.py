@@ -52,10 +52,11 @@ class ServeBenchOptions:
     dtype: str = "auto"  # the server's weights and the ceiling's (auto: as `sample`)
     compile: str = "auto"  # the server's --compile and the ceiling's Decoder (auto: on CUDA)
     concurrency: list[int] = field(default_factory=lambda: [1, 8])
-    requests: int = 0  # per concurrency level; 0: twice the concurrency, at least 4
+    requests: int = 0  # per concurrency level; 0: four times the concurrency (the first burst is a quarter)
     prompt_tokens: int = 64
     new_tokens: int = 128
     max_batch: int = 0  # the server's --max-batch; 0: the largest concurrency
+    prefill_tokens: int = 0  # the server's --prefill-tokens (0: its default)
     repeats: int = 2  # timed runs of the ceiling, the median reported
     startup_timeout_s: float = 600.0
 
@@ -138,7 +139,7 @@ def running_server(ckpt: Path, options: ServeBenchOptions, max_batch: int, max_q
     port = free_port()
     command = [sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--port", str(port),
                "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--device", options.device,
-               "--dtype", options.dtype, "--compile", options.compile]
+               "--dtype", options.dtype, "--compile", options.compile, "--prefill-tokens", str(options.prefill_tokens)]
     with open(log, "w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
@@ -266,7 +267,7 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
         try:
             with running_server(ckpt, options, max_batch, max(options.concurrency), log) as url:
                 for concurrency in options.concurrency:
-                    requests = options.requests or max(4, 2 * concurrency)
+                    requests = options.requests or 4 * concurrency
                     results, wall = asyncio.run(load_level(url, concurrency, requests, body))
                     levels.append(summarize_level(concurrency, results, wall))
                     if progress:

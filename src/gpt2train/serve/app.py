@@ -379,7 +379,7 @@ def sse(payload: dict) -> str:
 
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-          dtype: str = "auto", compile: bool | str = "auto", device: str = "auto") -> None:
+          dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
     weights load while the server already answers /health (503 until they are in)."""
     import uvicorn
@@ -394,7 +394,8 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
 
     def load() -> Engine:
         model = load_pretrained(ckpt, device=torch_device).to(torch_dtype)
-        return Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, compile=compile)
+        return Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, compile=compile,
+                      prefill_tokens=prefill_tokens)
 
     failures: list[BaseException] = []
 

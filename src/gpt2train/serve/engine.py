@@ -4,10 +4,13 @@ running batch at the next step (its prompt prefilled into a free row) and leaves
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
   1. rows whose completion was cancelled leave (an ended one left at the end of its last step); waiting
      completions take the free rows;
-  2. the cache is realigned when rows left or room is short (model.KVCache.realign): the running rows
-     move to rows 0..n-1, right-aligned at the slot count, so a decode step reads rows 0..n-1 only;
-  3. one decode step for the running rows (generate.Decoder, one id per row), then one prefill of the
-     new rows' prompts, left-padded, written just before the next step's slot (KVCache.rows);
+  2. the last running rows move into the rows that left (model.KVCache.move_rows), so a decode step
+     reads rows 0..n-1 only; the slots are repacked (KVCache.realign) only when room is short or many
+     slots in use hold no running row's token;
+  3. one prefill of the new rows' prompts, left-padded, written just before the slot the decode step
+     writes (KVCache.rows), its first tokens out at once; then that decode step for the rows that were
+     running (generate.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
+     that a burst of requests does not stall the running rows for long;
   4. each row draws its next token with its own settings and generator, and its new text (held back while
      a character or a stop string is incomplete) goes to its request's Inbox.
 Greedy rows are the argmax of their own logits, so in float32 a request's greedy tokens are the same
@@ -158,18 +161,28 @@ class Row:
         return Piece(shown, 1, reason)
 
 
+# A CPU computes a prompt's tokens at a fraction of a GPU's speed: there a step reads about one prompt, so
+# that the running rows wait for one prefill at a time; a GPU reads a burst's prompts in a step or two.
+AUTO_PREFILL_TOKENS = {"cuda": 2048, "cpu": 64}
+
+
 class Engine:
     """Continuous batching over one model: submit() completions from an event loop; the engine's thread
     decodes every running row at each step and lets new completions in as rows free up."""
 
-    def __init__(self, model: GPT, tokenizer, max_batch: int = 8, max_queue: int = 64, compile: bool | str = "auto"):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError(f"max_batch {max_batch} must be at least 1 and max_queue {max_queue} at least 0")
+    def __init__(self, model: GPT, tokenizer, max_batch: int = 8, max_queue: int = 64, compile: bool | str = "auto",
+                 prefill_tokens: int = 0):
+        """prefill_tokens: the most prompt tokens that join at one step (one prompt at least), so that a
+        burst of requests does not stall the running rows for long; 0: AUTO_PREFILL_TOKENS of the device."""
+        if max_batch < 1 or max_queue < 0 or prefill_tokens < 0:
+            raise ValueError(f"max_batch {max_batch} must be at least 1, max_queue {max_queue} and prefill_tokens "
+                             f"{prefill_tokens} at least 0")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch, self.max_queue = max_batch, max_queue
         param = next(model.parameters())
         self.device = param.device
+        self.prefill_tokens = prefill_tokens or AUTO_PREFILL_TOKENS.get(self.device.type, AUTO_PREFILL_TOKENS["cpu"])
         self.block_size = model.config.block_size
         self.decoder = Decoder(model, compile=compile)
         # The whole context in every row: a row's tokens never need more slots than block_size.
@@ -245,63 +258,93 @@ class Engine:
                     self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def step(self) -> None:
-        self.drop_ended()  # cancelled since the last step
+        self.drop_ended(cancelled=True)  # cancelled since the last step
         new = self.joining = self.admit()
         self.make_room(new)
-        produced = []
-        if self.rows:
-            produced += self.decode()
-        if new:
-            produced += self.prefill(new)
-        self.drop_ended()  # ended at this step: free before their last piece is out
+        running = len(self.rows)
+        if new:  # first, and out at once: a new completion's first token waits for no other forward
+            self.finish(self.prefill(new))
+        if running:
+            self.finish(self.decode(running))
+
+    def finish(self, produced: list[tuple[Row, Piece]]) -> None:
+        self.drop_ended()  # rows that ended leave before their last piece is out
         self.deliver(produced)
 
-    def drop_ended(self) -> None:
-        """Rows whose completion ended or was cancelled leave (the rest move up at the next realign)."""
-        kept = [r for r in self.rows if not (r.ended or r.completion.cancelled)]
+    def drop_ended(self, cancelled: bool = False) -> None:
+        """Rows whose completion ended (and, at a step's start, was cancelled) leave; the last rows move into
+        their places at the next step. Within a step only new rows can end before the decode, and they come
+        after the running ones it takes."""
+        kept = [r for r in self.rows if not (r.ended or (cancelled and r.completion.cancelled))]
         self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
 
     def admit(self) -> list[Completion]:
+        """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least)."""
         with self.wakeup:
-            new = []
+            new, tokens = [], 0
             while self.waiting and len(self.rows) + len(new) < self.max_batch:
+                if new and tokens + len(self.waiting[0].prompt_ids) > self.prefill_tokens:
+                    break
                 completion = self.waiting.popleft()
                 if not completion.cancelled:
                     new.append(completion)
+                    tokens += len(completion.prompt_ids)
             return new
 
     def make_room(self, new: list[Completion]) -> None:
-        """Realign the cache when rows left (the rest move up), or when the next decode step has no slot
-        or the new prompts no room before it. After the decode step the new prompts end at its slot."""
+        """The running rows in cache rows 0..n-1 (the last ones moved into the places of rows that left),
+        and slots for this step: the new prompts end just before the slot the decode step writes. The
+        slots are repacked (realign) only when that slot is past the cache, the new prompts have no room
+        before it, or the slots in use exceed the longest row by more than a quarter (a decode step reads
+        them all)."""
         longest_prompt = max((len(c.prompt_ids) for c in new), default=0)
         if not self.rows:
             self.cache.realign([], longest_prompt)
-        else:
-            need = max(max(r.cached for r in self.rows), longest_prompt - 1)
-            if self.rows_left or self.cache.length < need or self.cache.length + 1 > self.cache.size:
-                self.cache.realign([r.slot for r in self.rows], need)
-                for i, row in enumerate(self.rows):
-                    row.slot = i
+            self.rows_left = False
+            return
+        if self.rows_left:
+            self.fill_holes()
+        longest = max(r.cached for r in self.rows)
+        need = max(longest, longest_prompt)
+        used = self.cache.length
+        if used < need or used + 1 > self.cache.size or used > longest + longest // 4:
+            self.cache.realign([r.slot for r in self.rows], need)
+            for i, row in enumerate(self.rows):
+                row.slot = i
+
+    def fill_holes(self) -> None:
+        """Rows past the running count move into the rows that left (a copy of those rows alone)."""
+        n = len(self.rows)
+        holes = sorted(set(range(n)) - {r.slot for r in self.rows})
+        movers = sorted((r for r in self.rows if r.slot >= n), key=lambda r: r.slot)
+        if movers:
+            self.cache.move_rows([r.slot for r in movers], holes)
+            for row, hole in zip(movers, holes):
+                row.slot = hole
+            self.rows.sort(key=lambda r: r.slot)
         self.rows_left = False
 
-    def decode(self) -> list[tuple[Row, Piece]]:
-        """One step of the running rows: each feeds its last token."""
-        n = len(self.rows)
-        ids = [r.last for r in self.rows]
-        if self.decoder.compiled is not None:  # one shape for every step: all rows, the free ones idle
+    def decode(self, n: int) -> list[tuple[Row, Piece]]:
+        """One step of the first n rows (those running before this step's new ones): each feeds its last token."""
+        rows = self.rows[:n]
+        ids = [r.last for r in rows]
+        compiled = self.decoder.compiled is not None
+        if compiled:  # one shape for every step: all rows
             ids += [0] * (self.max_batch - n)
             cache = self.cache
         else:
             cache = self.cache.rows(0, n)
         logits = self.decoder(torch.tensor(ids, device=self.device)[:, None], cache)[:n]
+        if compiled:  # the other rows fed a token that is not theirs: hidden again
+            self.cache.real[n:, self.cache.length - 1] = False
         self.steps += 1
-        for row in self.rows:
+        for row in rows:
             row.cached += 1
-        return self.emit(self.rows, logits)
+        return self.emit(rows, logits)
 
     def prefill(self, new: list[Completion]) -> list[tuple[Row, Piece]]:
-        """The new completions' prompts into the next free rows, ending just before the next step's slot."""
+        """The new completions' prompts into the next free rows, ending just before the decode step's slot."""
         first = len(self.rows)
         rows = [Row(c, self.tokenizer, self.device, first + i) for i, c in enumerate(new)]
         tokens, real = left_padded([c.prompt_ids for c in new], self.block_size, None, self.device)
