@@ -295,3 +295,23 @@ def test_resume_auto_of_a_finished_run_says_what_to_raise_and_logs_no_launch(cha
     out = train(tiny_config(char_data, max_steps=3), run, resume="auto")  # lowered below the step reached
     assert out["step"] == 4 and out["reason"] == "already finished"
     assert tree_digest(run) == before
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_is_refused(char_data, tmp_path):
+    """Bug: `--resume PATH` naming another run's checkpoint, with an --out that already held a run, trained on
+    into that run: its checkpoints and metrics.jsonl took a second history. Resuming the run's own checkpoint,
+    or another run's into a new folder (a branch), still works."""
+    train(tiny_config(char_data, max_steps=6), tmp_path / "a")
+    train(tiny_config(char_data, max_steps=4), tmp_path / "b")
+    before = tree_digest(tmp_path / "b")
+    other = tmp_path / "a" / "checkpoints" / "step_00000005"
+
+    message = one_line(RunExists, train, tiny_config(char_data, max_steps=8), tmp_path / "b", resume=str(other))
+    assert message.startswith(f"{tmp_path / 'b'} already holds a run (checkpoints up to step_00000004)")
+    assert str(other) in message and "another --out" in message
+    assert tree_digest(tmp_path / "b") == before
+
+    own = tmp_path / "b" / "checkpoints" / "step_00000004"
+    assert train(tiny_config(char_data, max_steps=5), tmp_path / "b", resume=str(own))["step"] == 5
+    assert train(tiny_config(char_data, max_steps=5), tmp_path / "b", resume=str(tmp_path / "b"))["step"] == 5
+    assert train(tiny_config(char_data, max_steps=8), tmp_path / "branch", resume=str(other))["step"] == 8

@@ -115,9 +115,15 @@ def run_on_disk(run_dir: Path) -> str | None:
 
 
 def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
-    """The one rule for every launch, CLI and Python: a run that does not resume never starts over a run already
-    in its directory, whose checkpoints, best/ and log it would replace or mix with a second history."""
-    held = None if resume else run_on_disk(run_dir)
+    """The one rule for every launch, CLI and Python: a launch that does not resume the run in its directory
+    (no resume, or another run's checkpoint) never starts over it: its checkpoints, best/ and log would be
+    replaced or mixed with a second history."""
+    if resume == "auto" or (resume and Path(resume).resolve().is_relative_to(run_dir.resolve())):
+        return  # the run itself goes on
+    held = run_on_disk(run_dir)
+    if held and resume:  # another run's checkpoint would write a second history into this one
+        raise RunExists(f"{run_dir} already holds a run ({held}); resuming {resume} there would mix two runs: pass "
+                        "another --out to branch from it, or --resume auto to continue the run already there")
     if held:
         raise RunExists(f"{run_dir} already holds a run ({held}); continue it with --resume auto (resume='auto' in "
                         "Python), or pass another --out to start a new run")
