@@ -92,6 +92,10 @@ def test_the_first_hour_after_the_quickstart(user):
     sampled = user.run("sample", "--ckpt", "runs/shakespeare", "--prompt", "ROMEO:", "--max-new-tokens", "16")
     assert sampled.stdout.startswith("ROMEO:") and sampled.stdout.endswith("\n")
     assert "tok/s" in sampled.stderr
+    # A prompt longer than the context (64 tokens here): one warning line in our words, then the sample.
+    cropped = user.run("sample", "--ckpt", "runs/shakespeare", "--prompt", "ROMEO: " * 40, "--max-new-tokens", "4")
+    warnings = [line for line in cropped.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "cropped to its last" in warnings[0], cropped.stderr
 
     # Eval, report, inspect, doctor, plan, memory: what ran, not what was asked; no GPU advice for a CPU run.
     evaluated = user.run("eval", "--ckpt", "runs/shakespeare", "--tasks", "val", "--limit", "4").stdout
@@ -128,6 +132,13 @@ def test_own_data_with_an_own_tokenizer_through_export_and_import(user):
                                                  * (3 + i % 5))
     tok = user.run("tokenizer", "train", "corpus", "--vocab-size", "32768", "--out", "tok.json")
     assert "(asked 32,768" in tok.stdout, tok.stdout
+    # Too small a corpus for the val split: refused before tokenizing, naming a value that works.
+    few = user.home / "few"
+    few.mkdir()
+    for i in range(3):
+        (few / f"{i}.txt").write_text(f"document {i}\n")
+    small = user.run("prepare", "files", "few", "--tokenizer", "bpe:tok.json", "--out", "data/few", ok=False)
+    assert "use --val-fraction 0.4" in one_error_line(small) and not (user.home / "data/few").exists()
     user.run("prepare", "files", "corpus", "--tokenizer", "bpe:tok.json", "--out", "data/mine", "--workers", "1")
     user.run("train", "--config", "shakespeare-cpu", *TINY, "--set", "data.dir=data/mine", "--out", "runs/mine")
 
