@@ -213,6 +213,41 @@ def test_a_failing_step_ends_its_completions_with_an_error_and_the_engine_serves
     assert served == greedy(tiny_model(), "abc", 5)
 
 
+def test_a_completion_that_ends_at_its_prefill_gets_no_error_when_the_decode_of_that_step_fails(monkeypatch):
+    """A running row, and a completion of max_tokens 1 joining it (both of one request, as with n=2): its
+    prefill ends it, then the step's decode fails. Its last piece is its "length" one; only the running row
+    gets the error (a second last piece would close another completion of the request in the app's count)."""
+    prefill, decode = Engine.prefill, Engine.decode
+    short = []  # set once the short completion's prefill is done
+
+    def recording_prefill(self, new):
+        produced = prefill(self, new)
+        short.extend(c for c in new if c.max_tokens == 1)
+        return produced
+
+    def failing_after_the_short_prefill(self, n):
+        if short:
+            raise RuntimeError("out of memory")
+        return decode(self, n)
+
+    monkeypatch.setattr(Engine, "prefill", recording_prefill)
+    monkeypatch.setattr(Engine, "decode", failing_after_the_short_prefill)
+
+    async def joined(engine):
+        inbox = Inbox()
+        engine.submit([Completion(TOKENIZER.encode("h"), CONTEXT - 1, inbox, GREEDY, index=0)])
+        pieces = await inbox.get()  # the long one runs
+        engine.submit([Completion(TOKENIZER.encode("ab"), 1, inbox, GREEDY, index=1)])
+        while not any(p.finish_reason for i, p in pieces if i == 0):
+            pieces += await asyncio.wait_for(inbox.get(), 30)
+        await asyncio.sleep(0.1)  # anything more that was coming has come
+        return pieces + inbox.items
+
+    pieces = run_engine(joined)
+    assert [p.finish_reason for i, p in pieces if i == 0 and p.finish_reason] == ["error"]
+    assert [p.finish_reason for i, p in pieces if i == 1] == ["length"]
+
+
 def test_submit_refuses_more_than_the_free_rows_and_the_queue():
     from gpt2train.serve.engine import QueueFull
 

@@ -88,6 +88,7 @@ class Completion:
     stop: tuple[str, ...] = ()
     index: int = 0
     cancelled: bool = False
+    finished: bool = False  # its last piece is out: no other piece may follow (the app counts the last ones)
 
     def cancel(self) -> None:
         """Free its row (or its waiting place) at the engine's next step; no more pieces come."""
@@ -370,6 +371,7 @@ class Engine:
         """Each request's pieces in one hand-over to its event loop (not one per token)."""
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
         for row, piece in produced:
+            row.completion.finished |= piece.finish_reason is not None
             if not row.completion.cancelled:
                 by_inbox.setdefault(row.completion.inbox, []).append((row.completion.index, piece))
         for inbox, items in by_inbox.items():
@@ -381,15 +383,17 @@ class Engine:
                         row.completion.cancel()
 
     def fail_all(self, reason: str) -> None:
-        """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
+        """A step failed: every running and waiting completion that has not ended ends with an error piece (a
+        new row may have ended at the step's prefill, before the decode failed); the cache starts empty."""
         with self.wakeup:
-            running = [r.completion for r in self.rows]
-            failed = running + [c for c in self.joining if c not in running] + list(self.waiting)
+            held = [r.completion for r in self.rows] + self.joining + list(self.waiting)
             self.waiting.clear()
+        failed = [c for c in dict.fromkeys(held) if not c.finished]  # a joining one may be running already
         self.rows, self.joining = [], []
         self.cache.realign([], 0)
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
         for c in failed:
+            c.finished = True
             by_inbox.setdefault(c.inbox, []).append((c.index, Piece(f"the engine failed: {reason}", 0, "error")))
         for inbox, items in by_inbox.items():
             try:
