@@ -15,6 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from gpt2train.generate import generate
+from gpt2train.model import KVCache
 from gpt2train.serve.app import API_KEY_ENV
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
 from serving import CONTEXT, TOKENIZER, greedy, running, tiny_app, tiny_engine, tiny_model, wait_ready
@@ -246,6 +247,30 @@ def test_a_completion_that_ends_at_its_prefill_gets_no_error_when_the_decode_of_
     pieces = run_engine(joined)
     assert [p.finish_reason for i, p in pieces if i == 0 and p.finish_reason] == ["error"]
     assert [p.finish_reason for i, p in pieces if i == 1] == ["length"]
+
+
+def test_an_engine_that_cannot_recover_from_a_failed_step_answers_503_and_health_says_so(monkeypatch):
+    """A step fails and so does the cleanup after it (the cache's realign): the engine's thread cannot go on.
+    The request it held, and every later one, get a 503 JSON error at once (none hangs); /health is 503."""
+    def failing_step(self):
+        raise RuntimeError("out of memory")
+
+    def failing_realign(self, slots, length):
+        raise RuntimeError("the cache cannot be realigned")
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    monkeypatch.setattr(KVCache, "realign", failing_realign)
+    body = {"prompt": "a", "max_tokens": 3}
+    with running(tiny_app()) as url, httpx.Client(base_url=url, timeout=10) as http:
+        held = http.post("/v1/completions", json=body)
+        health = http.get("/health")
+        later = [http.post("/v1/completions", json=body), http.post("/v1/completions", json={**body, "stream": True})]
+    for r in [held, *later]:
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "the cache cannot be realigned" in error["message"]
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "the cache cannot be realigned" in health.json()["error"]
 
 
 def test_submit_refuses_more_than_the_free_rows_and_the_queue():

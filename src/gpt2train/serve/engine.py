@@ -52,6 +52,19 @@ class QueueFull(Exception):
     """More completions than free rows plus the waiting places: try again later."""
 
 
+class EngineStopped(Exception):
+    """The engine's thread has ended on a failure it could not recover from: no completion runs any more."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the engine stopped after a failure it could not recover from ({reason}); restart the "
+                         "server")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class Inbox:
     """Where the pieces of one request's completions arrive, from the engine's thread, to be read on the
     event loop that made it: `await inbox.get()` gives every (index, piece) that came since the last get."""
@@ -195,6 +208,7 @@ class Engine:
         self.wakeup = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.failure: str | None = None  # why the engine stopped for good (its thread has ended); None: it runs
         self.steps = 0  # forwards run (decode steps and prefills)
         # Sampling stays within the tokenizer's ids (the model's vocabulary may be padded beyond them).
         self.vocab = min(tokenizer.vocab_size, model.config.vocab_size)
@@ -225,6 +239,8 @@ class Engine:
                 raise ValueError(f"a prompt of {len(c.prompt_ids)} tokens and max_tokens {c.max_tokens} do not fit "
                                  f"the context of {self.block_size} tokens")
         with self.wakeup:
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
             free = self.max_batch - len(self.rows)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
@@ -246,17 +262,25 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        with torch.no_grad():  # per thread: the server's threads' setting does not reach this one
-            while True:
-                with self.wakeup:
-                    while not (self.rows or self.waiting or self.stopping):
-                        self.wakeup.wait()
-                    if self.stopping:
-                        return
-                try:
-                    self.step()
-                except Exception as e:  # noqa: BLE001 -- end the completions it touched; keep serving the next ones
-                    self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        """The engine's thread. Should a failed step's cleanup fail too, the engine stops for good rather than
+        end silently: what it holds ends with an error, and submit refuses from then on (nothing hangs)."""
+        try:
+            with torch.no_grad():  # per thread: the server's threads' setting does not reach this one
+                self.loop()
+        except Exception as e:  # noqa: BLE001 -- reported to every completion, held or to come
+            self.stop_for_good(one_line(e))
+
+    def loop(self) -> None:
+        while True:
+            with self.wakeup:
+                while not (self.rows or self.waiting or self.stopping):
+                    self.wakeup.wait()
+                if self.stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 -- end the completions it touched; keep serving the next ones
+                self.fail_all(one_line(e))
 
     def step(self) -> None:
         self.drop_ended(cancelled=True)  # cancelled since the last step
@@ -383,20 +407,31 @@ class Engine:
                         row.completion.cancel()
 
     def fail_all(self, reason: str) -> None:
-        """A step failed: every running and waiting completion that has not ended ends with an error piece (a
-        new row may have ended at the step's prefill, before the decode failed); the cache starts empty."""
+        """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
+        self.cache.realign([], 0)  # first: should it fail, run() stops the engine, which ends them all alike
+        self.end_with_error(self.take_unfinished(), f"the engine failed: {reason}")
+
+    def stop_for_good(self, reason: str) -> None:
+        with self.wakeup:
+            self.failure = reason  # submit refuses from here on: no completion waits for a thread that is gone
+        self.end_with_error(self.take_unfinished(), str(EngineStopped(reason)))
+
+    def take_unfinished(self) -> list[Completion]:
+        """Every completion the engine holds, off its rows and queue, less those whose last piece is out (a new
+        row may have ended at the step's prefill before its decode failed)."""
         with self.wakeup:
             held = [r.completion for r in self.rows] + self.joining + list(self.waiting)
+            self.rows, self.joining = [], []
             self.waiting.clear()
-        failed = [c for c in dict.fromkeys(held) if not c.finished]  # a joining one may be running already
-        self.rows, self.joining = [], []
-        self.cache.realign([], 0)
+        return [c for c in dict.fromkeys(held) if not c.finished]  # a joining one may be running already
+
+    def end_with_error(self, completions: list[Completion], message: str) -> None:
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
-        for c in failed:
+        for c in completions:
             c.finished = True
-            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(f"the engine failed: {reason}", 0, "error")))
+            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(message, 0, "error")))
         for inbox, items in by_inbox.items():
             try:
                 inbox.put(items)
-            except RuntimeError:
+            except RuntimeError:  # its event loop is closed: nobody reads these any more
                 pass
