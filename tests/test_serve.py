@@ -289,6 +289,35 @@ def test_submit_refuses_more_than_the_free_rows_and_the_queue():
     asyncio.run(overfill())
 
 
+def steps_by_hand(engine: Engine, steps: int) -> None:
+    """`steps` of the engine's loop, run here rather than in its thread: the test sees the state between them."""
+    with torch.no_grad():
+        for _ in range(steps):
+            engine.step()
+
+
+def test_a_completion_cancelled_while_waiting_leaves_the_queue_by_the_next_step():
+    """One row, busy; one waiting place, taken by a completion whose client then leaves: by the next step it
+    no longer waits, so the queue depth is 0 and the place is free for another (no spurious 429)."""
+    from gpt2train.serve.engine import QueueFull
+
+    async def cancelled_while_waiting():
+        engine = tiny_engine(max_batch=1, max_queue=1)  # not started: the test runs its steps
+        inbox = Inbox()
+        engine.submit([Completion(TOKENIZER.encode("h"), CONTEXT - 1, inbox, GREEDY)])
+        steps_by_hand(engine, 1)  # it takes the row
+        gone = Completion(TOKENIZER.encode("a"), 5, inbox, GREEDY)
+        engine.submit([gone])
+        with pytest.raises(QueueFull):
+            engine.submit([Completion(TOKENIZER.encode("b"), 5, inbox, GREEDY)])
+        gone.cancel()
+        steps_by_hand(engine, 1)
+        assert engine.running == 1 and engine.queued == 0
+        engine.submit([Completion(TOKENIZER.encode("b"), 5, inbox, GREEDY)])
+
+    asyncio.run(cancelled_while_waiting())
+
+
 # ---------------------------------------------------------------- the app, in process
 
 

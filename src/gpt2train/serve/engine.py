@@ -2,8 +2,8 @@
 running batch at the next step (its prompt prefilled into a free row) and leaves it the step it ends.
 
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
-  1. rows whose completion was cancelled leave (an ended one left at the end of its last step); waiting
-     completions take the free rows;
+  1. rows whose completion was cancelled leave (an ended one left at the end of its last step), and so do
+     cancelled completions still waiting; waiting completions take the free rows;
   2. the last running rows move into the rows that left (model.KVCache.move_rows), so a decode step
      reads rows 0..n-1 only; the slots are repacked (KVCache.realign) only when room is short or many
      slots in use hold no running row's token;
@@ -241,6 +241,7 @@ class Engine:
         with self.wakeup:
             if self.failure is not None:
                 raise EngineStopped(self.failure)
+            self.drop_cancelled_waiting()
             free = self.max_batch - len(self.rows)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
@@ -284,6 +285,7 @@ class Engine:
 
     def step(self) -> None:
         self.drop_ended(cancelled=True)  # cancelled since the last step
+        self.drop_cancelled_waiting()
         new = self.joining = self.admit()
         self.make_room(new)
         running = len(self.rows)
@@ -303,6 +305,13 @@ class Engine:
         kept = [r for r in self.rows if not (r.ended or (cancelled and r.completion.cancelled))]
         self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
+
+    def drop_cancelled_waiting(self) -> None:
+        """Completions whose client left while they waited leave the queue now, not when a row frees: until
+        then they would hold waiting places (refusing others with QueueFull) and count in the queue depth."""
+        with self.wakeup:
+            if any(c.cancelled for c in self.waiting):
+                self.waiting = deque(c for c in self.waiting if not c.cancelled)
 
     def admit(self) -> list[Completion]:
         """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least)."""
