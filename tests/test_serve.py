@@ -318,6 +318,33 @@ def test_a_completion_cancelled_while_waiting_leaves_the_queue_by_the_next_step(
     asyncio.run(cancelled_while_waiting())
 
 
+def test_submit_counts_the_rows_taken_at_this_step_but_not_yet_prefilled(monkeypatch):
+    """Two rows, no waiting place; one completion admitted, its prefill about to run: one row is left, so one
+    more completion may come, not two."""
+    from gpt2train.serve.engine import QueueFull
+
+    checked = []
+    prefill = Engine.prefill
+
+    def submitting_first(self, new):
+        inbox = new[0].inbox
+        with pytest.raises(QueueFull):
+            self.submit([Completion([1], 5, inbox), Completion([2], 5, inbox)])
+        self.submit([Completion([1], 5, inbox)])
+        checked.append(True)
+        return prefill(self, new)
+
+    monkeypatch.setattr(Engine, "prefill", submitting_first)
+
+    async def admitted():
+        engine = tiny_engine(max_batch=2, max_queue=0)  # not started: the test runs its step
+        engine.submit([Completion(TOKENIZER.encode("a"), 5, Inbox(), GREEDY)])
+        steps_by_hand(engine, 1)
+        assert checked and engine.running == 1 and engine.queued == 1
+
+    asyncio.run(admitted())
+
+
 # ---------------------------------------------------------------- the app, in process
 
 

@@ -242,7 +242,7 @@ class Engine:
             if self.failure is not None:
                 raise EngineStopped(self.failure)
             self.drop_cancelled_waiting()
-            free = self.max_batch - len(self.rows)
+            free = self.max_batch - len(self.rows) - len(self.joining)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
             self.waiting.extend(completions)
@@ -286,7 +286,7 @@ class Engine:
     def step(self) -> None:
         self.drop_ended(cancelled=True)  # cancelled since the last step
         self.drop_cancelled_waiting()
-        new = self.joining = self.admit()
+        new = self.admit()
         self.make_room(new)
         running = len(self.rows)
         if new:  # first, and out at once: a new completion's first token waits for no other forward
@@ -314,7 +314,8 @@ class Engine:
                 self.waiting = deque(c for c in self.waiting if not c.cancelled)
 
     def admit(self) -> list[Completion]:
-        """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least)."""
+        """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least);
+        they are `joining` until their prefill puts them in rows (submit counts their rows as taken)."""
         with self.wakeup:
             new, tokens = [], 0
             while self.waiting and len(self.rows) + len(new) < self.max_batch:
@@ -324,6 +325,7 @@ class Engine:
                 if not completion.cancelled:
                     new.append(completion)
                     tokens += len(completion.prompt_ids)
+            self.joining = new
             return new
 
     def make_room(self, new: list[Completion]) -> None:
@@ -386,7 +388,9 @@ class Engine:
         view = self.cache.rows(first, first + len(new), filled=self.cache.length - tokens.size(1))
         logits = self.decoder.prefill(tokens, real, view)
         self.steps += 1
-        self.rows += rows
+        with self.wakeup:  # one change for submit's count of taken rows
+            self.rows += rows
+            self.joining = []
         return self.emit(rows, logits)
 
     def emit(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[Row, Piece]]:
@@ -432,7 +436,7 @@ class Engine:
             held = [r.completion for r in self.rows] + self.joining + list(self.waiting)
             self.rows, self.joining = [], []
             self.waiting.clear()
-        return [c for c in dict.fromkeys(held) if not c.finished]  # a joining one may be running already
+        return [c for c in held if not c.finished]
 
     def end_with_error(self, completions: list[Completion], message: str) -> None:
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
