@@ -14,11 +14,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from gpt2train import cli
 from gpt2train.generate import generate
 from gpt2train.model import KVCache
-from gpt2train.serve.app import API_KEY_ENV
+from gpt2train.serve.app import API_KEY_ENV, create_app, engine_loader
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
-from serving import CONTEXT, TOKENIZER, greedy, running, tiny_app, tiny_engine, tiny_model, wait_ready
+from gpt2train.tokenizer import train_bpe
+from serving import CONTEXT, TOKENIZER, greedy, running, save_tiny_run, tiny_app, tiny_engine, tiny_model, wait_ready
 
 GREEDY = Sampling(temperature=0)
 
@@ -488,8 +490,6 @@ def test_health_is_503_until_the_model_is_loaded():
         loaded.wait(30)
         return tiny_engine()
 
-    from gpt2train.serve.app import create_app
-
     with TestClient(create_app(slow_load, model_id="tiny")) as client:
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "a"})
@@ -503,8 +503,6 @@ def test_a_model_that_fails_to_load_is_reported_by_health():
     def broken():
         raise FileNotFoundError("no weights here")
 
-    from gpt2train.serve.app import create_app
-
     with TestClient(create_app(broken, model_id="tiny")) as client:
         deadline = time.monotonic() + 30
         while client.get("/health").json()["status"] == "loading":
@@ -512,6 +510,39 @@ def test_a_model_that_fails_to_load_is_reported_by_health():
             time.sleep(0.01)
         r = client.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "failed", "error": "FileNotFoundError: no weights here"}
+
+
+# ---------------------------------------------------------------- what --ckpt takes
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """(its checkpoints/step_* folder, the model, its tokenizer): a tiny model with a byte-level BPE of its own
+    (the char tokenizer has no Hugging Face form), saved as a run."""
+    root = tmp_path_factory.mktemp("bpe_run")
+    tokenizer = train_bpe(["a bad cafe fed a dead beef; the cafe had a bad egg\n" * 20], 300, root / "tokenizer.json")
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    return save_tiny_run(root / "run", model, tokenizer), model, tokenizer
+
+
+@pytest.mark.parametrize("form", ["checkpoints/step_*", "export-hf"])
+def test_serve_takes_a_checkpoint_folder_and_a_hugging_face_folder(bpe_run, tmp_path, form):
+    """--ckpt takes a run directory (the client tests), one checkpoint of it, or the Hugging Face folder that
+    `export-hf` makes of it: each serves the model's greedy text with its own tokenizer."""
+    step_folder, model, tokenizer = bpe_run
+    ckpt = step_folder
+    if form == "export-hf":
+        ckpt = tmp_path / "hf"
+        assert cli.main(["export-hf", "--ckpt", str(step_folder.parent.parent), "--out", str(ckpt)]) == 0
+        assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    load = engine_loader(ckpt, torch.device("cpu"), torch.float32, compile=False)
+    with TestClient(create_app(load, model_id=str(ckpt))) as client:
+        wait_ready(client)
+        r = client.post("/v1/completions", json={"prompt": "a bad", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == greedy(model, "a bad", 12, tokenizer)
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("a bad"))
 
 
 # ---------------------------------------------------------------- a real server, in a thread
@@ -630,6 +661,4 @@ def test_bf16_weights_serve_too():
 
 
 def create_bf16_app():
-    from gpt2train.serve.app import create_app
-
     return create_app(lambda: tiny_engine(model=tiny_model(torch.bfloat16)), model_id="tiny-bf16")

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -395,6 +396,20 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def engine_loader(ckpt: str | Path, device: torch.device, dtype: torch.dtype, **engine_options) -> Callable[[], Engine]:
+    """What create_app loads for `serve --ckpt`: a run directory, one of its checkpoints/step_* folders, or a
+    Hugging Face GPT-2 folder. Its tokenizer is read now (a bad path fails here, in one line), its weights
+    when the returned function is called; engine_options go to Engine."""
+    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
+
+    tokenizer = load_pretrained_tokenizer(ckpt)
+
+    def load() -> Engine:
+        return Engine(load_pretrained(ckpt, device=device).to(dtype), tokenizer, **engine_options)
+
+    return load
+
+
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
@@ -402,17 +417,12 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     import uvicorn
 
     from gpt2train.distributed import resolve_device
-    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
     from gpt2train.runtime import resolve_dtype
 
-    tokenizer = load_pretrained_tokenizer(ckpt)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device.type)
-
-    def load() -> Engine:
-        model = load_pretrained(ckpt, device=torch_device).to(torch_dtype)
-        return Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, compile=compile,
-                      prefill_tokens=prefill_tokens)
+    load = engine_loader(ckpt, torch_device, torch_dtype, max_batch=max_batch, max_queue=max_queue, compile=compile,
+                         prefill_tokens=prefill_tokens)
 
     failures: list[BaseException] = []
 
