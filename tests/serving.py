@@ -1,5 +1,5 @@
-"""Helpers of the serve tests: a tiny char-level model, its engine and app, a real uvicorn server on a free
-port of 127.0.0.1 in a thread, and what `generate` gives for a prompt (the reference)."""
+"""Helpers of the serve tests: a tiny char-level model, its engine and app, a run directory holding it, a real
+uvicorn server on a free port of 127.0.0.1 in a thread, and what `generate` gives for a prompt (the reference)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import torch
 import uvicorn
 
+from gpt2train.checkpoint import model_state, save_checkpoint
+from gpt2train.config import Config, to_dict
 from gpt2train.generate import generate
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.serve.app import create_app
@@ -22,9 +25,9 @@ TOKENIZER = CharTokenizer("abcdefgh \n")  # ten characters and end-of-text: a to
 CONTEXT = 48
 
 
-def tiny_model(dtype=torch.float32) -> GPT:
+def tiny_model(dtype=torch.float32, vocab_size: int = TOKENIZER.vocab_size) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=CONTEXT, vocab_size=TOKENIZER.vocab_size))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=CONTEXT, vocab_size=vocab_size))
     with torch.no_grad():  # larger weights than the init: logits far apart, so argmax has no near-ties
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -39,18 +42,28 @@ def tiny_app(max_batch: int = 4, max_queue: int = 16, **kwargs):
     return create_app(lambda: tiny_engine(max_batch, max_queue), model_id="tiny", **kwargs)
 
 
-def greedy(model: GPT, prompt: str, max_tokens: int) -> tuple[str, str]:
+def save_tiny_run(folder, model: GPT | None = None, tokenizer=TOKENIZER) -> Path:
+    """A run directory holding the model (tiny_model()) at step 0; returns its checkpoints/step_* folder."""
+    model = model or tiny_model()
+    cfg = Config()
+    cfg.model = model.config
+    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": tokenizer.spec()}
+    return save_checkpoint(folder, step=0, weights=model_state(model), state={}, meta=meta)
+
+
+def greedy(model: GPT, prompt: str, max_tokens: int, tokenizer=TOKENIZER) -> tuple[str, str]:
     """(text, finish_reason) of `generate`'s greedy continuation, as the server must answer it."""
-    ids = generate(model, TOKENIZER.encode(prompt) or [TOKENIZER.eot_id], max_tokens, temperature=0,
-                   eot_id=TOKENIZER.eot_id)
-    ended = ids[-1] == TOKENIZER.eot_id
-    return TOKENIZER.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
+    ids = generate(model, tokenizer.encode(prompt) or [tokenizer.eot_id], max_tokens, temperature=0,
+                   eot_id=tokenizer.eot_id)
+    ended = ids[-1] == tokenizer.eot_id
+    return tokenizer.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
 
 
 def wait_ready(client, timeout: float = 60) -> None:
-    """Until /health answers 200 (the model loads in a thread)."""
+    """Until /health answers 200 (the model loads in a thread); fails at once if loading failed."""
     deadline = time.monotonic() + timeout
-    while client.get("/health").status_code != 200:
+    while (health := client.get("/health")).status_code != 200:
+        assert health.json()["status"] != "failed", health.json()["error"]
         assert time.monotonic() < deadline, "the model did not load"
         time.sleep(0.02)
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
+from gpt2train import cli
 from gpt2train.bench.serve import Level, targets
 
 LEVEL_KEYS = {"concurrency", "requests", "errors", "wall_s", "requests_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
@@ -55,3 +56,13 @@ def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     r = run_cli("bench", "serve", "--model", "gpt2-tiny", *args, "--out", str(tmp_path / "serve.json"))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_benchmarks_readme_gives_the_default_of_requests_that_the_command_uses(capsys):
+    """The code sends four times the level (bench/serve.py); --help and benchmarks/README.md say so."""
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--help"])
+    assert "0: four times the level" in " ".join(capsys.readouterr().out.split())
+    readme = (REPO / "benchmarks" / "README.md").read_text()
+    serving = " ".join(readme.split("## Serving (`gpt2train bench serve`)", 1)[1].split("\n## ", 1)[0].split())
+    assert "`--requests N` per level (default four times the level)" in serving

@@ -14,10 +14,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from gpt2train import cli
 from gpt2train.generate import generate
-from gpt2train.serve.app import API_KEY_ENV
+from gpt2train.model import KVCache
+from gpt2train.serve.app import API_KEY_ENV, create_app, engine_loader
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
-from serving import CONTEXT, TOKENIZER, greedy, running, tiny_app, tiny_engine, tiny_model, wait_ready
+from gpt2train.tokenizer import train_bpe
+from serving import CONTEXT, TOKENIZER, greedy, running, save_tiny_run, tiny_app, tiny_engine, tiny_model, wait_ready
 
 GREEDY = Sampling(temperature=0)
 
@@ -213,6 +216,65 @@ def test_a_failing_step_ends_its_completions_with_an_error_and_the_engine_serves
     assert served == greedy(tiny_model(), "abc", 5)
 
 
+def test_a_completion_that_ends_at_its_prefill_gets_no_error_when_the_decode_of_that_step_fails(monkeypatch):
+    """A running row, and a completion of max_tokens 1 joining it (both of one request, as with n=2): its
+    prefill ends it, then the step's decode fails. Its last piece is its "length" one; only the running row
+    gets the error (a second last piece would close another completion of the request in the app's count)."""
+    prefill, decode = Engine.prefill, Engine.decode
+    short = []  # set once the short completion's prefill is done
+
+    def recording_prefill(self, new):
+        produced = prefill(self, new)
+        short.extend(c for c in new if c.max_tokens == 1)
+        return produced
+
+    def failing_after_the_short_prefill(self, n):
+        if short:
+            raise RuntimeError("out of memory")
+        return decode(self, n)
+
+    monkeypatch.setattr(Engine, "prefill", recording_prefill)
+    monkeypatch.setattr(Engine, "decode", failing_after_the_short_prefill)
+
+    async def joined(engine):
+        inbox = Inbox()
+        engine.submit([Completion(TOKENIZER.encode("h"), CONTEXT - 1, inbox, GREEDY, index=0)])
+        pieces = await inbox.get()  # the long one runs
+        engine.submit([Completion(TOKENIZER.encode("ab"), 1, inbox, GREEDY, index=1)])
+        while not any(p.finish_reason for i, p in pieces if i == 0):
+            pieces += await asyncio.wait_for(inbox.get(), 30)
+        await asyncio.sleep(0.1)  # anything more that was coming has come
+        return pieces + inbox.items
+
+    pieces = run_engine(joined)
+    assert [p.finish_reason for i, p in pieces if i == 0 and p.finish_reason] == ["error"]
+    assert [p.finish_reason for i, p in pieces if i == 1] == ["length"]
+
+
+def test_an_engine_that_cannot_recover_from_a_failed_step_answers_503_and_health_says_so(monkeypatch):
+    """A step fails and so does the cleanup after it (the cache's realign): the engine's thread cannot go on.
+    The request it held, and every later one, get a 503 JSON error at once (none hangs); /health is 503."""
+    def failing_step(self):
+        raise RuntimeError("out of memory")
+
+    def failing_realign(self, slots, length):
+        raise RuntimeError("the cache cannot be realigned")
+
+    monkeypatch.setattr(Engine, "step", failing_step)
+    monkeypatch.setattr(KVCache, "realign", failing_realign)
+    body = {"prompt": "a", "max_tokens": 3}
+    with running(tiny_app()) as url, httpx.Client(base_url=url, timeout=10) as http:
+        held = http.post("/v1/completions", json=body)
+        health = http.get("/health")
+        later = [http.post("/v1/completions", json=body), http.post("/v1/completions", json={**body, "stream": True})]
+    for r in [held, *later]:
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "the cache cannot be realigned" in error["message"]
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "the cache cannot be realigned" in health.json()["error"]
+
+
 def test_submit_refuses_more_than_the_free_rows_and_the_queue():
     from gpt2train.serve.engine import QueueFull
 
@@ -227,6 +289,62 @@ def test_submit_refuses_more_than_the_free_rows_and_the_queue():
             engine.submit([Completion([1] * 10, CONTEXT - 9, inbox)])
 
     asyncio.run(overfill())
+
+
+def steps_by_hand(engine: Engine, steps: int) -> None:
+    """`steps` of the engine's loop, run here rather than in its thread: the test sees the state between them."""
+    with torch.no_grad():
+        for _ in range(steps):
+            engine.step()
+
+
+def test_a_completion_cancelled_while_waiting_leaves_the_queue_by_the_next_step():
+    """One row, busy; one waiting place, taken by a completion whose client then leaves: by the next step it
+    no longer waits, so the queue depth is 0 and the place is free for another (no spurious 429)."""
+    from gpt2train.serve.engine import QueueFull
+
+    async def cancelled_while_waiting():
+        engine = tiny_engine(max_batch=1, max_queue=1)  # not started: the test runs its steps
+        inbox = Inbox()
+        engine.submit([Completion(TOKENIZER.encode("h"), CONTEXT - 1, inbox, GREEDY)])
+        steps_by_hand(engine, 1)  # it takes the row
+        gone = Completion(TOKENIZER.encode("a"), 5, inbox, GREEDY)
+        engine.submit([gone])
+        with pytest.raises(QueueFull):
+            engine.submit([Completion(TOKENIZER.encode("b"), 5, inbox, GREEDY)])
+        gone.cancel()
+        steps_by_hand(engine, 1)
+        assert engine.running == 1 and engine.queued == 0
+        engine.submit([Completion(TOKENIZER.encode("b"), 5, inbox, GREEDY)])
+
+    asyncio.run(cancelled_while_waiting())
+
+
+def test_submit_counts_the_rows_taken_at_this_step_but_not_yet_prefilled(monkeypatch):
+    """Two rows, no waiting place; one completion admitted, its prefill about to run: one row is left, so one
+    more completion may come, not two."""
+    from gpt2train.serve.engine import QueueFull
+
+    checked = []
+    prefill = Engine.prefill
+
+    def submitting_first(self, new):
+        inbox = new[0].inbox
+        with pytest.raises(QueueFull):
+            self.submit([Completion([1], 5, inbox), Completion([2], 5, inbox)])
+        self.submit([Completion([1], 5, inbox)])
+        checked.append(True)
+        return prefill(self, new)
+
+    monkeypatch.setattr(Engine, "prefill", submitting_first)
+
+    async def admitted():
+        engine = tiny_engine(max_batch=2, max_queue=0)  # not started: the test runs its step
+        engine.submit([Completion(TOKENIZER.encode("a"), 5, Inbox(), GREEDY)])
+        steps_by_hand(engine, 1)
+        assert checked and engine.running == 1 and engine.queued == 1
+
+    asyncio.run(admitted())
 
 
 # ---------------------------------------------------------------- the app, in process
@@ -372,8 +490,6 @@ def test_health_is_503_until_the_model_is_loaded():
         loaded.wait(30)
         return tiny_engine()
 
-    from gpt2train.serve.app import create_app
-
     with TestClient(create_app(slow_load, model_id="tiny")) as client:
         assert client.get("/health").status_code == 503
         r = client.post("/v1/completions", json={"prompt": "a"})
@@ -387,8 +503,6 @@ def test_a_model_that_fails_to_load_is_reported_by_health():
     def broken():
         raise FileNotFoundError("no weights here")
 
-    from gpt2train.serve.app import create_app
-
     with TestClient(create_app(broken, model_id="tiny")) as client:
         deadline = time.monotonic() + 30
         while client.get("/health").json()["status"] == "loading":
@@ -396,6 +510,39 @@ def test_a_model_that_fails_to_load_is_reported_by_health():
             time.sleep(0.01)
         r = client.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "failed", "error": "FileNotFoundError: no weights here"}
+
+
+# ---------------------------------------------------------------- what --ckpt takes
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """(its checkpoints/step_* folder, the model, its tokenizer): a tiny model with a byte-level BPE of its own
+    (the char tokenizer has no Hugging Face form), saved as a run."""
+    root = tmp_path_factory.mktemp("bpe_run")
+    tokenizer = train_bpe(["a bad cafe fed a dead beef; the cafe had a bad egg\n" * 20], 300, root / "tokenizer.json")
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    return save_tiny_run(root / "run", model, tokenizer), model, tokenizer
+
+
+@pytest.mark.parametrize("form", ["checkpoints/step_*", "export-hf"])
+def test_serve_takes_a_checkpoint_folder_and_a_hugging_face_folder(bpe_run, tmp_path, form):
+    """--ckpt takes a run directory (the client tests), one checkpoint of it, or the Hugging Face folder that
+    `export-hf` makes of it: each serves the model's greedy text with its own tokenizer."""
+    step_folder, model, tokenizer = bpe_run
+    ckpt = step_folder
+    if form == "export-hf":
+        ckpt = tmp_path / "hf"
+        assert cli.main(["export-hf", "--ckpt", str(step_folder.parent.parent), "--out", str(ckpt)]) == 0
+        assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    load = engine_loader(ckpt, torch.device("cpu"), torch.float32, compile=False)
+    with TestClient(create_app(load, model_id=str(ckpt))) as client:
+        wait_ready(client)
+        r = client.post("/v1/completions", json={"prompt": "a bad", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == greedy(model, "a bad", 12, tokenizer)
+    assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("a bad"))
 
 
 # ---------------------------------------------------------------- a real server, in a thread
@@ -514,6 +661,4 @@ def test_bf16_weights_serve_too():
 
 
 def create_bf16_app():
-    from gpt2train.serve.app import create_app
-
     return create_app(lambda: tiny_engine(model=tiny_model(torch.bfloat16)), model_id="tiny-bf16")

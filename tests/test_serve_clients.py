@@ -21,20 +21,10 @@ import pytest
 from conftest import REPO, run_cli
 from gpt2train import cli
 from gpt2train.bench.serve import free_port
-from gpt2train.checkpoint import model_state, save_checkpoint
-from gpt2train.config import Config, to_dict
 from gpt2train.hf import load_pretrained
-from serving import TOKENIZER, greedy, tiny_model
+from serving import greedy, save_tiny_run
 
 KEY = "test-key-1"
-
-
-
-def save_tiny_run(folder) -> None:
-    cfg = Config()
-    cfg.model = tiny_model().config
-    meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": TOKENIZER.spec()}
-    save_checkpoint(folder, step=0, weights=model_state(tiny_model()), state={}, meta=meta)
 
 
 @pytest.fixture(scope="module")

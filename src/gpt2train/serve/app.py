@@ -2,7 +2,8 @@
 with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics (Prometheus text) and the
 playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its status: 400 a field's
 type or range (named), 401 the API key, 413 the body's size, 429 a full queue, 503 the model still loading;
-a request never reaches the engine unless it is good, and never gets a 500 for its own fault.
+503 too once the engine has stopped on a failure it could not recover from; a request never reaches the
+engine unless it is good, and never gets a 500 for its own fault.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
 
-from gpt2train.serve.engine import Completion, Engine, Inbox, Piece, QueueFull, Sampling
+from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
 from gpt2train.serve.request import BadRequest, CompletionRequest, parse_completion_request
 
 API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
@@ -68,7 +70,7 @@ class Metrics:
 
 
 class Served:
-    """What the app serves: the engine once loaded, or why loading failed."""
+    """What the app serves: the engine once loaded, or why loading failed (or why the engine stopped)."""
 
     def __init__(self):
         self.engine: Engine | None = None
@@ -78,7 +80,13 @@ class Served:
         if self.engine is None:
             raise ApiError(503, f"the model failed to load: {self.error}" if self.error else "the model is loading",
                            "server_error", headers={"Retry-After": "5"})
+        if self.engine.failure is not None:
+            raise ApiError(503, str(EngineStopped(self.engine.failure)), "server_error")
         return self.engine
+
+    def failure(self) -> str | None:
+        """Why the model is not served (it failed to load, or the engine stopped); None while it is or loads."""
+        return self.engine.failure if self.engine is not None else self.error
 
 
 class CountRequests:
@@ -113,7 +121,7 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
             served.engine = load().start()
             log.info("model %s loaded", model_id)
         except Exception as e:  # noqa: BLE001 -- reported by /health and to whoever started the server
-            served.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            served.error = one_line(e)
             log.error("the model failed to load: %s", served.error)
             if on_load_error is not None:
                 on_load_error(e)
@@ -163,9 +171,10 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
 
     @app.get("/health")
     async def health():
+        if served.failure() is not None:
+            return JSONResponse({"status": "failed", "error": served.failure()}, 503)
         if served.engine is None:
-            status = {"status": "failed", "error": served.error} if served.error else {"status": "loading"}
-            return JSONResponse(status, 503)
+            return JSONResponse({"status": "loading"}, 503)
         return {"status": "ok", "model": model_id}
 
     @app.get("/metrics")
@@ -202,9 +211,11 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
         except QueueFull as e:
             raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
                            headers={"Retry-After": "1"}) from None
+        except EngineStopped as e:  # since served.ready()
+            raise ApiError(503, str(e), "server_error") from None
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
         answer = Answer(f"cmpl-{uuid.uuid4().hex}", model_id, jobs, sum(len(ids) for ids in prompt_ids), metrics,
-                        started)
+                        started, engine)
         if req.stream:
             return EventStream(answer, req.include_usage)
         return await answer.whole(request)
@@ -255,8 +266,8 @@ class Answer:
     one JSON answer; the latency metrics are observed on the way."""
 
     def __init__(self, request_id: str, model_id: str, jobs: list[Completion], prompt_tokens: int, metrics: Metrics,
-                 started: float):
-        self.id, self.model_id, self.jobs = request_id, model_id, jobs
+                 started: float, engine: Engine):
+        self.id, self.model_id, self.jobs, self.engine = request_id, model_id, jobs, engine
         self.inbox = jobs[0].inbox
         self.prompt_tokens, self.metrics, self.started = prompt_tokens, metrics, started
         self.created = int(time.time())
@@ -297,6 +308,11 @@ class Answer:
         if piece.finish_reason:
             self.finish[index] = piece.finish_reason
 
+    def error_status(self) -> int:
+        """A completion's error: 503 once the engine has stopped for good, else 500 (one step failed; the
+        next requests are served)."""
+        return 503 if self.engine.failure is not None else 500
+
     def usage(self) -> dict:
         completion = sum(self.tokens)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
@@ -312,7 +328,8 @@ class Answer:
         try:
             async for index, piece in self.pieces():
                 if piece.finish_reason == "error":
-                    yield sse({"error": {"message": piece.text, "type": "server_error", "param": None, "code": 500}})
+                    yield sse({"error": {"message": piece.text, "type": "server_error", "param": None,
+                                         "code": self.error_status()}})
                     return
                 if piece.text or piece.finish_reason:
                     yield sse(self.chunk([{"text": piece.text, "index": index, "logprobs": None,
@@ -342,7 +359,8 @@ class Answer:
         if not gather.done() or gather.cancelled():
             return error_response(499, "the client closed the request", "invalid_request_error")
         if "error" in self.finish:
-            return error_response(500, next(t for t, f in zip(self.texts, self.finish) if f == "error"), "server_error")
+            return error_response(self.error_status(), next(t for t, f in zip(self.texts, self.finish) if f == "error"),
+                                  "server_error")
         choices = [{"text": text, "index": i, "logprobs": None, "finish_reason": reason}
                    for i, (text, reason) in enumerate(zip(self.texts, self.finish))]
         return JSONResponse(self.chunk(choices, usage=self.usage()))
@@ -378,6 +396,20 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def engine_loader(ckpt: str | Path, device: torch.device, dtype: torch.dtype, **engine_options) -> Callable[[], Engine]:
+    """What create_app loads for `serve --ckpt`: a run directory, one of its checkpoints/step_* folders, or a
+    Hugging Face GPT-2 folder. Its tokenizer is read now (a bad path fails here, in one line), its weights
+    when the returned function is called; engine_options go to Engine."""
+    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
+
+    tokenizer = load_pretrained_tokenizer(ckpt)
+
+    def load() -> Engine:
+        return Engine(load_pretrained(ckpt, device=device).to(dtype), tokenizer, **engine_options)
+
+    return load
+
+
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
@@ -385,17 +417,12 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     import uvicorn
 
     from gpt2train.distributed import resolve_device
-    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
     from gpt2train.runtime import resolve_dtype
 
-    tokenizer = load_pretrained_tokenizer(ckpt)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device.type)
-
-    def load() -> Engine:
-        model = load_pretrained(ckpt, device=torch_device).to(torch_dtype)
-        return Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, compile=compile,
-                      prefill_tokens=prefill_tokens)
+    load = engine_loader(ckpt, torch_device, torch_dtype, max_batch=max_batch, max_queue=max_queue, compile=compile,
+                         prefill_tokens=prefill_tokens)
 
     failures: list[BaseException] = []
 

@@ -2,8 +2,8 @@
 running batch at the next step (its prompt prefilled into a free row) and leaves it the step it ends.
 
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
-  1. rows whose completion was cancelled leave (an ended one left at the end of its last step); waiting
-     completions take the free rows;
+  1. rows whose completion was cancelled leave (an ended one left at the end of its last step), and so do
+     cancelled completions still waiting; waiting completions take the free rows;
   2. the last running rows move into the rows that left (model.KVCache.move_rows), so a decode step
      reads rows 0..n-1 only; the slots are repacked (KVCache.realign) only when room is short or many
      slots in use hold no running row's token;
@@ -52,6 +52,19 @@ class QueueFull(Exception):
     """More completions than free rows plus the waiting places: try again later."""
 
 
+class EngineStopped(Exception):
+    """The engine's thread has ended on a failure it could not recover from: no completion runs any more."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the engine stopped after a failure it could not recover from ({reason}); restart the "
+                         "server")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class Inbox:
     """Where the pieces of one request's completions arrive, from the engine's thread, to be read on the
     event loop that made it: `await inbox.get()` gives every (index, piece) that came since the last get."""
@@ -88,6 +101,7 @@ class Completion:
     stop: tuple[str, ...] = ()
     index: int = 0
     cancelled: bool = False
+    finished: bool = False  # its last piece is out: no other piece may follow (the app counts the last ones)
 
     def cancel(self) -> None:
         """Free its row (or its waiting place) at the engine's next step; no more pieces come."""
@@ -194,6 +208,7 @@ class Engine:
         self.wakeup = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.failure: str | None = None  # why the engine stopped for good (its thread has ended); None: it runs
         self.steps = 0  # forwards run (decode steps and prefills)
         # Sampling stays within the tokenizer's ids (the model's vocabulary may be padded beyond them).
         self.vocab = min(tokenizer.vocab_size, model.config.vocab_size)
@@ -224,7 +239,10 @@ class Engine:
                 raise ValueError(f"a prompt of {len(c.prompt_ids)} tokens and max_tokens {c.max_tokens} do not fit "
                                  f"the context of {self.block_size} tokens")
         with self.wakeup:
-            free = self.max_batch - len(self.rows)
+            if self.failure is not None:
+                raise EngineStopped(self.failure)
+            self.drop_cancelled_waiting()
+            free = self.max_batch - len(self.rows) - len(self.joining)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
             self.waiting.extend(completions)
@@ -245,21 +263,30 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
-        with torch.no_grad():  # per thread: the server's threads' setting does not reach this one
-            while True:
-                with self.wakeup:
-                    while not (self.rows or self.waiting or self.stopping):
-                        self.wakeup.wait()
-                    if self.stopping:
-                        return
-                try:
-                    self.step()
-                except Exception as e:  # noqa: BLE001 -- end the completions it touched; keep serving the next ones
-                    self.fail_all(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        """The engine's thread. Should a failed step's cleanup fail too, the engine stops for good rather than
+        end silently: what it holds ends with an error, and submit refuses from then on (nothing hangs)."""
+        try:
+            with torch.no_grad():  # per thread: the server's threads' setting does not reach this one
+                self.loop()
+        except Exception as e:  # noqa: BLE001 -- reported to every completion, held or to come
+            self.stop_for_good(one_line(e))
+
+    def loop(self) -> None:
+        while True:
+            with self.wakeup:
+                while not (self.rows or self.waiting or self.stopping):
+                    self.wakeup.wait()
+                if self.stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 -- end the completions it touched; keep serving the next ones
+                self.fail_all(one_line(e))
 
     def step(self) -> None:
         self.drop_ended(cancelled=True)  # cancelled since the last step
-        new = self.joining = self.admit()
+        self.drop_cancelled_waiting()
+        new = self.admit()
         self.make_room(new)
         running = len(self.rows)
         if new:  # first, and out at once: a new completion's first token waits for no other forward
@@ -279,8 +306,16 @@ class Engine:
         self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
 
+    def drop_cancelled_waiting(self) -> None:
+        """Completions whose client left while they waited leave the queue now, not when a row frees: until
+        then they would hold waiting places (refusing others with QueueFull) and count in the queue depth."""
+        with self.wakeup:
+            if any(c.cancelled for c in self.waiting):
+                self.waiting = deque(c for c in self.waiting if not c.cancelled)
+
     def admit(self) -> list[Completion]:
-        """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least)."""
+        """Waiting completions for the free rows, their prompts up to prefill_tokens in all (one at least);
+        they are `joining` until their prefill puts them in rows (submit counts their rows as taken)."""
         with self.wakeup:
             new, tokens = [], 0
             while self.waiting and len(self.rows) + len(new) < self.max_batch:
@@ -290,6 +325,7 @@ class Engine:
                 if not completion.cancelled:
                     new.append(completion)
                     tokens += len(completion.prompt_ids)
+            self.joining = new
             return new
 
     def make_room(self, new: list[Completion]) -> None:
@@ -352,7 +388,9 @@ class Engine:
         view = self.cache.rows(first, first + len(new), filled=self.cache.length - tokens.size(1))
         logits = self.decoder.prefill(tokens, real, view)
         self.steps += 1
-        self.rows += rows
+        with self.wakeup:  # one change for submit's count of taken rows
+            self.rows += rows
+            self.joining = []
         return self.emit(rows, logits)
 
     def emit(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[Row, Piece]]:
@@ -370,6 +408,7 @@ class Engine:
         """Each request's pieces in one hand-over to its event loop (not one per token)."""
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
         for row, piece in produced:
+            row.completion.finished |= piece.finish_reason is not None
             if not row.completion.cancelled:
                 by_inbox.setdefault(row.completion.inbox, []).append((row.completion.index, piece))
         for inbox, items in by_inbox.items():
@@ -382,17 +421,30 @@ class Engine:
 
     def fail_all(self, reason: str) -> None:
         """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
+        self.cache.realign([], 0)  # first: should it fail, run() stops the engine, which ends them all alike
+        self.end_with_error(self.take_unfinished(), f"the engine failed: {reason}")
+
+    def stop_for_good(self, reason: str) -> None:
         with self.wakeup:
-            running = [r.completion for r in self.rows]
-            failed = running + [c for c in self.joining if c not in running] + list(self.waiting)
+            self.failure = reason  # submit refuses from here on: no completion waits for a thread that is gone
+        self.end_with_error(self.take_unfinished(), str(EngineStopped(reason)))
+
+    def take_unfinished(self) -> list[Completion]:
+        """Every completion the engine holds, off its rows and queue, less those whose last piece is out (a new
+        row may have ended at the step's prefill before its decode failed)."""
+        with self.wakeup:
+            held = [r.completion for r in self.rows] + self.joining + list(self.waiting)
+            self.rows, self.joining = [], []
             self.waiting.clear()
-        self.rows, self.joining = [], []
-        self.cache.realign([], 0)
+        return [c for c in held if not c.finished]
+
+    def end_with_error(self, completions: list[Completion], message: str) -> None:
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
-        for c in failed:
-            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(f"the engine failed: {reason}", 0, "error")))
+        for c in completions:
+            c.finished = True
+            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(message, 0, "error")))
         for inbox, items in by_inbox.items():
             try:
                 inbox.put(items)
-            except RuntimeError:
+            except RuntimeError:  # its event loop is closed: nobody reads these any more
                 pass
