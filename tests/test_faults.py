@@ -18,6 +18,7 @@ from conftest import REPO, tiny_config
 from gpt2train import cli
 from gpt2train.config import GuardConfig, dump_toml
 from gpt2train.model import GPT
+from gpt2train.runlog import find_spikes
 from gpt2train.train.guard import GuardError, TrainingGuard
 from gpt2train.train.loop import train
 
@@ -71,6 +72,19 @@ def test_guard_decisions():
     restored.load_state_dict(guard.state_dict())
     assert restored.state_dict() == guard.state_dict()
     assert TrainingGuard(GuardConfig(enabled=False)).observe(math.nan, math.nan) is None
+
+
+@pytest.mark.parametrize("spike_at", [60, None])
+def test_the_guard_and_the_logs_readers_agree_on_spikes(spike_at):
+    """One spike rule: the steps the guard rolls back are the ones `report` and `doctor` (find_spikes) would call
+    spikes on a log of every step. The guard's old rule, 3x the mean of the last 50 losses, let this 2x spike
+    stand while find_spikes marked it."""
+    losses = [3.0 + 8.0 * math.exp(-i / 10) + 0.05 * math.sin(1.7 * i) for i in range(80)]  # a fast fall, then noise
+    if spike_at is not None:
+        losses[spike_at] *= 2
+    guard = TrainingGuard(GuardConfig())
+    rolled_back = [i for i, loss in enumerate(losses) if (v := guard.observe(loss, 1.0)) and v.action == "rollback"]
+    assert rolled_back == find_spikes(losses) == ([spike_at] if spike_at is not None else [])
 
 
 def test_a_nan_step_is_skipped(char_data, tmp_path, monkeypatch):

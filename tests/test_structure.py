@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "runlog"}),
+    ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "config", "runtime", "generate"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf"}),
@@ -136,23 +136,60 @@ def test_each_module_opens_with_its_job(name):
     assert docstring and len(docstring.split()) >= 5, f"{name}: open the module with a docstring saying its one job"
 
 
+SPIKE_RULE_MODULE = "spikes.py"
+STATISTICS = {"mean", "fmean", "median", "nanmean", "nanmedian", "quantile", "percentile", "std", "stdev"}
+
+
 def spike_rule_owners(root: Path) -> set[str]:
-    """Modules that define a spike constant (SPIKE_*) at their top level: the owners of a spike rule."""
+    """Modules that hold a spike rule of their own: they define a spike constant (SPIKE_*) at their top level, or
+    a function that speaks of spikes (an identifier with "spike" in it) takes a mean, median or spread itself,
+    as the guard did (`loss > self.cfg.spike_factor * sum(self.recent) / len(self.recent)`)."""
     owners = set()
     for path in root.rglob("*.py"):
-        for node in ast.parse(path.read_text()).body:
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
             if any(isinstance(t, ast.Name) and t.id.startswith("SPIKE_") for t in targets):
+                owners.add(path.relative_to(root).as_posix())
+        for func in ast.walk(tree):
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) and speaks_of_spikes(func) and takes_statistics(func):
                 owners.add(path.relative_to(root).as_posix())
     return owners
 
 
-def test_one_spike_rule_for_what_reads_a_runs_log(tmp_path):
-    """`report` and `doctor` mark spikes by runlog.find_spikes alone (they had windows of 50 and 20, so they could
-    disagree on one metrics.jsonl); the guard's rollback rule is its config's (guard.spike_factor)."""
-    assert spike_rule_owners(SRC) == {"runlog.py"}
+def speaks_of_spikes(func: ast.AST) -> bool:
+    names = [func.name] + [n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else n.arg
+                           for n in ast.walk(func) if isinstance(n, (ast.Name, ast.Attribute, ast.arg))]
+    return any("spike" in name.lower() for name in names)
+
+
+def takes_statistics(func: ast.AST) -> bool:
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call):
+            called = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if called in STATISTICS:
+                return True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.left, ast.Call) \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "sum":
+            return True
+    return False
+
+
+def test_one_spike_rule(tmp_path):
+    """The training guard, `report` and `doctor` judge spikes by spikes.py's rule alone. report and doctor had
+    windows of 50 and 20, and the guard its own 3x-the-mean rule, so they could disagree on one metrics.jsonl."""
+    assert spike_rule_owners(SRC) == {SPIKE_RULE_MODULE}
     (tmp_path / "doctor.py").write_text("SPIKE_WINDOW = 20\n")
-    assert spike_rule_owners(tmp_path) == {"doctor.py"}  # the check can fail
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "guard.py").write_text(  # the guard's old rule
+        "def observe(self, loss):\n"
+        "    mean = sum(self.recent) / len(self.recent)\n"
+        "    return loss > self.cfg.spike_factor * mean\n")
+    (tmp_path / "report.py").write_text(  # a median of its own
+        "import statistics\n\ndef is_spike(value, before):\n    return value > 2 * statistics.median(before[-50:])\n")
+    (tmp_path / "plan.py").write_text(  # statistics that are no spike rule
+        "import statistics\n\ndef typical_speed(speeds):\n    return statistics.median(speeds)\n")
+    assert spike_rule_owners(tmp_path) == {"doctor.py", "train/guard.py", "report.py"}  # the check can fail
 
 
 def shadowed_names(root: Path) -> list[str]:

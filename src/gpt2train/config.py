@@ -22,6 +22,7 @@ import tomli_w
 
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
+from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -114,8 +115,8 @@ class CheckpointConfig:
 @dataclass
 class GuardConfig:
     enabled: bool = True
-    spike_factor: float = 3.0  # a loss above this multiple of its recent average rolls back
-    spike_window: int = 50  # steps in that recent average
+    spike_factor: float = SPIKE_FACTOR  # a loss spike rolls back: above this x the recent median and SPIKE_MADS MADs (spikes.py)
+    spike_window: int = SPIKE_WINDOW  # finite losses before a step that its loss is judged against
     max_nonfinite: int = 3  # non-finite steps in a row before rolling back
     max_rollbacks: int = 3  # rollbacks in a row (no new checkpoint between them) before the run stops
 

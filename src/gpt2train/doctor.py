@@ -20,9 +20,10 @@ from pathlib import Path
 
 from gpt2train.config import Config, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
-from gpt2train.runlog import SPIKE_WINDOW, find_spikes, load_metrics
+from gpt2train.runlog import find_spikes, load_metrics
+from gpt2train.spikes import SPIKE_RULE
 
-# Loss spikes: runlog.find_spikes, the rule `report` marks them by too
+# Loss spikes: runlog.find_spikes, by spikes.py's rule (the one `report` and the guard use too)
 GRAD_LEAD_RECORDS = 2  # a grad-norm spike at most 2 logged steps before a loss spike likely caused it
 # Clipping
 CLIP_MOST_FRACTION = 0.5  # clipped on over half the steps after warmup: the clip, not the LR, sets the step size
@@ -209,7 +210,6 @@ def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) ->
     grad_spikes = set(find_spikes([r.get("grad_norm") for r in train]))
     evidence, led_by_grad = [], 0
     for i in spikes:
-        before = [x for x in losses[max(0, i - SPIKE_WINDOW): i] if _finite(x)]
         lead = next((k for k in range(GRAD_LEAD_RECORDS + 1) if i - k in grad_spikes), None)
         if lead is None:
             grad = "no grad-norm spike before it"
@@ -218,7 +218,7 @@ def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) ->
             g = train[i - lead]
             grad = (f"grad_norm spiked to {g['grad_norm']:.3g} at step {g['step']}"
                     + (f" ({lead} logged step{'s' if lead > 1 else ''} before)" if lead else " (same step)"))
-        median = statistics.median(before)
+        median = SPIKE_RULE.baseline(x for x in losses[:i] if _finite(x)).median  # what find_spikes judged it by
         evidence.append(f"step {train[i]['step']}: loss {losses[i]:.3f} vs median {median:.3f}; {grad}")
     if len(evidence) > MAX_LISTED:
         evidence = evidence[:MAX_LISTED] + [f"... and {len(evidence) - MAX_LISTED} more"]

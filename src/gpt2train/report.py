@@ -23,6 +23,7 @@ import jinja2
 
 from gpt2train import runlog
 from gpt2train.runlog import Run
+from gpt2train.spikes import SPIKE_RULE
 from gpt2train.units import format_bytes, format_duration, format_utc
 
 
@@ -168,7 +169,7 @@ def _grad_norm_chart(runs: list[Run]) -> Chart:
     extra = []  # legend entries only for what the figure shows
     if any_spike:
         extra.append(Line2D([], [], ls="none", marker="x", ms=9, mew=2, color="red",
-                            label=f"spike (> median + {runlog.SPIKE_MADS:g} MAD)"))
+                            label=f"spike ({SPIKE_RULE})"))
     for action in sorted(actions, key=str):
         extra.append(Line2D([], [], color="grey", lw=1.2, ls=_guard_style(action), label=f"guard: {action}"))
     if clips:

@@ -1,8 +1,9 @@
 """The run log, RUN_DIR/metrics.jsonl, and nothing else: its schema, its writer and its reader.
 
 The trainer writes through MetricsLogger; report and doctor read through load_run / load_metrics and
-share the numbers derived from the records (summarize, find_spikes). The schema, with what each field
-means and when each kind is written, is docs/metrics.md; the constants below name the same things.
+share the numbers derived from the records (summarize; find_spikes, by spikes.py's rule). The schema, with
+what each field means and when each kind is written, is docs/metrics.md; the constants below name the same
+things.
 
 Reading is forgiving (a run in progress, a line cut short by a crash, kinds from a newer version),
 because the log is most wanted exactly when a run went wrong. This module sits low: the trainer
@@ -17,10 +18,11 @@ import math
 import re
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from gpt2train.spikes import SPIKE_RULE
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +63,6 @@ HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # ru
 # run_start's "runtime" (also in each checkpoint's meta.json): what the config's "auto"s resolved to. Absent
 # from logs written before it was recorded.
 RUNTIME_FIELDS = ("dtype", "compile", "device")
-
-# The one spike rule of what reads a run's log (`report` marks them, `doctor` diagnoses them). The window is
-# short, so the fast early fall of the loss does not hide a spike.
-SPIKE_WINDOW = 20  # logged values in the trailing window
-SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above the window's median
-SPIKE_MAD_FLOOR = 0.1  # the MAD counts as at least this fraction of the median
-SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
 
 TRAIN_HINT = "train first with `gpt2train train ...`"
 
@@ -455,23 +450,16 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def find_spikes(values: list[float], window: int = SPIKE_WINDOW, k: float = SPIKE_MADS) -> list[int]:
-    """Indices of values above median + k * MAD of the `window` finite values logged before them.
-
-    Median and MAD (median absolute deviation) are robust: one earlier spike in the window barely
-    moves them, unlike a mean and standard deviation. The MAD is floored at 10% of the median, so the
-    bar is never below 1.5x the median: on a very steady stretch (MAD near 0) ordinary noise is not a
-    spike. Non-finite values are not spikes here: the guard reports those.
-    """
-    spikes, history = [], []
+def find_spikes(values: list) -> list[int]:
+    """Indices of the spikes in a logged series by spikes.py's rule (the guard's too), each value judged against
+    the finite values logged before it. Non-finite values and nulls are not spikes here: the guard reports
+    those. A spike stays among the values the next ones are judged against: a logged step stood (the record of
+    a step the guard rolled back is replaced by its redo)."""
+    spikes, before = [], deque(maxlen=SPIKE_RULE.window)
     for i, v in enumerate(values):
         if not is_finite(v):
             continue
-        if len(history) >= SPIKE_MIN_HISTORY:
-            recent = np.asarray(history[-window:])
-            median = float(np.median(recent))
-            mad = float(np.median(np.abs(recent - median)))
-            if v > median + k * max(mad, SPIKE_MAD_FLOOR * abs(median)):
-                spikes.append(i)
-        history.append(v)
+        if SPIKE_RULE.is_spike(v, before):
+            spikes.append(i)
+        before.append(v)
     return spikes

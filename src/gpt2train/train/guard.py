@@ -2,7 +2,8 @@
 
   non-finite loss or grad norm          skip the update (the train step leaves the weights alone)
   max_nonfinite of those in a row       roll back to the last good checkpoint
-  loss > spike_factor x recent mean     roll back (only once spike_window finite losses have been seen)
+  a loss spike                          roll back (spikes.py's rule, the one `report` and `doctor` use, with
+                                        guard.spike_window and guard.spike_factor, whose defaults are the rule's)
   max_rollbacks rollbacks in a row      stop: rolling back again would only loop
   (no new checkpoint saved between them)
 
@@ -18,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gpt2train.config import GuardConfig
+from gpt2train.spikes import SpikeRule
 
 
 class GuardError(ValueError):
@@ -33,7 +35,8 @@ class Verdict:
 class TrainingGuard:
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
-        self.recent: deque[float] = deque(maxlen=max(1, cfg.spike_window))  # finite losses of accepted steps
+        self.spike_rule = SpikeRule(window=max(1, cfg.spike_window), factor=cfg.spike_factor)
+        self.recent: deque[float] = deque(maxlen=self.spike_rule.window)  # finite losses of accepted steps
         self.nonfinite_in_a_row = 0
         self.rollbacks_in_a_row = 0  # since the last new checkpoint
 
@@ -51,11 +54,12 @@ class TrainingGuard:
                 return Verdict("rollback", f"{self.nonfinite_in_a_row} non-finite steps in a row")
             return Verdict("skip", "non-finite loss or grad norm")
         self.nonfinite_in_a_row = 0
-        if self.cfg.spike_factor > 0 and len(self.recent) == self.recent.maxlen:
-            mean = sum(self.recent) / len(self.recent)
-            if loss > self.cfg.spike_factor * mean:
-                return Verdict("rollback", f"loss spike: {loss:.4g} > {self.cfg.spike_factor:g} x recent mean {mean:.4g}")
-        self.recent.append(loss)  # a spike never enters the mean it is judged against
+        if self.cfg.spike_factor > 0:
+            base = self.spike_rule.baseline(self.recent)
+            if base is not None and loss > base.bar:
+                return Verdict("rollback", f"loss spike: {loss:.4g} > {base.bar:.4g} ({self.spike_rule}, "
+                                           f"over the last {len(self.recent)} losses: median {base.median:.4g})")
+        self.recent.append(loss)  # a spike never enters the window it is judged against: its step is undone
         return None
 
     def before_rollback(self, to_step: int, at_step: int) -> None:
