@@ -177,14 +177,14 @@ def default_run_dir(config: str | None) -> Path:
 
 
 def cmd_sample(args) -> int:
-    from gpt2train.checkpoint import load_model
+    from gpt2train.checkpoint import load_for_inference
     from gpt2train.distributed import resolve_device
     from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream, speed_report
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
     device = resolve_device(args.device)
-    model, _, meta = load_model(args.ckpt, device=device)
+    model, _, meta = load_for_inference(args.ckpt, device=device)
     dtype = resolve_dtype(args.dtype, device.type)  # auto: bf16 where the device computes it natively
     model.to(dtype)  # decoding reads every weight per token: half the bytes in bf16
     tok = tokenizer_from_spec(meta["tokenizer"])
@@ -253,10 +253,10 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from gpt2train.checkpoint import load_model
+    from gpt2train.checkpoint import load_for_inference
     from gpt2train.hf import export_hf
 
-    model, _, meta = load_model(args.ckpt)
+    model, _, meta = load_for_inference(args.ckpt)
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
