@@ -12,7 +12,7 @@ import httpx
 import torch
 import uvicorn
 
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.serve.app import create_app
 from gpt2train.serve.engine import Engine

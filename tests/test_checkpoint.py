@@ -21,7 +21,7 @@ import gpt2train.checkpoint.format as checkpoint_format  # where the files are w
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 sys.path.insert(0, str(REPO / "scripts"))
 from fault_trials import after_each_save_step  # noqa: E402  the steps of a save, as the SIGKILL trials widen them

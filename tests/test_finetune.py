@@ -16,7 +16,7 @@ from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.checkpoint import CheckpointError, load_for_inference
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.hf import import_hf_to_run
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip

@@ -18,7 +18,7 @@ from gpt2train.checkpoint import load_for_inference
 from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows, score_continuations
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 BLOCK, VOCAB = 16, 100
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 from conftest import one_line, run_cli, tiny_config
 from gpt2train.checkpoint import load_for_inference, read_meta, resolve_checkpoint
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import BPETokenizer, GPT2Tokenizer, train_bpe
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip

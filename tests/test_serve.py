@@ -14,7 +14,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.serve.app import API_KEY_ENV
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
 from serving import CONTEXT, TOKENIZER, greedy, running, tiny_app, tiny_engine, tiny_model, wait_ready

@@ -140,8 +140,8 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.train.console import ALREADY_FINISHED
-    from gpt2train.train.loop import train
+    from gpt2train.training.console import ALREADY_FINISHED
+    from gpt2train.training.loop import train
 
     cfg = load_config(args.config, args.set or [])
     if args.config is None and os.environ.get("RANK", "0") == "0":
@@ -179,7 +179,7 @@ def default_run_dir(config: str | None) -> Path:
 def cmd_sample(args) -> int:
     from gpt2train.checkpoint import load_for_inference
     from gpt2train.distributed import resolve_device
-    from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream, speed_report
+    from gpt2train.generation import Decoder, TextStream, generate_batch, generate_stream, speed_report
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 

@@ -37,7 +37,7 @@ from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
-from gpt2train.generate import Decoder, generate_ids
+from gpt2train.generation import Decoder, generate_ids
 from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
