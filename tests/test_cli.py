@@ -259,6 +259,20 @@ def test_every_dtype_argument_takes_the_configs_dtype_names():
     assert tuple(DTYPES) == CHOICES["train.dtype"][1:]
 
 
+def test_every_compile_argument_takes_the_configs_compile_settings():
+    """One table of compile settings (ranges.COMPILE_SETTINGS): train.compile's choices and every --compile, whose
+    words parse to the values the config holds (they were written out by hand three times)."""
+    from gpt2train.config import CHOICES
+
+    seen = []
+    for command, parser in _all_parsers(cli.build_parser()):
+        for action in parser._actions:
+            if action.dest == "compile":
+                seen.append(" ".join(command))
+                assert [cli.COMPILE_SETTINGS[word] for word in action.choices] == list(CHOICES["train.compile"]), command
+    assert {"sample", "serve", "bench generate", "bench serve"} <= set(seen), seen
+
+
 def test_sample_help_says_its_defaults():
     help_text = run_cli("sample", "--help").stdout
     for option, default in [("--max-new-tokens", "200"), ("--temperature", "0.8"), ("--top-k", "200"),

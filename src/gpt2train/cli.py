@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from gpt2train.ranges import (
+    COMPILE_SETTINGS,
     DEVICE_NAMES,
     DTYPE_NAMES,
     EXPLICIT_DTYPE_NAMES,
@@ -192,7 +193,7 @@ def cmd_sample(args) -> int:
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
     print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
     ids = cropped_to_context(ids, model.config.block_size)
-    decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
+    decoder = Decoder(model, compile=COMPILE_SETTINGS[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
                    seed=args.seed, decoder=decoder)
     start, n = time.perf_counter(), 0
@@ -237,7 +238,7 @@ def cmd_serve(args) -> int:
         raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device,
+          dtype=args.dtype, compile=COMPILE_SETTINGS[args.compile], device=args.device,
           prefill_tokens=args.prefill_tokens)
     return 0
 
@@ -336,7 +337,7 @@ def cmd_bench_generate(args) -> int:
 
     options = GenerateOptions(model=args.model, device=args.device, batch_sizes=args.batch_sizes,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                              compile={"auto": "auto", "true": True, "false": False}[args.compile],
+                              compile=COMPILE_SETTINGS[args.compile],
                               compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
                               hf_dtype=args.hf_dtype or "")
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-generate", ".json")
@@ -353,7 +354,7 @@ def cmd_bench_serve(args) -> int:
                                 concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
                                 new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats,
                                 prefill_tokens=args.prefill_tokens)
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-serve", ".json")
     result = run_serve_bench(options, out)
     print(result["markdown"])
     print(f"wrote {out}")
@@ -459,7 +460,7 @@ def decoding_options() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, "
                          "mps (default %(default)s)")
-    options.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    options.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                          help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     options.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                          help=f"the weights' dtype while decoding (default %(default)s; {AUTO_DTYPE_HELP})")
@@ -676,7 +677,7 @@ def add_bench_generate(bench) -> None:
     p.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default %(default)s)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating "
                    "(default %(default)s)")
-    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                    help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     p.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
     p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
@@ -707,7 +708,7 @@ def add_bench_serve(bench) -> None:
     p.add_argument("--prefill-tokens", type=COUNT, default=0, help="the server's --prefill-tokens, 0: its own "
                    "(default %(default)s)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default %(default)s)")
-    p.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                    help=f"as for sample (default %(default)s; {AUTO_COMPILE_HELP})")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
