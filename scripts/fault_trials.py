@@ -106,7 +106,7 @@ def forkserver():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["gpt2train.cli", "gpt2train.train.loop", "torch._dynamo"])
+        _context.set_forkserver_preload(["gpt2train.cli", "gpt2train.training.loop", "torch._dynamo"])
     return _context
 
 

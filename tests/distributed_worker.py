@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from conftest import WELL_CONDITIONED_EPS, tiny_config  # this script's folder (tests/) is first on sys.path
 from gpt2train import distributed as D
-from gpt2train.train.loop import Trainer
-from gpt2train.train.optim import newton_schulz
+from gpt2train.training.loop import Trainer
+from gpt2train.training.optim import newton_schulz
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

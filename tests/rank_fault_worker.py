@@ -13,7 +13,7 @@ import sys
 import time
 
 from gpt2train import cli
-from gpt2train.train.loop import Trainer
+from gpt2train.training.loop import Trainer
 
 
 def main():

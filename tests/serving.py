@@ -15,7 +15,7 @@ import uvicorn
 
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.serve.app import create_app
 from gpt2train.serve.engine import Engine

@@ -25,8 +25,8 @@ from gpt2train.config import TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runlog import load_metrics
-from gpt2train.train.loop import train
-from gpt2train.train.optim import make_optimizer
+from gpt2train.training.loop import train
+from gpt2train.training.optim import make_optimizer
 
 CPU = torch.device("cpu")
 

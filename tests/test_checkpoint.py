@@ -21,7 +21,7 @@ import gpt2train.checkpoint.format as checkpoint_format  # where the files are w
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 sys.path.insert(0, str(REPO / "scripts"))
 from fault_trials import after_each_save_step  # noqa: E402  the steps of a save, as the SIGKILL trials widen them
@@ -200,7 +200,7 @@ def test_every_file_of_a_run_and_its_export_is_as_readable_as_the_umask_allows(g
 
     with process_umask(umask):
         train(tiny_config(gpt2_data, max_steps=5), tmp_path / "run")
-        model, _, meta = C.load_model(tmp_path / "run")
+        model, _, meta = C.load_for_inference(tmp_path / "run")
         export_hf(model, tmp_path / "hf", tokenizer_spec=meta["tokenizer"])
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
     assert {"run/checkpoints/step_00000005/model.safetensors", "run/checkpoints/step_00000005/meta.json",
@@ -260,7 +260,7 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, op
     final_b = load_file(tmp_path / "b" / "checkpoints" / "step_00000004" / "model.safetensors")
     assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
-    model, _, _ = C.load_model(tmp_path / "a")  # full weights sit beside the shards, for sampling
+    model, _, _ = C.load_for_inference(tmp_path / "a")  # full weights sit beside the shards, for sampling
     # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
     # The same 256 tokens per step: 2 micro-batches in one process for 1 on each of 2 ranks.
     single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32, optimizer=optimizer),
@@ -306,7 +306,7 @@ def live_model_and_optimizer(ckpt):
 
 def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 64)
-    assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_model, tmp_path / "weights.bin")
+    assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_for_inference, tmp_path / "weights.bin")
 
 
 def test_weights_that_do_not_match_the_config_are_one_line(trained_run, tmp_path):
@@ -314,7 +314,7 @@ def test_weights_that_do_not_match_the_config_are_one_line(trained_run, tmp_path
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["config"]["model"]["n_embd"] = 64
     rewrite(ckpt, config=meta["config"])
-    msg = one_line(C.CheckpointError, C.load_model, ckpt)
+    msg = one_line(C.CheckpointError, C.load_for_inference, ckpt)
     assert "model.safetensors: the weights do not match" in msg
     assert "transformer.wte.weight is (128, 32), the model needs (128, 64)" in msg
 

@@ -190,7 +190,7 @@ def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_p
 
 def test_a_prompt_the_tokenizer_cannot_encode_is_one_line_and_nothing_else(char_data, tmp_path, capsys):
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     train(tiny_config(char_data, max_steps=1), tmp_path / "run")  # found by tests/test_properties_config.py
     capsys.readouterr()
@@ -259,6 +259,20 @@ def test_every_dtype_argument_takes_the_configs_dtype_names():
     assert tuple(DTYPES) == CHOICES["train.dtype"][1:]
 
 
+def test_every_compile_argument_takes_the_configs_compile_settings():
+    """One table of compile settings (ranges.COMPILE_SETTINGS): train.compile's choices and every --compile, whose
+    words parse to the values the config holds (they were written out by hand three times)."""
+    from gpt2train.config import CHOICES
+
+    seen = []
+    for command, parser in _all_parsers(cli.build_parser()):
+        for action in parser._actions:
+            if action.dest == "compile":
+                seen.append(" ".join(command))
+                assert [cli.COMPILE_SETTINGS[word] for word in action.choices] == list(CHOICES["train.compile"]), command
+    assert {"sample", "serve", "bench generate", "bench serve"} <= set(seen), seen
+
+
 def test_sample_help_says_its_defaults():
     help_text = run_cli("sample", "--help").stdout
     for option, default in [("--max-new-tokens", "200"), ("--temperature", "0.8"), ("--top-k", "200"),
@@ -306,7 +320,7 @@ def test_bench_model_names_are_the_model_tables_in_help_and_readme():
 
 def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, capsys, tmp_path):
     """Found walking the first hour: `train` with no --config trained GPT-2 124M (25 s a step on a CPU) silently."""
-    from gpt2train.train import loop
+    from gpt2train.training import loop
 
     monkeypatch.setattr(loop, "train", lambda cfg, run_dir, resume=None: {"step": 0, "reason": "faked",
                                                                            "best_val_loss": float("nan")})
@@ -323,7 +337,7 @@ def test_train_without_config_says_first_which_defaults_it_trains(monkeypatch, c
 @pytest.fixture(scope="module")
 def tiny_run(char_data, tmp_path_factory):
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     run = tmp_path_factory.mktemp("tiny_run") / "run"
     train(tiny_config(char_data, max_steps=1), run)  # block_size 32

@@ -127,7 +127,7 @@ def test_values_out_of_range_name_the_key_and_the_range(override, message):
 
 def test_a_config_built_in_code_is_checked_before_the_trainer_starts(char_data, tmp_path):
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     cfg = tiny_config(char_data)
     cfg.log.interval = 0  # would divide by zero at the first step

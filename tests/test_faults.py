@@ -19,8 +19,8 @@ from gpt2train import cli
 from gpt2train.config import GuardConfig, dump_toml
 from gpt2train.model import GPT
 from gpt2train.runlog import find_spikes
-from gpt2train.train.guard import GuardError, TrainingGuard
-from gpt2train.train.loop import train
+from gpt2train.training.guard import GuardError, TrainingGuard
+from gpt2train.training.loop import train
 
 sys.path.insert(0, str(REPO / "scripts"))
 import fault_trials  # noqa: E402

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import REPO, one_line, run_cli, tiny_config
-from gpt2train.checkpoint import CheckpointError, load_model
+from gpt2train.checkpoint import CheckpointError, load_for_inference
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.hf import import_hf_to_run
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip
@@ -92,7 +92,7 @@ def test_init_from_a_run_of_ours_then_resume_auto_continues_the_finetune(char_da
     base = tiny_config(char_data, max_steps=5)
     base.model.pad_vocab_multiple = 64  # the fine-tune pads to 8: the embedding is cut and padded again
     train(base, tmp_path / "base")
-    source, _, _ = load_model(tmp_path / "base")
+    source, _, _ = load_for_inference(tmp_path / "base")
 
     cfg = finetune_config(char_data, tmp_path / "base", max_steps=3)
     cfg.model.pad_vocab_multiple = 8
@@ -104,7 +104,7 @@ def test_init_from_a_run_of_ours_then_resume_auto_continues_the_finetune(char_da
         trainer.fit()
     finally:
         trainer.close()
-    finetuned, _, _ = load_model(tmp_path / "ft")
+    finetuned, _, _ = load_for_inference(tmp_path / "ft")
 
     # Resume wins: the fine-tune continues from its own step 3, not from the base run's weights again (the
     # source is not even read: it is gone).
@@ -180,7 +180,7 @@ def test_fsdp_two_ranks_start_from_the_full_source_weights(char_data, tmp_path):
     if r.returncode != 0 and "fully_shard" in r.stderr and "cpu" in r.stderr.lower():
         pytest.skip("FSDP2 does not support CPU/gloo in this torch")
     assert r.returncode == 0, r.stderr[-3000:]
-    source, _, _ = load_model(tmp_path / "base")
-    finetuned, _, meta = load_model(tmp_path / "ft")
+    source, _, _ = load_for_inference(tmp_path / "base")
+    finetuned, _, meta = load_for_inference(tmp_path / "ft")
     assert meta["step"] == 1 and meta["sharded"]
     assert_same_weights(source, finetuned)

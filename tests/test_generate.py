@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
@@ -11,10 +10,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt2train.cli
+import gpt2train.generation
 from conftest import DEVICES, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
-from gpt2train.generate import (
+from gpt2train.generation import (
     Decoder,
     RowBlockLinears,
     TextStream,
@@ -379,7 +379,7 @@ def test_speed_report_tells_the_compiling_step_apart():
 
 
 class FakeClock:
-    """time.perf_counter for gpt2train.cli and gpt2train.generate: 0.5 s a reading, plus what `advance` adds."""
+    """time.perf_counter for gpt2train.cli and gpt2train.generation: 0.5 s a reading, plus what `advance` adds."""
 
     def __init__(self):
         self.now = 0.0
@@ -398,8 +398,7 @@ def test_sample_with_compile_reports_the_compiling_step_apart_from_tokens_per_s(
     tiny_char_run(tmp_path / "run")
     clock = FakeClock()
     monkeypatch.setattr(gpt2train.cli, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
-    generate_module = importlib.import_module("gpt2train.generate")  # gpt2train.generate is also the function
-    monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(gpt2train.generation, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
     def fake_compile(step, **options):
         calls = []

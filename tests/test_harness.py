@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from conftest import one_line, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_model
+from gpt2train.checkpoint import load_for_inference
 from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows, score_continuations
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 BLOCK, VOCAB = 16, 100
 
@@ -201,7 +201,7 @@ def test_eval_cli_runs_local_harness_tasks_beside_val(lm_eval, gpt2_ckpt, tmp_pa
     assert f"{choice['metrics']['acc_norm']:.4f}" in out and "lm-eval:tiny_choice acc_norm" in out
 
     # The harness's accuracy is ours: the choice with the highest summed log-prob after "question" + " ".
-    model, _, _ = load_model(gpt2_ckpt)
+    model, _, _ = load_for_inference(gpt2_ckpt)
     tok = GPT2Tokenizer()
     correct = 0
     for question, choices, label in QUESTIONS[:4]:

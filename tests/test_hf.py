@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import one_line, run_cli, tiny_config
-from gpt2train.checkpoint import load_model, read_meta, resolve_checkpoint
+from gpt2train.checkpoint import load_for_inference, read_meta, resolve_checkpoint
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import BPETokenizer, GPT2Tokenizer, train_bpe
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel  # noqa: E402 -- after the importorskip
@@ -185,7 +185,7 @@ def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_
 def test_import_to_run_directory_then_sample_and_export(tmp_path):
     random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
     import_hf_to_run(tmp_path / "hf", tmp_path / "run")
-    model, cfg, meta = load_model(tmp_path / "run")
+    model, cfg, meta = load_for_inference(tmp_path / "run")
     assert meta["step"] == 0 and meta["tokens"] == 0 and meta["tokenizer"] == {"kind": "gpt2"}
     assert cfg.model.vocab_size == 50257 and cfg.model.block_size == 32
     assert len(generate(model, GPT2Tokenizer().encode("Hello"), 5, temperature=0)) == 5

@@ -43,12 +43,12 @@ def test_the_readme_example_trains_loads_and_samples_and_runs_again(char_data, t
 
 def test_the_face_names_are_the_library_functions():
     from gpt2train.config import load_config
-    from gpt2train.generate import generate
+    from gpt2train.generation import generate
     from gpt2train.model import GPT, GPTConfig
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     assert (gpt2train.GPT, gpt2train.GPTConfig, gpt2train.load_config) == (GPT, GPTConfig, load_config)
-    # train and generate are also submodule names; importing those submodules must not shadow the functions
+    # the functions' modules are imported above: they sit on the package under names of their own
     assert gpt2train.train is train and gpt2train.generate is generate
     assert set(gpt2train.__all__) >= {"GPT", "GPTConfig", "load_config", "train", "load_model", "generate"}
     with pytest.raises(AttributeError):

@@ -12,7 +12,7 @@ from gpt2train.bench.memory import accumulation_for, estimate_memory, suggest_mi
 from gpt2train.config import Config, load_config
 from gpt2train.counting import parameter_count
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.train.optim import make_optimizer
+from gpt2train.training.optim import make_optimizer
 from tensor_memory import TensorMemoryTracker
 
 GPT2_PADDED_PARAMS = 124_475_904

@@ -14,7 +14,7 @@ from gpt2train.checkpoint import read_meta
 from gpt2train.counting import flops_per_token
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runlog import MetricsLogger, load_metrics
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 
 def test_flops_per_token_gpt2_124m_by_hand():

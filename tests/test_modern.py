@@ -14,10 +14,10 @@ from gpt2train.checkpoint import check_same_shape, model_state
 from gpt2train.classifier import chunked_cross_entropy, softcap
 from gpt2train.config import ConfigError, to_dict
 from gpt2train.counting import flops_per_token, parameter_count
-from gpt2train.generate import generate_batch
+from gpt2train.generation import generate_batch
 from gpt2train.hf import HFConversionError, export_hf
 from gpt2train.model import GPT, GPTConfig, KVCache, rotary_angles, rotate
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 MODERN = dict(position="rotary", qk_norm=True, mlp="relu2", tied_head=False, zero_init_proj=True, logit_softcap=15.0)
 

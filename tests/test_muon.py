@@ -12,9 +12,9 @@ from conftest import one_line, tiny_config
 from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, ConfigError, TrainConfig
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.train import optim
-from gpt2train.train.loop import Trainer, train
-from gpt2train.train.optim import (
+from gpt2train.training import optim
+from gpt2train.training.loop import Trainer, train
+from gpt2train.training.optim import (
     TORCH_NEWTON_SCHULZ,
     MuonAdamW,
     lr_at,
@@ -123,7 +123,7 @@ def test_torchs_muon_still_calls_the_orthogonalization_we_swap(monkeypatch):
     emulated. If a torch upgrade renames it or stops looking it up there, this fails and says so (instead of the
     swap silently doing nothing)."""
     assert TORCH_NEWTON_SCHULZ is not None, \
-        "torch.optim._muon._zeropower_via_newtonschulz is gone: update gpt2train.train.optim.orthogonalization_in"
+        "torch.optim._muon._zeropower_via_newtonschulz is gone: update gpt2train.training.optim.orthogonalization_in"
     calls = []
 
     def counting(*args, **kwargs):
@@ -134,7 +134,7 @@ def test_torchs_muon_still_calls_the_orthogonalization_we_swap(monkeypatch):
     weight = torch.nn.Parameter(torch.randn(8, 4))
     weight.grad = torch.randn(8, 4)
     torch.optim.Muon([weight], lr=0.01).step()
-    assert calls, "torch's Muon no longer calls _zeropower_via_newtonschulz: update gpt2train.train.optim"
+    assert calls, "torch's Muon no longer calls _zeropower_via_newtonschulz: update gpt2train.training.optim"
 
 
 # --- where bf16 is emulated: the orthogonalization in fp32 ------------------------------------------------

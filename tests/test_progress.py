@@ -90,7 +90,7 @@ def test_prepare_without_a_terminal_writes_plain_progress_lines(tmp_path):
 
 
 def test_eval_without_a_terminal_writes_plain_progress_lines(char_data, tmp_path):
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     train(tiny_config(char_data, max_steps=1), tmp_path / "run")
     start = monotonic()

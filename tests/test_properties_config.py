@@ -98,7 +98,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, char_data):
     """A tiny config whose data folder is missing, a trained run (its checkpoint), and an empty working folder."""
-    from gpt2train.train.loop import train
+    from gpt2train.training.loop import train
 
     root = tmp_path_factory.mktemp("properties")
     run = root / "run"

@@ -20,8 +20,8 @@ from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError, newest_checkpoint
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
-from gpt2train.train.checkpointing import RunExists
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.checkpointing import RunExists
+from gpt2train.training.loop import Trainer, train
 
 
 def stop_with_sigterm_at(trainer: Trainer, stop_step: int):

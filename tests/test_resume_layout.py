@@ -11,7 +11,7 @@ from conftest import one_line, run_cli, tiny_config
 from gpt2train.checkpoint import saved_layout
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
-from gpt2train.train.loop import Trainer, train
+from gpt2train.training.loop import Trainer, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOKENS = 4 * 32 * 2  # micro_batch 4 x seq_len 32 x 2 micro-steps

@@ -17,11 +17,11 @@ from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError
 from gpt2train.config import dump_toml
-from gpt2train.train import runlock
-from gpt2train.train.loop import Trainer, train
-from gpt2train.train.step import TrainStep
+from gpt2train.training import runlock
+from gpt2train.training.loop import Trainer, train
+from gpt2train.training.step import TrainStep
 
-HOLD = ("import sys, time, filelock; from gpt2train.train import runlock; "
+HOLD = ("import sys, time, filelock; from gpt2train.training import runlock; "
         "filelock.FileLock = filelock.SoftFileLock if sys.argv[2] == 'soft' else filelock.FileLock; "
         "runlock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(600)")
 

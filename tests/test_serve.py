@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from gpt2train import cli
-from gpt2train.generate import generate
+from gpt2train.generation import generate
 from gpt2train.model import KVCache
 from gpt2train.serve.app import API_KEY_ENV, create_app, engine_loader
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText

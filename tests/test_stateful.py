@@ -11,9 +11,9 @@ import torch
 from conftest import tiny_config
 from gpt2train.checkpoint import ProcessRNG
 from gpt2train.runtime import resolve_runtime
-from gpt2train.train.checkpointing import RunState
-from gpt2train.train.console import Console, LogContinuity
-from gpt2train.train.loop import Trainer
+from gpt2train.training.checkpointing import RunState
+from gpt2train.training.console import Console, LogContinuity
+from gpt2train.training.loop import Trainer
 
 
 class Counter:

@@ -16,12 +16,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
-    ("model", {"model", "classifier", "counting", "config", "runtime", "generate"}),
+    ("model", {"model", "classifier", "counting", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
-    ("train", {"train", "train.optim", "train.guard", "train.step", "train.signals", "train.console",
-               "train.checkpointing", "train.runlock", "train.init_from", "train.loop"}),
+    ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
+                  "training.console", "training.checkpointing", "training.runlock", "training.init_from",
+                  "training.loop"}),
     ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve", "plan", "doctor",
                "report"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
@@ -62,14 +63,12 @@ def imported(path: Path) -> set[str]:
 
 
 def library_face_removed(path: Path, tree: ast.Module) -> ast.Module:
-    """The package's __init__ without its library face: the PEP 562 __getattr__ and the _Package properties
-    import higher layers on first access only (so `from gpt2train import train` works while `import
-    gpt2train` imports nothing above it; test_import_gpt2train_is_cheap checks that). Every other
-    function, and every other file, is scanned in full."""
+    """The package's __init__ without its library face: the PEP 562 __getattr__ imports higher layers on first
+    access only (so `from gpt2train import train` works while `import gpt2train` imports nothing above it;
+    test_import_gpt2train_is_cheap checks that). Every other function, and every other file, is scanned in full."""
     if path != SRC / "__init__.py":
         return tree
-    face = {"__getattr__", "_Package"}
-    tree.body = [node for node in tree.body if not (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in face)]
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.FunctionDef) and node.name == "__getattr__")]
     return tree
 
 
@@ -84,8 +83,8 @@ def test_import_gpt2train_is_cheap():
 
 def test_the_library_face_exemption_is_narrow(tmp_path):
     """An upward import at the package's module level is still caught."""
-    assert "train.loop" in imported_as_package(tmp_path, "from gpt2train.train.loop import train\n")
-    assert "train.loop" in imported_as_package(tmp_path, "def helper():\n    from gpt2train.train.loop import train\n")
+    assert "training.loop" in imported_as_package(tmp_path, "from gpt2train.training.loop import train\n")
+    assert "training.loop" in imported_as_package(tmp_path, "def helper():\n    from gpt2train.training.loop import train\n")
 
 
 def imported_as_package(tmp_path: Path, text: str) -> set[str]:
@@ -94,6 +93,27 @@ def imported_as_package(tmp_path: Path, text: str) -> set[str]:
     fake = tmp_path / "__init__.py"
     fake.write_text(ast.unparse(tree))
     return imported(fake)
+
+
+def face_names_taken_by_modules(root: Path) -> list[str]:
+    """The library-face names (the package's __all__) that a module or subpackage of the package is named too.
+    Importing such a module sets it on the package under that name, hiding the function behind __getattr__."""
+    tree = ast.parse((root / "__init__.py").read_text())
+    face = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+    children = {p.stem for p in root.glob("*.py")} | {p.parent.name for p in root.glob("*/__init__.py")}
+    return sorted(set(face) & children)
+
+
+def test_no_module_is_named_like_a_function_of_the_library_face(tmp_path):
+    """train/ and generate.py were named like gpt2train.train and gpt2train.generate, which took swapping the
+    package's class to keep the functions reachable; they are training/ and generation.py."""
+    assert face_names_taken_by_modules(SRC) == []
+    (tmp_path / "__init__.py").write_text('__all__ = ["generate", "train"]\n')
+    (tmp_path / "generate.py").write_text("")
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "__init__.py").write_text("")
+    assert face_names_taken_by_modules(tmp_path) == ["generate", "train"]  # the check can fail
 
 
 def test_every_module_has_a_layer():
@@ -109,10 +129,10 @@ def test_no_module_imports_a_layer_above_it(name):
 
 
 def test_the_layer_check_can_fail(tmp_path):
-    """checkpoint importing train/ (as it once did) is caught."""
+    """checkpoint importing training/ (as it once did) is caught."""
     bad = tmp_path / "state.py"
-    bad.write_text("from gpt2train.train.loop import Trainer\n")
-    assert imported(bad) == {"train.loop"} and layer_of("train.loop") > layer_of("checkpoint.state")
+    bad.write_text("from gpt2train.training.loop import Trainer\n")
+    assert imported(bad) == {"training.loop"} and layer_of("training.loop") > layer_of("checkpoint.state")
 
 
 def test_one_file_calls_backward():
@@ -121,11 +141,11 @@ def test_one_file_calls_backward():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward":
                 callers.append(name)
-    assert set(callers) == {"train.step"}, callers
+    assert set(callers) == {"training.step"}, callers
 
 
 def test_the_file_holding_fit_is_short():
-    lines = (SRC / "train" / "loop.py").read_text().splitlines()
+    lines = (SRC / "training" / "loop.py").read_text().splitlines()
     assert any(line.strip().startswith("def fit(") for line in lines)
     assert len(lines) <= 250
 
@@ -180,8 +200,8 @@ def test_one_spike_rule(tmp_path):
     windows of 50 and 20, and the guard its own 3x-the-mean rule, so they could disagree on one metrics.jsonl."""
     assert spike_rule_owners(SRC) == {SPIKE_RULE_MODULE}
     (tmp_path / "doctor.py").write_text("SPIKE_WINDOW = 20\n")
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "guard.py").write_text(  # the guard's old rule
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "guard.py").write_text(  # the guard's old rule
         "def observe(self, loss):\n"
         "    mean = sum(self.recent) / len(self.recent)\n"
         "    return loss > self.cfg.spike_factor * mean\n")
@@ -189,7 +209,7 @@ def test_one_spike_rule(tmp_path):
         "import statistics\n\ndef is_spike(value, before):\n    return value > 2 * statistics.median(before[-50:])\n")
     (tmp_path / "plan.py").write_text(  # statistics that are no spike rule
         "import statistics\n\ndef typical_speed(speeds):\n    return statistics.median(speeds)\n")
-    assert spike_rule_owners(tmp_path) == {"doctor.py", "train/guard.py", "report.py"}  # the check can fail
+    assert spike_rule_owners(tmp_path) == {"doctor.py", "training/guard.py", "report.py"}  # the check can fail
 
 
 def shadowed_names(root: Path) -> list[str]:
@@ -222,10 +242,10 @@ def test_no_module_shadows_a_name_of_a_module_it_imports(tmp_path):
 # Private attributes of other libraries that the library still reads, each with the test that fails loudly the
 # day torch moves it (a torch upgrade then names what to change, instead of a silent fallback).
 PRIVATE_ALLOWED = {
-    ("train/optim.py", "_torch_muon._zeropower_via_newtonschulz"):
+    ("training/optim.py", "_torch_muon._zeropower_via_newtonschulz"):
         "tests/test_muon.py::test_torchs_muon_still_calls_the_orthogonalization_we_swap",
     ("distributed.py", "model._orig_mod"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
-    ("generate.py", "torch._dynamo"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
+    ("generation.py", "torch._dynamo"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
 }
 
 
@@ -257,7 +277,7 @@ def test_torch_compile_still_wraps_as_we_unwrap():
     compiled = torch.compile(model)  # nothing compiles until it is called
     assert compiled._orig_mod is model, "torch.compile no longer keeps the module as _orig_mod: fix distributed.unwrap"
     assert callable(getattr(torch._dynamo, "mark_static_address", None)), \
-        "torch._dynamo.mark_static_address is gone: fix generate.Decoder.compiled_step"
+        "torch._dynamo.mark_static_address is gone: fix generation.Decoder.compiled_step"
 
 
 # --- no test hooks in the library: faults are injected from the tests (monkeypatch, a wrapper, a kill) -----

@@ -21,8 +21,8 @@ from conftest import DEVICES, REPO, WELL_CONDITIONED_EPS, tiny_config
 from gpt2train import cli, runtime
 from gpt2train.config import ConfigError, TrainConfig, dump_toml, load_config
 from gpt2train.runtime import accumulation_steps
-from gpt2train.train.loop import Trainer, seed_everything, train
-from gpt2train.train.optim import lr_at, make_optimizer
+from gpt2train.training.loop import Trainer, seed_everything, train
+from gpt2train.training.optim import lr_at, make_optimizer
 
 
 def grad_norm(model) -> float:

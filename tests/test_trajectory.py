@@ -15,7 +15,7 @@ import json
 import numpy as np
 
 from conftest import tiny_config
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 
 # Recorded on main at a4da79d + d6824dd (before the step was pulled out of the Trainer), fp32, 1 thread.
 PINNED_LOSSES = [

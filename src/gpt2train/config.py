@@ -21,7 +21,7 @@ from pathlib import Path
 import tomli_w
 
 from gpt2train.model import GPTConfig
-from gpt2train.ranges import DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
+from gpt2train.ranges import COMPILE_SETTINGS, DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
 
 if sys.version_info >= (3, 11):
@@ -139,7 +139,7 @@ CHOICES: dict[str, tuple] = {
     "data.order": ("random", "sequential"),
     "train.schedule": ("cosine", "constant", "wsd"),
     "train.dtype": DTYPE_NAMES,
-    "train.compile": (True, False, "auto"),
+    "train.compile": tuple(COMPILE_SETTINGS.values()),
     "train.distributed": ("ddp", "fsdp"),
     "log.progress": ("auto", "bar", "lines"),
     "log.wandb_mode": ("online", "offline", "disabled"),

@@ -118,11 +118,6 @@ def describe(device: torch.device) -> Device:
                   bandwidth=row.bandwidth if row else None)
 
 
-def detect_device() -> Device:
-    """This machine's GPU (the current CUDA device), or the CPU without CUDA."""
-    return describe(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def precision(dtype: torch.dtype, tf32: bool) -> str:
     """Which peak a run's matmuls reach: bf16 (fp16 alike) under autocast, else TF32 or plain fp32."""
     if dtype in (torch.bfloat16, torch.float16):

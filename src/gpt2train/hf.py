@@ -274,9 +274,9 @@ def load_pretrained(path: str | Path, device="cpu") -> GPT:
     if is_hf_folder(path):
         model, _ = import_hf(path)
         return model.to(device)
-    from gpt2train.checkpoint import load_model
+    from gpt2train.checkpoint import load_for_inference
 
-    return load_model(path, device=device)[0]
+    return load_for_inference(path, device=device)[0]
 
 
 def load_pretrained_tokenizer(path: str | Path):

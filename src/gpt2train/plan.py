@@ -300,8 +300,8 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
     """Tokens/s of the config's training step on this machine's CPU, as `gpt2train train` would run it there
     (the same TrainStep and runtime, one micro-batch of random tokens): one warm-up step, then `steps` timed.
     None, with a note, when the step is too big to time in seconds."""
-    from gpt2train.train.optim import make_optimizer
-    from gpt2train.train.step import TrainStep
+    from gpt2train.training.optim import make_optimizer
+    from gpt2train.training.step import TrainStep
 
     B, T = cfg.train.micro_batch, cfg.train.seq_len
     flops = flops_per_token(cfg.model, T) * B * T * (1 + steps)

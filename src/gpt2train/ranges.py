@@ -14,6 +14,9 @@ from dataclasses import dataclass
 # The precisions a run or a command can ask for; "auto" lets runtime.resolve_dtype choose by the device.
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 EXPLICIT_DTYPE_NAMES = DTYPE_NAMES[1:]
+# Whether to compile, as a command line spells it -> as the config holds it (train.compile); "auto" lets
+# runtime.resolve_compile choose by the device.
+COMPILE_SETTINGS = {"true": True, "false": False, "auto": "auto"}
 
 
 class UsageError(ValueError):

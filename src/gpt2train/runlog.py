@@ -7,7 +7,7 @@ things.
 
 Reading is forgiving (a run in progress, a line cut short by a crash, kinds from a newer version),
 because the log is most wanted exactly when a run went wrong. This module sits low: the trainer
-imports it, so it imports nothing from train/, report, doctor, plan or bench.
+imports it, so it imports nothing from training/, report, doctor, plan or bench.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one rule for what a spike is: a value far above the values before it.
 
-The training guard applies it to each step's loss as the step ends (train/guard.py rolls the step back);
+The training guard applies it to each step's loss as the step ends (training/guard.py rolls the step back);
 `report` and `doctor` apply it afterwards to the logged losses and gradient norms (runlog.find_spikes). One
 rule, so that what the guard let stand is not called a spike on the same metrics.jsonl later, nor the reverse.
 

@@ -29,7 +29,7 @@ import torch
 from gpt2train.counting import matmul_parameter_count
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
-from gpt2train.generate import Decoder, generate_ids
+from gpt2train.generation import Decoder, generate_ids
 from gpt2train.hf import export_hf
 from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.ranges import UsageError

@@ -43,8 +43,8 @@ from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
-from gpt2train.train.optim import make_optimizer
-from gpt2train.train.step import TrainStep
+from gpt2train.training.optim import make_optimizer
+from gpt2train.training.step import TrainStep
 from gpt2train.units import format_bytes, format_utc
 
 

@@ -26,7 +26,7 @@ from gpt2train.counting import layer_parameter_count, matmul_parameter_count, pa
 from gpt2train.model import GPTConfig
 from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
-from gpt2train.train.optim import muon_parameter_count
+from gpt2train.training.optim import muon_parameter_count
 from gpt2train.units import format_bytes
 
 FP32 = 4
@@ -303,8 +303,8 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
     if not 0 <= headroom < 1:
         raise ValueError(f"--headroom {headroom} must be in [0, 1)")
     from gpt2train.model import GPT
-    from gpt2train.train.optim import make_optimizer
-    from gpt2train.train.step import TrainStep
+    from gpt2train.training.optim import make_optimizer
+    from gpt2train.training.step import TrainStep
 
     device = torch.device(cfg.train.device if cfg.train.device.startswith("cuda") else "cuda")
     m, _ = resolve_model(cfg)

@@ -4,7 +4,7 @@ Two configs: the base (GPT-2's choices) and the recipe. The recipe's changes are
 keys (CHANGES). Each row of the journey adds one more change to the base (cumulative), so its last row is
 the whole recipe; `--ablate` trains the whole recipe, then the recipe minus one change at a time.
 
-Every row runs the real trainer (train.loop.train) into its own run directory, once per seed, and is read
+Every row runs the real trainer (training.loop.train) into its own run directory, once per seed, and is read
 back from its metrics.jsonl. The target of a seed is the GPT-2 row's final validation loss with that seed;
 a row reaches it where its validation curve first comes down to it, interpolated linearly between the two
 evaluations around the crossing (reach()). Time counts the training steps alone (step_ms of every step:
@@ -30,7 +30,7 @@ from gpt2train import runlog
 from gpt2train.config import Config, load_config, to_dict, validate
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import SEEDS, UsageError
-from gpt2train.train.loop import train
+from gpt2train.training.loop import train
 from gpt2train.units import format_count, format_duration, format_utc
 
 TOKENS_TARGET, TIME_TARGET = 0.5, 0.6  # issue 20: the recipe's share of GPT-2's tokens and time

@@ -37,9 +37,9 @@ from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
-from gpt2train.generate import Decoder, generate_ids
+from gpt2train.generation import Decoder, generate_ids
 from gpt2train.model import GPT, PRESETS, preset_config
-from gpt2train.ranges import UsageError
+from gpt2train.ranges import COMPILE_SETTINGS, UsageError
 from gpt2train.runtime import resolve_dtype
 from gpt2train.tokenizer import GPT2Tokenizer
 from gpt2train.units import format_utc
@@ -278,7 +278,7 @@ def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progres
             print(log.read_text()[-2000:], file=sys.stderr)
             raise
     model = model.to(device=device, dtype=dtype)
-    decoder = Decoder(model, {"auto": "auto", "true": True, "false": False}[options.compile])
+    decoder = Decoder(model, COMPILE_SETTINGS[options.compile])
     prompt_ids = tokenizer.encode(prompt)
     for level in levels:  # after the server has stopped: the two never share the machine
         level.plain_tok_s = plain_tok_s(model, prompt_ids, level.concurrency, options.new_tokens, decoder,

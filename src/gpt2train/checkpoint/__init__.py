@@ -7,7 +7,7 @@ from gpt2train.checkpoint.format import (
     CheckpointSaveError,
     checkpoint_name,
     load_checkpoint,
-    load_model,
+    load_for_inference,
     load_model_state,
     model_state,
     newest_checkpoint,
@@ -36,7 +36,7 @@ from gpt2train.checkpoint.state import (
 
 __all__ = [
     "CheckpointError", "CheckpointSaveError", "ProcessRNG", "batch_layout", "check_resume",
-    "check_same_shape", "checkpoint_name", "describe_checkpoint", "load_checkpoint", "load_model", "load_model_state",
+    "check_same_shape", "checkpoint_name", "describe_checkpoint", "load_checkpoint", "load_for_inference", "load_model_state",
     "load_optimizer_state", "load_training_checkpoint", "model_state", "newest_checkpoint", "point_latest", "read_meta",
     "recover", "resolve_checkpoint", "ring_entries", "save_checkpoint", "save_safetensors", "save_training_checkpoint",
     "saved_layout", "set_aside_newer", "verify", "weights_mismatch",

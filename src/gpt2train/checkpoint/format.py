@@ -370,7 +370,7 @@ def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, di
     return weights, state, meta
 
 
-def load_model(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
+def load_for_inference(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
     """A ready-to-use model (eval mode) from a run directory or checkpoint, with its config and meta."""
     ckpt = resolve_checkpoint(path)
     weights, _, meta = load_checkpoint(ckpt, with_state=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gpt2train.eval import rank_and_world
-from gpt2train.generate import generate_stream
+from gpt2train.generation import generate_stream
 from gpt2train.ranges import UsageError
 
 PREFIX = "lm-eval:"  # how --tasks names a harness task

@@ -85,7 +85,7 @@ class PeriodicEvals:
         self.say(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)")
 
     def samples(self, step: int):
-        from gpt2train.generate import generate
+        from gpt2train.generation import generate
 
         tok = self.tokenizer
         self.model.eval()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gpt2train import distributed as D
-from gpt2train.checkpoint import load_model, resolve_checkpoint
+from gpt2train.checkpoint import load_for_inference, resolve_checkpoint
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
@@ -66,7 +66,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     owns_group = not (dist.is_available() and dist.is_initialized())
     info = D.init_distributed(device)
     try:
-        model, cfg, meta = load_model(ckpt_dir, device=info.device)
+        model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
         resolved = resolve_dtype(dtype, info.device.type)  # the trainer's own resolution of --dtype auto
         batch_size = batch_size or auto_batch_size(model, info.device, resolved)
         autocast = autocast_for(info.device.type, resolved)

@@ -9,7 +9,7 @@ The loop runs in a thread of its own, so the server's event loop never waits for
      slots in use hold no running row's token;
   3. one prefill of the new rows' prompts, left-padded, written just before the slot the decode step
      writes (KVCache.rows), its first tokens out at once; then that decode step for the rows that were
-     running (generate.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
+     running (generation.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
      that a burst of requests does not stall the running rows for long;
   4. each row draws its next token with its own settings and generator, and its new text (held back while
      a character or a stop string is incomplete) goes to its request's Inbox.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpt2train.generate import Decoder, TextStream, left_padded, sample_next
+from gpt2train.generation import Decoder, TextStream, left_padded, sample_next
 from gpt2train.model import GPT, KVCache
 
 

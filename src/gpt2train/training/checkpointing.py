@@ -36,7 +36,7 @@ from gpt2train.checkpoint import (
 from gpt2train.config import Config, to_dict
 from gpt2train.ranges import UsageError
 from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
-from gpt2train.train.guard import GuardError
+from gpt2train.training.guard import GuardError
 
 
 class Stateful(Protocol):

@@ -26,13 +26,13 @@ from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
-from gpt2train.train import init_from, runlock
-from gpt2train.train.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
-from gpt2train.train.console import Console, LogContinuity, say_already_finished
-from gpt2train.train.guard import TrainingGuard
-from gpt2train.train.optim import make_optimizer, set_lr
-from gpt2train.train.signals import StopSignal
-from gpt2train.train.step import TrainStep
+from gpt2train.training import init_from, runlock
+from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
+from gpt2train.training.console import Console, LogContinuity, say_already_finished
+from gpt2train.training.guard import TrainingGuard
+from gpt2train.training.optim import make_optimizer, set_lr
+from gpt2train.training.signals import StopSignal
+from gpt2train.training.step import TrainStep
 
 
 def seed_everything(seed: int):
