@@ -13,7 +13,7 @@
 #   benchmarks/gpu_session.sh serve       # there: bench serve at concurrency 1, 8, 32, 64  (issue 31 item 7)
 #
 # GPU_SESSION_TINY=1 runs speed, journey and generate at tiny sizes on a CPU: how they (and pack) were checked
-# here on 2026-11-25 (serve: on 2026-11-26, with the serve packages already installed). The tests stage runs
+# here on 2026-11-25 (serve too, with the serve packages already installed, at 22:42 UTC). The tests stage runs
 # the suite as it is; it has not run on a GPU yet, nor has serve.
 set -uo pipefail
 cd "$(dirname "$0")/.."
