@@ -120,6 +120,8 @@ def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
     replaced or mixed with a second history."""
     if resume == "auto" or (resume and Path(resume).resolve().is_relative_to(run_dir.resolve())):
         return  # the run itself goes on
+    if resume and not Path(resume).exists():
+        return  # nothing to mix: the resume itself fails, naming the missing path
     held = run_on_disk(run_dir)
     if held and resume:  # another run's checkpoint would write a second history into this one
         raise RunExists(f"{run_dir} already holds a run ({held}); resuming {resume} there would mix two runs: pass "
