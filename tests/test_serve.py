@@ -442,6 +442,21 @@ def test_a_bad_field_is_a_400_naming_it(client, body, field):
     assert error["param"] == field and field in error["message"] and len(error["message"].splitlines()) == 1
 
 
+def test_more_prompts_than_the_server_takes_are_refused_before_any_is_encoded(monkeypatch):
+    """Encoding runs on the server's event loop: a body of a hundred thousand prompts (within the default
+    body limit) was tokenized in full, holding every other request up, before its count was refused."""
+    from gpt2train.serve import app as app_module
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("encoded the prompts of a request refused by its count")
+
+    monkeypatch.setattr(app_module, "encode_prompts", no_encoding)
+    with TestClient(tiny_app(max_batch=4, max_queue=4)) as client:
+        wait_ready(client)
+        r = client.post("/v1/completions", json={"prompt": ["a"] * 100_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
 def test_neutral_values_of_openai_fields_are_accepted(client):
     body = {"prompt": "a", "max_tokens": 2, "model": "anything", "user": "u", "echo": False, "logprobs": None,
             "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None,

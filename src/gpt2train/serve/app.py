@@ -199,10 +199,10 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
         except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             raise BadRequest(None, "the body is not valid JSON") from None
         req = parse_completion_request(data)
-        prompt_ids = encode_prompts(engine, req)
-        if req.choices > engine.capacity:
+        if req.choices > engine.capacity:  # before encoding, which holds up the event loop for every prompt
             raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
                              f"{engine.capacity} (--max-batch + --max-queue)")
+        prompt_ids = encode_prompts(engine, req)
         inbox = Inbox()
         jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stop, index=i * req.n + j)
                 for i, ids in enumerate(prompt_ids) for j in range(req.n)]
