@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpt2train.config import Config, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
-from gpt2train.runlog import find_spikes, load_metrics
+from gpt2train.runlog import find_spikes, is_finite, load_metrics
 from gpt2train.spikes import SPIKE_RULE
 
 # Loss spikes: runlog.find_spikes, by spikes.py's rule (the one `report` and the guard use too)
@@ -158,8 +158,8 @@ def check_records(records: list[dict], cfg: Config,
 
 
 def check_nonfinite(records: list[dict]) -> Finding | None:
-    bad = [r for r in _of(records, "train") if not (_finite(r.get("loss")) and _finite_or_absent(r.get("grad_norm")))]
-    bad_val = [r for r in _of(records, "val") if not _finite(r.get("val_loss"))]
+    bad = [r for r in _of(records, "train") if not (is_finite(r.get("loss")) and _finite_or_absent(r.get("grad_norm")))]
+    bad_val = [r for r in _of(records, "val") if not is_finite(r.get("val_loss"))]
     skipped = [r for r in _of(records, "guard") if r.get("action") == "skip"]
     if not (bad or bad_val or skipped):
         return None
@@ -218,7 +218,7 @@ def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) ->
             g = train[i - lead]
             grad = (f"grad_norm spiked to {g['grad_norm']:.3g} at step {g['step']}"
                     + (f" ({lead} logged step{'s' if lead > 1 else ''} before)" if lead else " (same step)"))
-        median = SPIKE_RULE.baseline(x for x in losses[:i] if _finite(x)).median  # what find_spikes judged it by
+        median = SPIKE_RULE.baseline(x for x in losses[:i] if is_finite(x)).median  # what find_spikes judged it by
         evidence.append(f"step {train[i]['step']}: loss {losses[i]:.3f} vs median {median:.3f}; {grad}")
     if len(evidence) > MAX_LISTED:
         evidence = evidence[:MAX_LISTED] + [f"... and {len(evidence) - MAX_LISTED} more"]
@@ -236,7 +236,7 @@ def check_clipping(records: list[dict], cfg: Config) -> Finding | None:
     if clip <= 0:
         return None
     after_warmup = [r for r in _of(records, "train")
-                    if r["step"] > cfg.train.warmup_steps and _finite(r.get("grad_norm"))]
+                    if r["step"] > cfg.train.warmup_steps and is_finite(r.get("grad_norm"))]
     if len(after_warmup) < CLIP_MIN_RECORDS:
         return None
     clipped = [r for r in after_warmup if r["grad_norm"] > clip]
@@ -251,12 +251,12 @@ def check_clipping(records: list[dict], cfg: Config) -> Finding | None:
 
 
 def check_early_plateau(records: list[dict]) -> Finding | None:
-    train = [r for r in _of(records, "train") if _finite(r.get("loss"))]
+    train = [r for r in _of(records, "train") if is_finite(r.get("loss"))]
     n = len(train)
     if n < 2 * PLATEAU_MIN_RECORDS:
         return None
     losses = [r["loss"] for r in train]
-    lrs = [r["lr"] for r in train if _finite(r.get("lr"))]
+    lrs = [r["lr"] for r in train if is_finite(r.get("lr"))]
     peak_lr = max(lrs, default=0.0)
     width = max(PLATEAU_MIN_RECORDS, math.ceil(PLATEAU_WINDOW_FRACTION * n))
     for start in range(0, int(PLATEAU_EARLY_FRACTION * n) + 1):
@@ -265,7 +265,7 @@ def check_early_plateau(records: list[dict]) -> Finding | None:
             break
         if not _flat(losses[start:end]):
             continue
-        window_lrs = [r["lr"] for r in train[start:end] if _finite(r.get("lr"))]
+        window_lrs = [r["lr"] for r in train[start:end] if is_finite(r.get("lr"))]
         if not window_lrs or statistics.fmean(window_lrs) < PLATEAU_MIN_LR_FRACTION * peak_lr:
             continue
         while end < n and _flat(losses[start:end + 1]):  # how long it lasted
@@ -286,7 +286,7 @@ def check_early_plateau(records: list[dict]) -> Finding | None:
 
 
 def check_overfitting(records: list[dict]) -> Finding | None:
-    val = [r for r in _of(records, "val") if _finite(r.get("val_loss"))]
+    val = [r for r in _of(records, "val") if is_finite(r.get("val_loss"))]
     if len(val) < OVERFIT_MIN_EVALS + 1:
         return None
     best = min(range(len(val)), key=lambda i: val[i]["val_loss"])
@@ -311,7 +311,7 @@ def check_resume_gap(records: list[dict]) -> Finding | None:
     for r in records:
         if r["kind"] == "run_start" and _is_int(r.get("step")) and r["step"] > 0 and last is not None:
             pending = (r["step"], last)
-        elif r["kind"] == "train" and _finite(r.get("loss")):
+        elif r["kind"] == "train" and is_finite(r.get("loss")):
             if pending is not None:
                 resumed_at, before = pending
                 if r["loss"] > (1 + RESUME_JUMP) * before["loss"]:
@@ -344,7 +344,7 @@ THROUGHPUT_FIX_UNKNOWN_DEVICE = ("check the input pipeline (data.loader = \"ram\
 
 
 def check_throughput(records: list[dict]) -> Finding | None:
-    timed = [r for r in _steady_train(records) if _finite(r.get("tokens_per_s"))]
+    timed = [r for r in _steady_train(records) if is_finite(r.get("tokens_per_s"))]
     if len(timed) < THROUGHPUT_MIN_RECORDS:
         return None
     q = len(timed) // 4
@@ -377,7 +377,7 @@ def device_type(device: str | None) -> str | None:
 
 def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
               source: str = "a tuned GPT-2 run's typical figure") -> Finding | None:
-    timed = [r for r in _steady_train(records) if _finite(r.get("mfu"))]
+    timed = [r for r in _steady_train(records) if is_finite(r.get("mfu"))]
     if not timed:
         return None  # the device's peak is unknown (a CPU, say): nothing to compare with
     mean = statistics.fmean(r["mfu"] for r in timed)
@@ -424,12 +424,8 @@ def _of(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r["kind"] == kind]
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _finite_or_absent(x) -> bool:
-    return x is None or _finite(x)
+    return x is None or is_finite(x)
 
 
 def _is_int(x) -> bool:
@@ -437,7 +433,7 @@ def _is_int(x) -> bool:
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pairs = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
+    pairs = [(r["step"], r[key]) for r in records if is_finite(r.get(key))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
