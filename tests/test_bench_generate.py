@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 
@@ -52,6 +53,7 @@ def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     (["--repeats", "0"], "0 is out of range"),
     (["--threads", "-2"], "-2 is out of range"),
     (["--new-tokens", "200"], "exceed gpt2-tiny's block_size 128"),  # neither model has positions beyond it
+    (["--llama-cpp", "--batch-sizes", "2,4"], "--llama-cpp times batch 1"),
 ])
 def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     out = tmp_path / "generate.json"
@@ -91,3 +93,21 @@ def test_the_bench_takes_a_dtype_for_both_and_one_for_transformers(tmp_path):
 def test_gpus_in_the_table_know_their_bandwidth():
     assert find_device("H100").bandwidth == 3.35e12
     assert find_device("cpu").bandwidth is None
+
+
+def test_llama_cpp_decodes_the_same_weights_beside_ours_at_batch_1(tmp_path):
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is missing: `make setup-dev` builds it") if not os.environ.get("CI") else \
+            pytest.fail("llama-cpp-python is missing on CI: `make setup-dev` builds it")
+    out = tmp_path / "generate.json"
+    r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2", "--no-hf",
+                "--llama-cpp", "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",
+                "--dtype", "float32", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert [(row["impl"], row["batch"]) for row in data["rows"]] == [("gpt2train", 1), ("llama.cpp", 1),
+                                                                    ("gpt2train", 2)]
+    llama_row = data["rows"][1]
+    assert llama_row["path"] == "f32 GGUF" and llama_row["decode_tok_s"] > 0 and llama_row["ttft_ms"] > 0
+    assert set(data["speedup_vs_llama_cpp"]) == {"1"} and data["llama_cpp_python"] and data["llama_cpp_note"] is None
+    assert "gpt2train / llama.cpp decode tok/s at batch 1:" in r.stdout

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
-    ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf"}),
+    ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",

@@ -24,6 +24,7 @@ from gpt2train.ranges import (
     DEVICE_NAMES,
     DTYPE_NAMES,
     EXPLICIT_DTYPE_NAMES,
+    GGUF_DTYPE_NAMES,
     NEW_TOKENS,
     SAMPLES,
     SEEDS,
@@ -263,6 +264,16 @@ def cmd_export_hf(args) -> int:
     return 0
 
 
+def cmd_export_gguf(args) -> int:
+    from gpt2train.checkpoint import load_for_inference
+    from gpt2train.gguf_export import export_gguf
+
+    model, _, meta = load_for_inference(args.ckpt)
+    out = export_gguf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); try `llama-cli -m {out} -p \"Hello\"`")
+    return 0
+
+
 def cmd_report(args) -> int:
     from gpt2train.report import build_report
 
@@ -338,8 +349,8 @@ def cmd_bench_generate(args) -> int:
     options = GenerateOptions(model=args.model, device=args.device, batch_sizes=args.batch_sizes,
                               prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats,
                               compile=COMPILE_SETTINGS[args.compile],
-                              compare_hf=not args.no_hf, threads=args.threads, dtype=args.dtype,
-                              hf_dtype=args.hf_dtype or "")
+                              compare_hf=not args.no_hf, compare_llama_cpp=args.llama_cpp, threads=args.threads,
+                              dtype=args.dtype, hf_dtype=args.hf_dtype or "")
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-generate", ".json")
     result = run_generate_bench(options, out)
     print(result["markdown"])
@@ -580,6 +591,13 @@ def add_hf_conversion(sub) -> None:
                    help="dtype of the saved tensors (default float32: lossless)")
     p.set_defaults(func=cmd_export_hf)
 
+    p = sub.add_parser("export-gguf", help="a checkpoint as one GGUF file for llama.cpp, Ollama, LM Studio")
+    p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
+    p.add_argument("--out", required=True, help="the .gguf file to write (replaced whole, or left as it was)")
+    p.add_argument("--dtype", default="f32", choices=GGUF_DTYPE_NAMES, help="stored type of the weight matrices: "
+                   "f32 lossless, f16 half the size, q8_0 a quarter (default %(default)s; vectors stay f32)")
+    p.set_defaults(func=cmd_export_gguf)
+
 
 def add_report(sub) -> None:
     p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")
@@ -686,6 +704,8 @@ def add_bench_generate(bench) -> None:
     p.add_argument("--compile", default="auto", choices=list(COMPILE_SETTINGS),
                    help=f"compile the decode step (default %(default)s; {AUTO_COMPILE_HELP})")
     p.add_argument("--no-hf", action="store_true", help="skip the comparison with transformers")
+    p.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp (llama-cpp-python, CPU) on the same "
+                   "weights as an f32 GGUF file, at batch 1")
     p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype, ours and transformers' (default %(default)s; {AUTO_DTYPE_HELP})")

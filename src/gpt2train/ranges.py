@@ -14,6 +14,8 @@ from dataclasses import dataclass
 # The precisions a run or a command can ask for; "auto" lets runtime.resolve_dtype choose by the device.
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 EXPLICIT_DTYPE_NAMES = DTYPE_NAMES[1:]
+# The stored types `export-gguf` writes the weight matrices in (GGML's names; vectors always stay f32).
+GGUF_DTYPE_NAMES = ("f32", "f16", "q8_0")
 # Whether to compile, as a command line spells it -> as the config holds it (train.compile); "auto" lets
 # runtime.resolve_compile choose by the device.
 COMPILE_SETTINGS = {"true": True, "false": False, "auto": "auto"}

@@ -12,6 +12,8 @@ of `prompt_tokens` random ids. Repeats alternate the two; the median of the repe
   second, against the device's peak bandwidth (devices.py; unknown for a CPU).
 
 Without transformers installed, our rows alone are measured and the comparison says why it is missing.
+With `compare_llama_cpp`, llama.cpp (through llama-cpp-python) decodes the same weights from an f32 GGUF file
+(gguf_export.py) at batch 1, the one sequence its Python binding runs, alternating with ours the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from gpt2train.counting import matmul_parameter_count
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
 from gpt2train.generation import Decoder, generate_ids
+from gpt2train.gguf_export import export_gguf
 from gpt2train.hf import export_hf
 from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.ranges import UsageError
@@ -50,11 +53,12 @@ class GenerateOptions:
     threads: int = 0  # CPU threads for torch (0: torch's choice)
     dtype: str = "auto"  # the weights' dtype, ours and transformers' (auto: as `sample`, runtime.resolve_dtype)
     hf_dtype: str = ""  # transformers' alone ("": the same as ours)
+    compare_llama_cpp: bool = False  # llama.cpp on the same weights (an f32 GGUF file), batch 1
 
 
 @dataclass
 class Row:
-    impl: str  # "gpt2train" or "transformers"
+    impl: str  # "gpt2train", "transformers" or "llama.cpp"
     batch: int
     ttft_ms: float  # median over repeats
     decode_tok_s: float
@@ -101,6 +105,18 @@ def time_hf(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float
     return first, time.perf_counter() - start - first
 
 
+def time_llama_cpp(llm, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """The same for llama.cpp: one greedy generation of a sequence, its prompt evaluated afresh."""
+    llm.reset()  # else the binding reuses the cached prompt and skips the prefill
+    start = time.perf_counter()
+    steps = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True)
+    next(steps)
+    first = time.perf_counter()
+    for _ in range(new_tokens - 1):
+        next(steps)
+    return first - start, time.perf_counter() - first
+
+
 def decode_bytes_per_step(model: GPT, batch: int, cache_slots: float, element: int) -> float:
     """Bytes a decode step reads at least: each matmul weight once, plus `cache_slots` keys and values per
     row and layer, `element` bytes each."""
@@ -125,6 +141,19 @@ def load_hf_copy(model: GPT, device: torch.device, dtype: torch.dtype = torch.fl
     return hf.to(device=device, dtype=dtype).eval(), None
 
 
+def load_llama_cpp_copy(model: GPT, folder: str, n_ctx: int, device: torch.device):
+    """llama.cpp's model of our weights, exported as an f32 GGUF file in `folder`; (model, None) or (None, why not)."""
+    if device.type != "cpu":
+        return None, "llama.cpp is timed on the CPU only (its binding here is a CPU build): no llama.cpp row"
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, "llama-cpp-python is not installed (`make setup-dev` builds it): no llama.cpp row"
+    path = export_gguf(model, Path(folder) / "model.gguf", {"kind": "gpt2"})
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), seed=0, verbose=False)
+    return llm, None
+
+
 def check_options(options: GenerateOptions):
     """UsageError, in one line, before any work: what the CLI's argument types cannot see on their own."""
     if options.model not in PRESETS:
@@ -134,6 +163,8 @@ def check_options(options: GenerateOptions):
     if options.prompt_tokens < 1 or options.new_tokens < 1 or options.repeats < 1 or options.threads < 0:
         raise UsageError("--prompt-tokens, --new-tokens and --repeats must be at least 1, --threads at least 0")
     block = preset_config(options.model).block_size  # neither model has positions beyond it
+    if options.compare_llama_cpp and 1 not in options.batch_sizes:
+        raise UsageError("--llama-cpp times batch 1 (llama-cpp-python decodes one sequence): add 1 to --batch-sizes")
     if options.prompt_tokens + options.new_tokens > block:
         raise UsageError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed "
                          f"{options.model}'s block_size {block}")
@@ -149,6 +180,9 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
     dtype = resolve_dtype(options.dtype, device.type)
     hf_dtype = resolve_dtype(options.hf_dtype, device.type) if options.hf_dtype else dtype
     hf, hf_note = load_hf_copy(model, device, hf_dtype) if options.compare_hf else (None, "comparison not asked for")
+    gguf_folder = tempfile.TemporaryDirectory()  # the GGUF file, read by llama.cpp while it runs
+    llm, llama_note = (load_llama_cpp_copy(model, gguf_folder.name, options.prompt_tokens + options.new_tokens, device)
+                       if options.compare_llama_cpp else (None, None))
     model.to(dtype)
     peak = describe(device).bandwidth
     cfg = model.config
@@ -157,24 +191,33 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         prompts = torch.randint(0, cfg.vocab_size, (batch, options.prompt_tokens), device=device)
         decoder = Decoder(model, options.compile)
         time_ours(model, prompts, 4, decoder)  # warm up: compilation, allocator, oneDNN's kernel choice
+        llama = llm if batch == 1 else None
         if hf is not None:
             time_hf(hf, prompts, 4)
-        ours, theirs = [], []
-        for _ in range(options.repeats):  # alternate, so that a busy moment of the machine hits both
+        if llama is not None:
+            time_llama_cpp(llama, prompts[0].tolist(), 4)
+        ours, theirs, llamas = [], [], []
+        for _ in range(options.repeats):  # alternate, so that a busy moment of the machine hits each
             ours.append(time_ours(model, prompts, options.new_tokens, decoder))
             if hf is not None:
                 theirs.append(time_hf(hf, prompts, options.new_tokens))
+            if llama is not None:
+                llamas.append(time_llama_cpp(llama, prompts[0].tolist(), options.new_tokens))
         slots = decoder.cache_size(min(cfg.block_size, options.prompt_tokens + options.new_tokens - 1))
         mean_context = options.prompt_tokens + options.new_tokens / 2
         ours_reads = slots if decoder.compiled is not None else mean_context  # an eager step reads the used slots
         rows.append(summarize("gpt2train", batch, ours, options, model, ours_reads, peak, decoder.describe(batch),
                               dtype.itemsize))
+        first_row = len(rows) - 1
         if theirs:
             rows.append(summarize("transformers", batch, theirs, options, model, mean_context, peak,
                                   element=hf_dtype.itemsize))
+        if llamas:
+            rows.append(summarize("llama.cpp", batch, llamas, options, model, mean_context, peak, "f32 GGUF", 4))
         if progress:
-            for row in rows[-2:] if theirs else rows[-1:]:
+            for row in rows[first_row:]:
                 print(f"  batch {batch}: {row.impl} {row.decode_tok_s:,.1f} tok/s", flush=True)
+    gguf_folder.cleanup()
     result = {
         "model": options.model,
         "device": describe(device).name if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
@@ -188,12 +231,24 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         "date": format_utc(time.time()),
         "torch": torch.__version__,
         "transformers_note": hf_note,
+        "llama_cpp_note": llama_note,
+        "llama_cpp_python": version_of("llama_cpp_python") if options.compare_llama_cpp else None,
         "rows": [asdict(r) for r in rows],
         "speedup_vs_transformers": speedups(rows),
+        "speedup_vs_llama_cpp": speedups(rows, "llama.cpp"),
     }
     result["markdown"] = markdown(result)
     write_result(result, out)
     return result
+
+
+def version_of(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
 def write_result(result: dict, out: str | Path | None) -> None:
@@ -214,9 +269,9 @@ def summarize(impl: str, batch: int, timings: list[tuple[float, float]], options
                ttfts, rates, path)
 
 
-def speedups(rows: list[Row]) -> dict[str, float]:
-    """Our decode tokens/s over transformers', by batch size."""
-    theirs = {r.batch: r.decode_tok_s for r in rows if r.impl == "transformers"}
+def speedups(rows: list[Row], other: str = "transformers") -> dict[str, float]:
+    """Our decode tokens/s over the other implementation's, by batch size."""
+    theirs = {r.batch: r.decode_tok_s for r in rows if r.impl == other}
     return {str(r.batch): r.decode_tok_s / theirs[r.batch] for r in rows if r.impl == "gpt2train" and r.batch in theirs}
 
 
@@ -237,4 +292,9 @@ def markdown(result: dict) -> str:
     lines += [""] + paths
     if result["transformers_note"]:
         lines.append(result["transformers_note"])
+    for batch, ratio in result["speedup_vs_llama_cpp"].items():
+        lines.append(f"gpt2train / llama.cpp decode tok/s at batch {batch}: {ratio:.2f}x "
+                     f"(llama-cpp-python {result['llama_cpp_python']}, an f32 GGUF file)")
+    if result["llama_cpp_note"]:
+        lines.append(result["llama_cpp_note"])
     return "\n".join(lines)

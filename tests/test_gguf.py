@@ -1,0 +1,334 @@
+"""GGUF export, proven by llama.cpp itself: llama-cpp-python (built from llama.cpp's sources by `make setup-dev`)
+loads every file written here, and its greedy text, its logits and its tokenizer are compared with ours.
+
+f32 is owed the same greedy tokens as `gpt2train sample --temperature 0`; f16 the same as our model running
+the file's own (rounded) weights; q8_0 the same top-1 token at >= 99% of the positions of held-out text.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import one_line, run_cli, tiny_config
+from gpt2train.checkpoint import load_for_inference
+from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
+from gpt2train.data.shards import open_shard
+from gpt2train.generation import generate
+from gpt2train.gguf_export import GGUFExportError, export_gguf
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import GPT2_EOT, GPT2Tokenizer, tokenizer_from_spec, train_bpe
+from gpt2train.training.loop import train
+
+gguf = pytest.importorskip("gguf", reason="the gguf package: `make setup-dev` installs it")
+try:
+    import llama_cpp
+except ImportError:  # `llama` says what to do
+    llama_cpp = None
+
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "\n", "O, she doth teach the torches"]
+AWKWARD = ["", " ", "  two spaces", "tabs\t\tand\nnew\n\n\nlines   ", "trailing   ", "   leading",
+           "don't I'LL we've 's", "12345 3.14159 1,000,000", "naïve café ﬁ Ⅻ", "日本語のテキスト", "emoji 👍🏽 ok",
+           "a\u00a0b\u200bc", "<|endoftext|>", "tokens<|endoftext|>between", "x" * 300]
+
+
+def llama(path, **options):
+    """llama.cpp's model from a GGUF file (quiet, deterministic); skip off CI, fail on CI, where it is missing."""
+    if llama_cpp is None:
+        message = "llama-cpp-python is missing: `make setup-dev` builds it"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI runs the llama.cpp checks, they must not skip)")
+        pytest.skip(message)
+    return llama_cpp.Llama(model_path=str(path), n_threads=2, seed=0, verbose=False, **options)
+
+
+def llama_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """n tokens of llama.cpp's greedy decoding after prompt_ids (it goes on past end-of-text, as ours does)."""
+    new = []
+    for token in model.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        new.append(token)
+        if len(new) == n:
+            return new
+    return new
+
+
+def ours_greedy(model: GPT, prompt_ids: list[int], n: int) -> list[int]:
+    return generate(model, prompt_ids, n, temperature=0)
+
+
+# llama.cpp's names for GPT-2's tensors, written out here (not taken from the exporter): name -> ours.
+def our_name(gguf_name: str) -> str:
+    top = {"token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+           "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+           "output.weight": "lm_head.weight"}
+    if gguf_name in top:
+        return top[gguf_name]
+    _, layer, part, kind = gguf_name.split(".")
+    module = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+              "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}[part]
+    return f"transformer.h.{layer}.{module}.{kind}"
+
+
+def file_weights(path) -> dict[str, torch.Tensor]:
+    """The weights a GGUF file holds, dequantized to float32, under our names and in our (out, in) layout."""
+    weights = {}
+    for t in gguf.GGUFReader(path).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        weights[our_name(t.name)] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+            tuple(int(d) for d in reversed(t.shape)))
+    return weights
+
+
+def model_with_file_weights(model: GPT, path) -> GPT:
+    """A copy of `model` running the weights stored in the file (rounded as the file rounds them)."""
+    copy = GPT(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, value in file_weights(path).items():
+            param = copy.get_parameter(name)
+            param[: value.size(0)] = value  # token embedding: the padded rows are not in the file
+    return copy
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A small model trained on Tiny Shakespeare until its greedy text varies; a byte-level BPE of our own (512
+    tokens) makes the steps take seconds where GPT-2's 50,257 take minutes. 256 wide: q8_0's rounding flips
+    the top token wherever two are nearly tied, and a narrow model has many near-ties (64 wide, trained to a
+    lower loss: 98.0% agreement; 128: 99.0-99.4%; 256: 99.6%, on 2,048-4,096 positions here)."""
+    root = tmp_path_factory.mktemp("gguf_run")
+    train_bpe([shakespeare_text()], 512, root / "tokenizer.json")
+    prepare_shakespeare(root / "data", tokenizer=f"bpe:{root / 'tokenizer.json'}")
+    cfg = tiny_config(root / "data", max_steps=400, lr=3e-3, micro_batch=16)
+    cfg.model.n_embd, cfg.model.block_size = 256, 64
+    cfg.train.seq_len = 64
+    cfg.log.interval, cfg.eval.interval, cfg.checkpoint.every_steps = 100, 400, 400
+    train(cfg, root / "run")
+    return root
+
+
+def trained(run_root):
+    """The trained run's model, block size, tokenizer and tokenizer spec."""
+    model, cfg, meta = load_for_inference(run_root / "run")
+    return model, cfg.model.block_size, tokenizer_from_spec(meta["tokenizer"]), meta["tokenizer"]
+
+
+def held_out_tokens(data_dir, n: int) -> list[int]:
+    return open_shard(data_dir / "val_000000.bin")[:n].tolist()
+
+
+# ---------------------------------------------------------------- the file itself
+
+
+def test_the_file_holds_llama_cpps_gpt2_metadata_names_and_unpadded_vocabulary(tmp_path):
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=48)).eval()  # 50257 padded to 50304 rows
+    export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"})
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert fields["general.architecture"] == "gpt2"
+    assert (fields["gpt2.context_length"], fields["gpt2.embedding_length"], fields["gpt2.feed_forward_length"],
+            fields["gpt2.block_count"], fields["gpt2.attention.head_count"]) == (48, 64, 256, 2, 4)
+    assert fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert fields["general.file_type"] == 0  # all f32
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == 50257 and tokens[50256] == GPT2_EOT and tokens[198] == "Ċ"  # "\n", byte-level
+    assert fields["tokenizer.ggml.token_type"][50256] == 3 and fields["tokenizer.ggml.token_type"][0] == 1
+    assert fields["tokenizer.ggml.merges"][0] == "Ġ t" and len(fields["tokenizer.ggml.merges"]) == 50000
+    assert fields["tokenizer.ggml.eos_token_id"] == 50256 and fields["tokenizer.ggml.add_bos_token"] is False
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # GGML order: (in, out)
+    assert shapes["token_embd.weight"] == (64, 50257) and shapes["position_embd.weight"] == (64, 48)
+    assert shapes["blk.1.attn_qkv.weight"] == (64, 192) and shapes["blk.1.ffn_down.weight"] == (256, 64)
+    assert "output.weight" not in shapes  # tied: llama.cpp reads token_embd for the head
+    assert len(shapes) == 2 + 2 * 12 + 2
+
+
+def test_f32_weights_read_back_exactly_with_our_own_bpe_and_without_biases(tmp_path):
+    tokenizer = train_bpe([shakespeare_text()[:20000]], 300, tmp_path / "tok.json")
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=tokenizer.vocab_size, bias=False)
+    model = GPT(cfg).eval()
+    export_gguf(model, tmp_path / "m.gguf", tokenizer.spec())
+    back = file_weights(tmp_path / "m.gguf")
+    ours = model.state_dict()
+    biases = {k for k in back if k.endswith(".bias")}
+    assert set(back) - biases == {k for k in ours if k != "lm_head.weight"} and len(biases) == 2 * 6 + 1
+    for name, value in back.items():
+        expected = ours[name][: cfg.vocab_size] if name == "transformer.wte.weight" else ours.get(name)
+        assert torch.equal(value, torch.zeros_like(value) if expected is None else expected), name
+    tokens = gguf.GGUFReader(tmp_path / "m.gguf").fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == cfg.vocab_size and tokens[tokenizer.eot_id] == GPT2_EOT
+
+
+# ---------------------------------------------------------------- llama.cpp runs it as we do
+
+
+def test_a_trained_model_in_f32_gives_llama_cpp_the_greedy_text_of_gpt2train_sample(trained_run, tmp_path):
+    run = trained_run / "run"
+    r = run_cli("export-gguf", "--ckpt", str(run), "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {tmp_path / 'm.gguf'} (") and "f32" in r.stdout
+    model, block_size, tok, _ = trained(trained_run)
+    llm = llama(tmp_path / "m.gguf", n_ctx=block_size)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        assert llm.tokenize(prompt.encode(), add_bos=False) == ids
+        ours = ours_greedy(model, ids, 32)
+        assert llama_greedy(llm, ids, 32) == ours, prompt
+        assert len(set(ours)) > 5, "a trained model's greedy text is more than a token or two repeated"
+
+    r = run_cli("sample", "--ckpt", str(run), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "32",
+                "--dtype", "float32", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    theirs = llm.detokenize(llama_greedy(llm, tok.encode("ROMEO:"), 32)).decode("utf-8", errors="replace")
+    assert r.stdout.rstrip("\n") == "ROMEO:" + theirs.rstrip("\n")
+
+
+def test_f32_logits_in_llama_cpp_are_ours(trained_run, tmp_path):
+    model, block_size, _, spec = trained(trained_run)
+    export_gguf(model, tmp_path / "m.gguf", spec)
+    window = held_out_tokens(trained_run / "data", block_size)
+    llm = llama(tmp_path / "m.gguf", n_ctx=len(window), logits_all=True)
+    llm.eval(window)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(window)]))
+    with torch.no_grad():
+        ours = model(torch.tensor([window]))[0]
+    # llama.cpp's GELU reads a float16 table: activations differ by up to ~1e-3, so logits agree to 1e-2
+    torch.testing.assert_close(theirs, ours, atol=1e-2, rtol=0)
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_f16_runs_in_llama_cpp_as_our_model_on_the_rounded_weights(trained_run, tmp_path):
+    model, block_size, tok, spec = trained(trained_run)
+    export_gguf(model, tmp_path / "m.gguf", spec, dtype="f16")
+    rounded = model_with_file_weights(model, tmp_path / "m.gguf")
+    qkv = model.transformer.h[0].attn.c_attn
+    assert torch.equal(rounded.transformer.h[0].attn.c_attn.weight, qkv.weight.half().float())
+    assert not torch.equal(rounded.transformer.h[0].attn.c_attn.weight, qkv.weight)  # the rounding happened
+    assert torch.equal(rounded.transformer.h[0].attn.c_attn.bias, qkv.bias)  # vectors stay f32
+    llm = llama(tmp_path / "m.gguf", n_ctx=block_size)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        assert llama_greedy(llm, ids, 32) == ours_greedy(rounded, ids, 32), prompt
+
+
+def test_q8_0_picks_our_top_token_on_held_out_text_and_is_a_quarter_of_f32(trained_run, tmp_path):
+    model, T, _, spec = trained(trained_run)
+    f32 = export_gguf(model, tmp_path / "f32.gguf", spec)
+    q8 = export_gguf(model, tmp_path / "q8.gguf", spec, dtype="q8_0")
+    # every matrix row (256, 1024 wide) fills whole blocks of 32: 34 bytes for 32 values where f32 takes 128
+    assert q8.stat().st_size < 0.3 * f32.stat().st_size
+    tokens = held_out_tokens(trained_run / "data", 64 * T)
+    llm = llama(q8, n_ctx=T, logits_all=True)
+    agree = total = 0
+    for start in range(0, len(tokens), T):
+        window = tokens[start:start + T]
+        llm.reset()
+        llm.eval(window)
+        theirs = np.array(llm.scores[: len(window)]).argmax(-1)
+        with torch.no_grad():
+            ours = model(torch.tensor([window]))[0].argmax(-1).numpy()
+        agree += int((theirs == ours).sum())
+        total += len(window)
+    assert total == 64 * T and agree / total >= 0.99, f"top-1 agreement {agree / total:.2%}"
+
+
+# ---------------------------------------------------------------- the tokenizer
+
+
+def test_llama_cpp_tokenizes_awkward_text_as_our_gpt2_bpe(tmp_path):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).eval()
+    export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"})
+    assert_same_tokens(llama(tmp_path / "m.gguf", vocab_only=True), GPT2Tokenizer())
+
+
+def test_llama_cpp_tokenizes_awkward_text_as_our_own_bpe_and_runs_its_model(tmp_path):
+    tokenizer = train_bpe([shakespeare_text()], 600, tmp_path / "tok.json")
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=tokenizer.vocab_size,
+                    tied_head=False, bias=False)  # an untied head (output.weight) and zero biases: both exact
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # far from the init, so that every tensor matters
+    export_gguf(model, tmp_path / "m.gguf", tokenizer.spec())
+    llm = llama(tmp_path / "m.gguf", n_ctx=32)
+    assert_same_tokens(llm, tokenizer)
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        assert llama_greedy(llm, ids, 16) == ours_greedy(model, ids, 16), prompt
+
+
+def assert_same_tokens(llm, tokenizer):
+    for text in AWKWARD:
+        ids = tokenizer.encode(text)
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, repr(text)
+        assert llm.detokenize(ids).decode("utf-8") == text, repr(text)
+    assert llm.tokenize(GPT2_EOT.encode(), add_bos=False, special=True) == [tokenizer.eot_id]
+    assert llm.token_eos() == tokenizer.eot_id and llm.token_bos() == tokenizer.eot_id
+
+
+# ---------------------------------------------------------------- GPT-2 124M's shape, through Hugging Face
+
+
+def test_import_hf_of_gpt2_124m_then_export_gguf_gives_llama_cpp_the_greedy_text_of_transformers_and_ours(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()  # GPT-2 124M, random weights (HF's init)
+    hf.save_pretrained(tmp_path / "hf")
+    for command in (("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")),
+                    ("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf"))):
+        r = run_cli(*command)
+        assert r.returncode == 0, r.stderr
+    ours, _, _ = load_for_inference(tmp_path / "run")
+    llm = llama(tmp_path / "m.gguf", n_ctx=64)
+    tok = GPT2Tokenizer()
+    for prompt in PROMPTS[:3]:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=tok.eot_id,
+                              eos_token_id=None)
+        theirs = out[0, len(ids):].tolist()
+        assert llama_greedy(llm, ids, 16) == theirs == ours_greedy(ours, ids, 16), prompt
+        assert llm.detokenize(theirs).decode("utf-8", errors="replace") == tok.decode(theirs)
+
+
+# ---------------------------------------------------------------- what cannot be exported
+
+
+@pytest.mark.parametrize("option, named", [
+    (dict(position="rotary"), "model.position = rotary"),
+    (dict(qk_norm=True), "model.qk_norm = True"),
+    (dict(mlp="relu2"), "model.mlp = relu2"),
+    (dict(logit_softcap=15.0), "model.logit_softcap = 15.0"),
+])
+def test_what_llama_cpps_gpt2_cannot_compute_is_refused_in_one_line_before_writing(tmp_path, option, named):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, **option))
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"an earlier export")
+    message = one_line(GGUFExportError, export_gguf, model, out)
+    assert named in message and "cannot be exported to GGUF" in message
+    assert out.read_bytes() == b"an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_char_run_and_bad_outputs_are_refused_by_the_cli_in_one_line(char_data, tmp_path):
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")
+    r = run_cli("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf"))
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("error: a run with the char tokenizer cannot be exported to GGUF") and "bpe:" in r.stderr
+    assert not (tmp_path / "m.gguf").exists()
+    r = run_cli("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path), "--dtype", "q4_0")
+    assert r.returncode == 2 and "invalid choice: 'q4_0'" in r.stderr
+
+
+def test_an_out_that_is_a_folder_or_a_wrong_tokenizer_is_refused_in_one_line(tmp_path):
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=300)).eval()
+    assert "is a folder" in one_line(GGUFExportError, export_gguf, model, tmp_path, {"kind": "gpt2"})
+    assert "not this model's tokenizer" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf",
+                                                    {"kind": "gpt2"})
+    assert "vocab_size 300 is not GPT-2's" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
