@@ -270,7 +270,8 @@ def cmd_export_gguf(args) -> int:
 
     model, _, meta = load_for_inference(args.ckpt)
     out = export_gguf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); try `llama-cli -m {out} -p \"Hello\"`")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); run it with llama.cpp, "
+          f"`llama-completion -m {out} -p \"Hello\" -n 64`, or Ollama: docs/export.md")
     return 0
 
 

@@ -141,16 +141,18 @@ def load_hf_copy(model: GPT, device: torch.device, dtype: torch.dtype = torch.fl
     return hf.to(device=device, dtype=dtype).eval(), None
 
 
-def load_llama_cpp_copy(model: GPT, folder: str, n_ctx: int, device: torch.device):
-    """llama.cpp's model of our weights, exported as an f32 GGUF file in `folder`; (model, None) or (None, why not)."""
+def load_llama_cpp_copy(model: GPT, n_ctx: int, device: torch.device):
+    """llama.cpp's model of our weights, read into memory from an f32 GGUF file; (model, None) or (None, why not)."""
     if device.type != "cpu":
         return None, "llama.cpp is timed on the CPU only (its binding here is a CPU build): no llama.cpp row"
     try:
         import llama_cpp
     except ImportError:
         return None, "llama-cpp-python is not installed (`make setup-dev` builds it): no llama.cpp row"
-    path = export_gguf(model, Path(folder) / "model.gguf", {"kind": "gpt2"})
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), seed=0, verbose=False)
+    with tempfile.TemporaryDirectory() as folder:
+        path = export_gguf(model, Path(folder) / "model.gguf", {"kind": "gpt2"})
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), use_mmap=False,
+                              seed=0, verbose=False)
     return llm, None
 
 
@@ -180,8 +182,7 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
     dtype = resolve_dtype(options.dtype, device.type)
     hf_dtype = resolve_dtype(options.hf_dtype, device.type) if options.hf_dtype else dtype
     hf, hf_note = load_hf_copy(model, device, hf_dtype) if options.compare_hf else (None, "comparison not asked for")
-    gguf_folder = tempfile.TemporaryDirectory()  # the GGUF file, read by llama.cpp while it runs
-    llm, llama_note = (load_llama_cpp_copy(model, gguf_folder.name, options.prompt_tokens + options.new_tokens, device)
+    llm, llama_note = (load_llama_cpp_copy(model, options.prompt_tokens + options.new_tokens, device)
                        if options.compare_llama_cpp else (None, None))
     model.to(dtype)
     peak = describe(device).bandwidth
@@ -217,7 +218,6 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         if progress:
             for row in rows[first_row:]:
                 print(f"  batch {batch}: {row.impl} {row.decode_tok_s:,.1f} tok/s", flush=True)
-    gguf_folder.cleanup()
     result = {
         "model": options.model,
         "device": describe(device).name if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
