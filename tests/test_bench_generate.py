@@ -97,8 +97,8 @@ def test_gpus_in_the_table_know_their_bandwidth():
 
 def test_llama_cpp_decodes_the_same_weights_beside_ours_at_batch_1(tmp_path):
     if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is missing: `make setup-dev` builds it") if not os.environ.get("CI") else \
-            pytest.fail("llama-cpp-python is missing on CI: `make setup-dev` builds it")
+        message = "llama-cpp-python is missing: `make setup-dev` builds it"
+        pytest.fail(f"{message} (CI must not skip it)") if os.environ.get("CI") else pytest.skip(message)
     out = tmp_path / "generate.json"
     r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2", "--no-hf",
                 "--llama-cpp", "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",

@@ -249,8 +249,10 @@ def test_every_argument_says_what_it_does_and_its_default():
 
 
 def test_every_dtype_argument_takes_the_configs_dtype_names():
-    """One list of dtype names (ranges.DTYPE_NAMES): train.dtype's choices, every --dtype, runtime's table."""
+    """One list of dtype names (ranges.DTYPE_NAMES): train.dtype's choices, every --dtype, runtime's table. The one
+    exception, export-gguf, names a file's stored types in GGML's words (f32, f16, q8_0: ranges.GGUF_DTYPE_NAMES)."""
     from gpt2train.config import CHOICES
+    from gpt2train.ranges import GGUF_DTYPE_NAMES
     from gpt2train.runtime import DTYPES
 
     seen = []
@@ -258,8 +260,10 @@ def test_every_dtype_argument_takes_the_configs_dtype_names():
         for action in parser._actions:
             if action.dest in ("dtype", "hf_dtype"):
                 seen.append(" ".join(command))
-                assert tuple(action.choices) in (CHOICES["train.dtype"], CHOICES["train.dtype"][1:]), command
-    assert {"sample", "eval", "export-hf", "bench generate"} <= set(seen), seen
+                allowed = (GGUF_DTYPE_NAMES,) if command == ("export-gguf",) else \
+                    (CHOICES["train.dtype"], CHOICES["train.dtype"][1:])
+                assert tuple(action.choices) in allowed, command
+    assert {"sample", "eval", "export-hf", "export-gguf", "bench generate"} <= set(seen), seen
     assert tuple(DTYPES) == CHOICES["train.dtype"][1:]
 
 

@@ -3,6 +3,8 @@ loads every file written here, and its greedy text, its logits and its tokenizer
 
 f32 is owed the same greedy tokens as `gpt2train sample --temperature 0`; f16 the same as our model running
 the file's own (rounded) weights; q8_0 the same top-1 token at >= 99% of the positions of held-out text.
+llama.cpp's logits differ from ours by a few thousandths (its GELU reads a float16 table), so where our two
+best tokens are closer than that, either may come first: `assert_same_greedy` says how that one case is judged.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2_EOT, GPT2Tokenizer, tokenizer_from_spec, train_bpe
 from gpt2train.training.loop import train
 
-gguf = pytest.importorskip("gguf", reason="the gguf package: `make setup-dev` installs it")
+try:
+    import gguf
+except ImportError:  # `need` says what to do
+    gguf = None
 try:
     import llama_cpp
-except ImportError:  # `llama` says what to do
+except ImportError:
     llama_cpp = None
 
 PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "\n", "O, she doth teach the torches"]
@@ -35,13 +40,24 @@ AWKWARD = ["", " ", "  two spaces", "tabs\t\tand\nnew\n\n\nlines   ", "trailing 
            "a\u00a0b\u200bc", "<|endoftext|>", "tokens<|endoftext|>between", "x" * 300]
 
 
+def need(what: str):
+    """Skip off CI, saying how to install what is missing; on CI (CI set) the llama.cpp checks must run, so fail."""
+    message = f"{what} is missing: `make setup-dev` installs it"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI runs the GGUF checks, they must not skip)")
+    pytest.skip(message)
+
+
+@pytest.fixture(autouse=True)
+def gguf_package():
+    if gguf is None:
+        need("the gguf package")
+
+
 def llama(path, **options):
-    """llama.cpp's model from a GGUF file (quiet, deterministic); skip off CI, fail on CI, where it is missing."""
+    """llama.cpp's model from a GGUF file (quiet, deterministic); see `need` where llama-cpp-python is missing."""
     if llama_cpp is None:
-        message = "llama-cpp-python is missing: `make setup-dev` builds it"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI runs the llama.cpp checks, they must not skip)")
-        pytest.skip(message)
+        need("llama-cpp-python (it compiles llama.cpp)")
     return llama_cpp.Llama(model_path=str(path), n_threads=2, seed=0, verbose=False, **options)
 
 
@@ -57,6 +73,28 @@ def llama_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 def ours_greedy(model: GPT, prompt_ids: list[int], n: int) -> list[int]:
     return generate(model, prompt_ids, n, temperature=0)
+
+
+# llama.cpp's logits are ours to within this (test_f32_logits_in_llama_cpp_are_ours; its GELU reads a float16
+# table): 2.2e-3 at most in f32 and 4.5e-3 in f16 over 512 held-out positions here.
+TIE = 1e-2
+
+
+def assert_same_greedy(llm, model: GPT, prompt_ids: list[int], n: int) -> list[int]:
+    """llama.cpp's greedy tokens are ours, token for token; returns them. The one allowance: at a step where our
+    two best logits are within TIE, llama.cpp may take the other one (a tie its float16 GELU table decides; it
+    happened once, 26 tokens in, on another build of llama.cpp). Then every token it chose, on its own
+    continuation, must still be within TIE of our best there."""
+    theirs, ours = llama_greedy(llm, prompt_ids, n), ours_greedy(model, prompt_ids, n)
+    if theirs == ours:
+        return theirs
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + theirs[:-1]]))[0, len(prompt_ids) - 1:]
+    short_of_best = logits.max(-1).values - logits[torch.arange(n), torch.tensor(theirs)]
+    first = next(i for i in range(n) if theirs[i] != ours[i])
+    assert short_of_best[first] < TIE, f"llama.cpp left our greedy path at token {first}, which was no near-tie"
+    assert (short_of_best < TIE).all(), f"llama.cpp's tokens fall short of our best by {short_of_best.tolist()}"
+    return theirs
 
 
 # llama.cpp's names for GPT-2's tensors, written out here (not taken from the exporter): name -> ours.
@@ -120,6 +158,28 @@ def held_out_tokens(data_dir, n: int) -> list[int]:
     return open_shard(data_dir / "val_000000.bin")[:n].tolist()
 
 
+class FixedTokens:
+    """Stands in for llama.cpp's model: its greedy generation yields the tokens given."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def generate(self, prompt_ids, **sampling):
+        yield from self.tokens
+
+
+def test_the_greedy_comparison_fails_where_a_token_is_no_near_tie():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)).eval()
+    prompt = [1, 2, 3]
+    ours = ours_greedy(model, prompt, 4)
+    assert assert_same_greedy(FixedTokens(ours), model, prompt, 4) == ours
+    with torch.no_grad():
+        worst = int(model(torch.tensor([prompt + ours[:1]]))[0, -1].argmin())
+    with pytest.raises(AssertionError, match="token 1, which was no near-tie"):
+        assert_same_greedy(FixedTokens([ours[0], worst, *ours[2:]]), model, prompt, 4)
+
+
 # ---------------------------------------------------------------- the file itself
 
 
@@ -176,15 +236,14 @@ def test_a_trained_model_in_f32_gives_llama_cpp_the_greedy_text_of_gpt2train_sam
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         assert llm.tokenize(prompt.encode(), add_bos=False) == ids
-        ours = ours_greedy(model, ids, 32)
-        assert llama_greedy(llm, ids, 32) == ours, prompt
-        assert len(set(ours)) > 5, "a trained model's greedy text is more than a token or two repeated"
+        theirs = assert_same_greedy(llm, model, ids, 32)
+        assert len(set(theirs)) > 5, "a trained model's greedy text is more than a token or two repeated"
 
     r = run_cli("sample", "--ckpt", str(run), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "32",
                 "--dtype", "float32", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    theirs = llm.detokenize(llama_greedy(llm, tok.encode("ROMEO:"), 32)).decode("utf-8", errors="replace")
-    assert r.stdout.rstrip("\n") == "ROMEO:" + theirs.rstrip("\n")
+    assert r.stdout.rstrip("\n") == "ROMEO:" + tok.decode(ours_greedy(model, tok.encode("ROMEO:"), 32)).rstrip("\n")
+    assert_same_greedy(llm, model, tok.encode("ROMEO:"), 32)
 
 
 def test_f32_logits_in_llama_cpp_are_ours(trained_run, tmp_path):
@@ -212,7 +271,7 @@ def test_f16_runs_in_llama_cpp_as_our_model_on_the_rounded_weights(trained_run, 
     llm = llama(tmp_path / "m.gguf", n_ctx=block_size)
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        assert llama_greedy(llm, ids, 32) == ours_greedy(rounded, ids, 32), prompt
+        assert_same_greedy(llm, rounded, ids, 32)
 
 
 def test_q8_0_picks_our_top_token_on_held_out_text_and_is_a_quarter_of_f32(trained_run, tmp_path):
@@ -259,7 +318,7 @@ def test_llama_cpp_tokenizes_awkward_text_as_our_own_bpe_and_runs_its_model(tmp_
     assert_same_tokens(llm, tokenizer)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        assert llama_greedy(llm, ids, 16) == ours_greedy(model, ids, 16), prompt
+        assert_same_greedy(llm, model, ids, 16)
 
 
 def assert_same_tokens(llm, tokenizer):
@@ -293,7 +352,8 @@ def test_import_hf_of_gpt2_124m_then_export_gguf_gives_llama_cpp_the_greedy_text
             out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=tok.eot_id,
                               eos_token_id=None)
         theirs = out[0, len(ids):].tolist()
-        assert llama_greedy(llm, ids, 16) == theirs == ours_greedy(ours, ids, 16), prompt
+        assert ours_greedy(ours, ids, 16) == theirs, prompt  # ours and transformers' compute the same in f32
+        assert_same_greedy(llm, ours, ids, 16)
         assert llm.detokenize(theirs).decode("utf-8", errors="replace") == tok.decode(theirs)
 
 

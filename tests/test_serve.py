@@ -514,6 +514,26 @@ def test_health_is_503_until_the_model_is_loaded():
         assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
+def test_shutdown_waits_for_a_model_still_loading():
+    """A server stopped while its model loads (uvicorn stops at once when it cannot listen) waits for the loading
+    thread: exiting under it, inside torch, made glibc abort the process ("FATAL: exception not rethrown", exit
+    -6) in about 1 of 3 runs of tests/test_serve_clients.py's port-in-use case."""
+    release = threading.Event()
+    stopped = []
+
+    def slow_load():
+        release.wait(30)
+        engine = tiny_engine()
+        stopped.append(engine)
+        return engine
+
+    threading.Timer(0.5, release.set).start()
+    with TestClient(create_app(slow_load, model_id="tiny")) as client:
+        assert client.get("/health").status_code == 503
+    assert release.is_set() and len(stopped) == 1  # the shutdown returned after the load, not before
+    assert not stopped[0].thread.is_alive()  # and stopped the engine the load made
+
+
 def test_a_model_that_fails_to_load_is_reported_by_health():
     def broken():
         raise FileNotFoundError("no weights here")

@@ -128,8 +128,12 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        threading.Thread(target=load_in_background, name="gpt2train-load", daemon=True).start()
+        loader = threading.Thread(target=load_in_background, name="gpt2train-load", daemon=True)
+        loader.start()
         yield
+        # A model still loading is waited for (uvicorn stops at once when it cannot listen): a process that exits
+        # under a thread inside torch is aborted by glibc ("FATAL: exception not rethrown").
+        await asyncio.to_thread(loader.join)
         if served.engine is not None:
             served.engine.stop()
 
