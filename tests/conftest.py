@@ -91,6 +91,15 @@ def tiny_config(data_dir: Path, **train) -> Config:
     return cfg
 
 
+def missing(what: str, install: str = "`make setup-dev` installs it"):
+    """Skip a test whose tool is missing, saying what and how to install it; where CI is set, fail instead: CI
+    installs every tool the suite drives (a browser, llama.cpp), so a skip there would hide a check."""
+    message = f"{what}: {install}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI runs this check, it must not skip)")
+    pytest.skip(message)
+
+
 def one_line(exc_type, fn, *args, **kwargs) -> str:
     """The message of the exc_type that fn(*args, **kwargs) raises, which must be one line."""
     with pytest.raises(exc_type) as e:

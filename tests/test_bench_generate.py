@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import missing, run_cli
 from gpt2train.bench.generate import GenerateOptions, decode_bytes_per_step, run_generate_bench
 from gpt2train.devices import find_device
 from gpt2train.model import GPT, GPTConfig
@@ -97,8 +96,7 @@ def test_gpus_in_the_table_know_their_bandwidth():
 
 def test_llama_cpp_decodes_the_same_weights_beside_ours_at_batch_1(tmp_path):
     if importlib.util.find_spec("llama_cpp") is None:
-        message = "llama-cpp-python is missing: `make setup-dev` builds it"
-        pytest.fail(f"{message} (CI must not skip it)") if os.environ.get("CI") else pytest.skip(message)
+        missing("llama-cpp-python is missing", "`make setup-dev` builds it")
     out = tmp_path / "generate.json"
     r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2", "--no-hf",
                 "--llama-cpp", "--prompt-tokens", "4", "--new-tokens", "6", "--repeats", "1", "--threads", "1",

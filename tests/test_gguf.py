@@ -9,13 +9,11 @@ best tokens are closer than that, either may come first: `assert_same_greedy` sa
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import one_line, run_cli, tiny_config
+from conftest import missing, one_line, run_cli, tiny_config
 from gpt2train.checkpoint import load_for_inference
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.data.shards import open_shard
@@ -27,7 +25,7 @@ from gpt2train.training.loop import train
 
 try:
     import gguf
-except ImportError:  # `need` says what to do
+except ImportError:  # conftest.missing says what to do
     gguf = None
 try:
     import llama_cpp
@@ -40,24 +38,16 @@ AWKWARD = ["", " ", "  two spaces", "tabs\t\tand\nnew\n\n\nlines   ", "trailing 
            "a\u00a0b\u200bc", "<|endoftext|>", "tokens<|endoftext|>between", "x" * 300]
 
 
-def need(what: str):
-    """Skip off CI, saying how to install what is missing; on CI (CI set) the llama.cpp checks must run, so fail."""
-    message = f"{what} is missing: `make setup-dev` installs it"
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI runs the GGUF checks, they must not skip)")
-    pytest.skip(message)
-
-
 @pytest.fixture(autouse=True)
 def gguf_package():
     if gguf is None:
-        need("the gguf package")
+        missing("the gguf package is missing")
 
 
 def llama(path, **options):
-    """llama.cpp's model from a GGUF file (quiet, deterministic); see `need` where llama-cpp-python is missing."""
+    """llama.cpp's model from a GGUF file (quiet, deterministic); conftest.missing where llama-cpp-python is."""
     if llama_cpp is None:
-        need("llama-cpp-python (it compiles llama.cpp)")
+        missing("llama-cpp-python (it compiles llama.cpp) is missing")
     return llama_cpp.Llama(model_path=str(path), n_threads=2, seed=0, verbose=False, **options)
 
 

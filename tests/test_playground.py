@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO
+from conftest import REPO, missing
 from gpt2train.bench.serve import free_port
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
@@ -27,7 +27,7 @@ from gpt2train.tokenizer import CharTokenizer
 
 try:
     from playwright.sync_api import expect, sync_playwright
-except ImportError:  # the dev extra installs it; `need` says so
+except ImportError:  # the dev extra installs it; conftest.missing says so
     sync_playwright = None
 
 # Playwright's own browser download cannot work here: it drives the distribution's chromium (`make setup-dev`
@@ -41,14 +41,6 @@ CHROMIUM_ARGS = ["--disable-gpu", "--disable-quic", "--no-first-run", "--disable
 VOCAB = "abcdefghijklmnopqrstuvwxyz "
 BLOCK_SIZE = 8192  # room for thousands of new tokens: the text is still streaming when Stop is pressed
 SERVER_START_S = 180
-
-
-def need(what: str):
-    """Skip off CI, saying how to install what is missing; on CI (CI set) the browser test must run, so fail."""
-    message = f"{what}: `make setup-dev` installs it"
-    if os.environ.get("CI"):
-        pytest.fail(f"{message} (CI runs the browser test, it must not skip)")
-    pytest.skip(message)
 
 
 def streaming_checkpoint(run_dir: Path) -> Path:
@@ -128,9 +120,9 @@ def server(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     if sync_playwright is None:
-        need("the playwright package is not installed")
+        missing("the playwright package is not installed")
     if not CHROMIUM.exists():
-        need(f"{CHROMIUM} is missing (Debian's chromium package)")
+        missing(f"{CHROMIUM} is missing (Debian's chromium package)")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         yield browser
