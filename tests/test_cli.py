@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -156,6 +157,20 @@ def test_a_missing_optional_logger_is_one_line(char_data, tmp_path, monkeypatch,
                      "--set", f"data.dir={char_data}", "--set", "log.tensorboard=true"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and lines == ["error: log.tensorboard = true needs TensorBoard: pip install tensorboard"]
+
+
+def test_a_warning_is_one_line_and_a_libraries_deprecation_warning_is_not_shown(capsys):
+    """torch 2.11 warns that `torch.jit.script_method` is deprecated when one of its modules loads: a line the
+    user of a command can do nothing about, printed under pytest (which turns every warning on), and found so
+    on a GPU machine. A warning meant for the user still prints, as one line."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")  # as pytest and `python -W always` do
+        with cli.one_line_warnings():
+            warnings.warn("`torch.jit.script_method` is deprecated.", DeprecationWarning, stacklevel=1)
+            warnings.warn("the data has 3 tokens\nfewer than one batch", UserWarning, stacklevel=1)
+        shown = warnings.showwarning
+    assert capsys.readouterr().err.splitlines() == ["warning: the data has 3 tokens fewer than one batch"]
+    assert shown is not cli.show_warning_line  # put back when the command ends
 
 
 def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_path, monkeypatch, capsys):

@@ -341,7 +341,7 @@ def test_sample_command_prints_several_samples(tmp_path, cpu_kind):
     meta = {"config": to_dict(cfg), "tokens": 0, "best_val_loss": None, "tokenizer": tok.spec()}
     save_checkpoint(tmp_path / "run", step=0, weights=model_state(GPT(cfg.model)), state={}, meta=meta)
     result = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "abc", "--num-samples", "2",
-                     "--max-new-tokens", "5", "--temperature", "1.0", cpu_bf16=cpu_kind)
+                     "--max-new-tokens", "5", "--temperature", "1.0", "--device", "cpu", cpu_bf16=cpu_kind)
     assert result.returncode == 0, result.stderr
     assert "--- sample 1 of 2\nabc" in result.stdout and "--- sample 2 of 2\nabc" in result.stdout
     # --dtype auto: bf16 weights where the CPU computes bf16 natively; else fp32, whose few-row matmuls run in
@@ -354,7 +354,7 @@ def test_sample_command_prints_several_samples(tmp_path, cpu_kind):
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: argument --num-samples: 0 is out of range")
     for dtype in ("float32", "bfloat16"):  # the weights' dtype while sampling (auto: bf16 where native)
         result = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "abc", "--max-new-tokens", "3",
-                         "--dtype", dtype, cpu_bf16=cpu_kind)
+                         "--dtype", dtype, "--device", "cpu", cpu_bf16=cpu_kind)
         assert result.returncode == 0 and f"device: cpu, {dtype}" in result.stderr, result.stderr
         blocks = ", matmuls in row blocks" if dtype == "float32" else ""  # whatever the CPU
         assert f"decode: eager, KV cache{blocks}, batch 1" in result.stderr, result.stderr

@@ -815,13 +815,13 @@ def main(argv: list[str] | None = None) -> int:
 @contextlib.contextmanager
 def one_line_warnings():
     """While a command runs, every Python warning prints as one line, `warning: MESSAGE` on stderr, without the
-    category, file and source line Python adds (`--debug` keeps Python's form)."""
-    shown = warnings.showwarning
-    warnings.showwarning = show_warning_line
-    try:
+    category, file and source line Python adds (`--debug` keeps Python's form). A DeprecationWarning is for the
+    developers of the code that raises it, not for a user of the command: it is not shown, whatever the filters
+    (a test runner turns them all on)."""
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.showwarning = show_warning_line
         yield
-    finally:
-        warnings.showwarning = shown
 
 
 def show_warning_line(message, category, filename, lineno, file=None, line=None) -> None:
