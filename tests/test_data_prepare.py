@@ -268,6 +268,36 @@ def test_a_crash_while_moving_shards_into_place_is_finished_by_the_rerun(txt_fol
     assert not list(out.glob(".prepare-*"))
 
 
+def test_a_crash_inside_an_open_shard_resumes_identically_and_holds_no_shard_in_memory(txt_folder, tmp_path,
+                                                                                      monkeypatch):
+    """Shards are written as their tokens arrive: a crash leaves a partial NAME.tmp that the next run starts
+    again, never a half shard under a shard's name; and no append holds more than one chunk's tokens."""
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 1)  # a chunk: one document, at most a few hundred tokens
+    fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
+    appended, real_append = [], prepare_module.ShardWriter.append
+
+    def crash_on_the_ninth(self, tokens):
+        appended.append(len(tokens))
+        if len(appended) == 9:
+            raise PrepareInterrupted("killed while a shard is open")
+        real_append(self, tokens)
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch, pytest.raises(PrepareInterrupted):
+        patch.setattr(prepare_module.ShardWriter, "append", crash_on_the_ninth)
+        prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    assert max(appended) < 2000  # half a shard: its tokens went to disk a chunk at a time
+    staging = next(out.glob(".prepare-*"))
+    assert list(staging.glob("*.tmp")), "the crash should have hit an open shard"
+    assert all(read_header(p)[1] == 4000 for p in staging.glob("*.bin"))  # whole shards only under their names
+    meta = prepare_files([txt_folder], out, workers=1, shard_tokens=4000, progress=False)
+    assert meta == {**fresh, "source": meta["source"]}
+    for names in meta["shards"].values():
+        for n in names:
+            assert (out / n).read_bytes() == (tmp_path / "fresh" / n).read_bytes()
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".prepare-*"))
+
+
 def test_a_damaged_resume_state_starts_over(txt_folder, tmp_path, capsys):
     out = tmp_path / "out"
     with interrupted_after_shards(2):

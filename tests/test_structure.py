@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
                   "training.loop"}),
-    ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve", "plan", "doctor",
-               "report"}),
+    ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve",
+               "bench.prepare", "plan", "doctor", "report"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "__main__"}),

@@ -80,6 +80,18 @@ def batch_size_list(text: str) -> list[int]:
                                          f"({e})") from None
 
 
+def char_count_list(text: str) -> list[int]:
+    """--chars: corpus sizes (characters, at least 10,000) separated by commas; 1.2e7 style is fine."""
+    try:
+        sizes = [int(float(part.strip())) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 10_000:
+        raise argparse.ArgumentTypeError(f"{text!r}: give corpus sizes of at least 10000 characters separated by "
+                                         f"commas, e.g. 12e6,120e6")
+    return sizes
+
+
 def seed_list(text: str) -> list[int]:
     """--seeds: distinct seeds separated by commas, each within SEEDS."""
     seeds = [SEED(part.strip()) for part in text.split(",")]
@@ -359,6 +371,18 @@ def cmd_bench_generate(args) -> int:
     return 0
 
 
+def cmd_bench_prepare(args) -> int:
+    from gpt2train.bench.prepare import PrepareBenchOptions, run_prepare_bench
+
+    options = PrepareBenchOptions(inputs=args.inputs, chars=args.chars, workers=args.workers or 0,
+                                  repeats=args.repeats)
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-prepare", ".json")
+    result = run_prepare_bench(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_bench_serve(args) -> int:
     from gpt2train.bench.serve import ServeBenchOptions, run_serve_bench
 
@@ -507,7 +531,8 @@ def add_prepare(sub) -> None:
     split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
     split.add_argument("--val-tokens", type=POSITIVE_INT,
                        help="the first documents, until val holds N tokens, go to val (default: none, --val-fraction decides)")
-    common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer processes (default: all CPU cores)")
+    common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer workers: threads for gpt2, processes for char and bpe "
+                        "(default: all CPU cores)")
     common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
                         help="tokens per shard (default %(default)s)")
     common.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
@@ -666,7 +691,8 @@ def add_ckpt(sub) -> None:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality):
+    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality,
+                          add_bench_prepare):
         add_benchmark(bench)
 
 
@@ -714,6 +740,19 @@ def add_bench_generate(bench) -> None:
                    help="transformers' alone (default: the same as --dtype)")
     p.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
     p.set_defaults(func=cmd_bench_generate)
+
+
+def add_bench_prepare(bench) -> None:
+    p = bench.add_parser("prepare", help="prepare files against the plain fineweb.py loop: tokens/s, wall time, "
+                         "peak memory")
+    p.add_argument("inputs", nargs="*", help="parquet files or folders of them (default: synthetic corpora of "
+                   "--chars characters)")
+    p.add_argument("--chars", type=char_count_list, default="12e6,120e6",
+                   help="synthetic corpus sizes in characters, comma-separated (default %(default)s)")
+    p.add_argument("--workers", type=POSITIVE_INT, help="processes or threads for both (default: all CPU cores)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=1, help="runs of each, alternating (default %(default)s)")
+    p.add_argument("--out", help="JSON file (default runs/bench-prepare-<time>.json)")
+    p.set_defaults(func=cmd_bench_prepare)
 
 
 def add_bench_serve(bench) -> None:

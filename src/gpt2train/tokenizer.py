@@ -60,6 +60,7 @@ def gpt2_encoding():
 
 class GPT2Tokenizer:
     name = "gpt2"
+    encodes_without_gil = True  # tiktoken's encoder releases it: prepare tokenizes in threads
 
     def __init__(self):
         self.enc = gpt2_encoding()

@@ -1,6 +1,7 @@
 """Turn documents into token shards plus a meta.json that records the tokenizer and the counts.
 
-The path of one document: read (`sources.py`) -> tokenized in a worker process, with the end-of-text
+The path of one document: read (`sources.py`) -> tokenized by a worker (a thread for GPT-2's tiktoken,
+which encodes without the GIL; a process for the other tokenizers), with the end-of-text
 token in front so the model learns where documents start -> assigned to train or val by its index ->
 appended to that split's buffer -> written out as an llm.c shard every `shard_tokens` tokens.
 
@@ -27,7 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
-from gpt2train.data.shards import ShardError, open_tokens, out_of_vocab, read_header, tokens_crc32, write_shard
+from gpt2train.data.shards import (
+    ShardError,
+    ShardWriter,
+    open_tokens,
+    out_of_vocab,
+    read_header,
+    tokens_crc32,
+    write_shard,
+)
 from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
 from gpt2train.progress import show_progress
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
@@ -134,25 +143,37 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def ordered_map(fn, items, workers: int, tokenizer):
-    """map(fn, items) over `workers` processes, results in input order, at most 2 * workers chunks in flight
-    (Pool.imap would read the whole corpus ahead into memory)."""
+    """map(fn, items) over `workers` threads or processes, results in input order, at most 2 * workers chunks in
+    flight (Pool.imap would read the whole corpus ahead into memory). Threads where the tokenizer encodes without
+    holding the GIL (tiktoken): nothing is copied between processes and the tokenizer is held once; processes
+    for the others."""
     global _worker_tokenizer
-    if workers <= 1:
+    if workers <= 1 or getattr(tokenizer, "encodes_without_gil", False):
         _worker_tokenizer = tokenizer
-        yield from map(fn, items)
+        if workers <= 1:
+            yield from map(fn, items)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            yield from _in_order(pool.submit, fn, items, workers, lambda future: future.result())
         return
     import multiprocessing as mp
 
     # fork where there is one: spawn would re-run a user's script that lacks an `if __name__ == "__main__"` guard
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
-        in_flight: deque = deque()
-        for item in items:
-            in_flight.append(pool.apply_async(fn, (item,)))
-            if len(in_flight) >= 2 * workers:
-                yield in_flight.popleft().get()
-        while in_flight:
-            yield in_flight.popleft().get()
+        yield from _in_order(lambda f, x: pool.apply_async(f, (x,)), fn, items, workers, lambda result: result.get())
+
+
+def _in_order(submit, fn, items, workers: int, wait):
+    in_flight: deque = deque()
+    for item in items:
+        in_flight.append(submit(fn, item))
+        if len(in_flight) >= 2 * workers:
+            yield wait(in_flight.popleft())
+    while in_flight:
+        yield wait(in_flight.popleft())
 
 
 # --- splitting documents into train and val ------------------------------------------------------------
@@ -221,10 +242,11 @@ class SplitRule:
 
 
 class SplitWriter:
-    """One split's token buffer, written out as a shard every `shard_tokens` tokens.
+    """One split's shards, written as the tokens arrive: each shard file is open until it holds `shard_tokens`
+    tokens (or the split ends), so memory holds one chunk's tokens, not a shard's.
 
-    `marker` = (document index, token offset in it) of the first token not yet in a shard: a resumed run
-    re-tokenizes from there and drops what was already written.
+    `marker` = (document index, token offset in it) of the first token not yet in a finished shard: a resumed
+    run re-tokenizes from there, drops what was already written, and starts the open shard again.
     """
 
     def __init__(self, split: str, folder: Path, shard_tokens: int, vocab_size: int, state: dict | None = None):
@@ -238,55 +260,44 @@ class SplitWriter:
             self.max_ids = [max_token_id(tokens) for tokens in written]
             self.crcs = [tokens_crc32(tokens) for tokens in written]
         self.marker, self.closed = tuple(state["marker"]), state["closed"]
-        self.parts: list[np.ndarray] = []
-        self.docs: list[np.ndarray] = []  # per buffered document: index, first buffered offset, buffered length
-        self.buffered = 0
+        self.open: ShardWriter | None = None  # the shard being written
+        self.open_start: tuple[int, int] | None = None  # (document, offset) of its first token
 
     def state(self, next_doc: int) -> dict:
-        marker = self._first_buffered() if self.buffered else (next_doc, 0)
+        marker = self.open_start if self.open is not None else (next_doc, 0)
         if self.closed:
             marker = (sys.maxsize, 0)
         return {"shards": self.shards, "counts": self.counts, "max_ids": self.max_ids, "crcs": self.crcs,
                 "marker": list(map(int, marker)), "closed": self.closed}
 
-    def _first_buffered(self) -> tuple[int, int]:
-        first = self.docs[0]
-        return int(first[0, 0]), int(first[1, 0])
-
     def add(self, tokens: np.ndarray, doc_index: np.ndarray, doc_offset: np.ndarray, doc_len: np.ndarray) -> None:
+        """Append tokens: the documents doc_index, from doc_offset on, doc_len tokens of each, in order."""
         keep = doc_len > 0
-        if not keep.any():
-            return
-        self.parts.append(tokens)
-        self.docs.append(np.stack([doc_index[keep], doc_offset[keep], doc_len[keep]]))
-        self.buffered += tokens.size
-        while self.buffered >= self.shard_tokens:
-            self._write(self.shard_tokens)
+        doc_index, doc_offset, doc_len = doc_index[keep], doc_offset[keep], doc_len[keep]
+        ends = np.cumsum(doc_len)
+        done = 0
+        while done < tokens.size:
+            if self.open is None:
+                self.open = ShardWriter(self.folder / f"{self.split}_{len(self.shards):06d}.bin", self.vocab_size)
+                j = int(np.searchsorted(ends, done, side="right"))  # the document of token `done`
+                self.open_start = (int(doc_index[j]), int(doc_offset[j] + done - (ends[j] - doc_len[j])))
+            take = min(tokens.size - done, self.shard_tokens - self.open.count)
+            self.open.append(tokens[done:done + take])
+            done += take
+            if self.open.count == self.shard_tokens:
+                self._close_shard()
 
     def finish(self) -> None:
-        if self.buffered:
-            self._write(self.buffered)
+        if self.open is not None:
+            self._close_shard()
         self.closed = True
 
-    def _write(self, n: int) -> None:
-        tokens = np.concatenate(self.parts) if len(self.parts) != 1 else self.parts[0]
-        docs = np.concatenate(self.docs, axis=1)
-        name = f"{self.split}_{len(self.shards):06d}.bin"
-        self.crcs.append(write_shard(self.folder / name, tokens[:n], self.vocab_size))
-        self.shards.append(name)
-        self.counts.append(int(n))
-        self.max_ids.append(max_token_id(tokens[:n]))
-        # keep what is left, with the first remaining document's offset moved past the written tokens
-        ends = np.cumsum(docs[2])
-        j = int(np.searchsorted(ends, n, side="right"))
-        rest = docs[:, j:].copy()
-        if rest.shape[1]:
-            written = n - (int(ends[j]) - int(docs[2, j]))
-            rest[1, 0] += written
-            rest[2, 0] -= written
-        self.parts = [tokens[n:].copy()] if tokens.size > n else []  # a copy frees the written tokens
-        self.docs = [rest] if rest.shape[1] else []
-        self.buffered = tokens.size - n
+    def _close_shard(self) -> None:
+        self.counts.append(int(self.open.count))
+        self.max_ids.append(int(self.open.max_id))
+        self.crcs.append(self.open.close())
+        self.shards.append(self.open.path.name)
+        self.open = self.open_start = None
 
 
 # --- too few documents to split ------------------------------------------------------------------------

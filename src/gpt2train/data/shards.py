@@ -62,27 +62,58 @@ def tokens_crc32(tokens: np.ndarray, chunk: int = 1 << 25) -> int:
     return crc
 
 
+class ShardWriter:
+    """One shard written as its tokens arrive, so no more than the tokens of one `append` are ever held:
+    the header's count is filled in at `close`, and the file, written beside as NAME.tmp, is renamed into
+    place only then (a crash never leaves half a shard under the shard's name). Keeps the CRC-32 and the
+    largest id of what it wrote (prepare records both)."""
+
+    def __init__(self, path: str | Path, vocab_size: int):
+        self.path, self.vocab_size, self.dtype = Path(path), vocab_size, token_dtype(vocab_size)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in close() or abandon()
+        self.file.write(bytes(HEADER_BYTES))
+        self.count, self.crc, self.max_id = 0, 0, -1
+
+    def append(self, tokens) -> None:
+        tokens = np.asarray(tokens)
+        if not tokens.size:
+            return
+        lowest, highest = int(tokens.min()), int(tokens.max())
+        if lowest < 0 or highest >= self.vocab_size:
+            bad = highest if highest >= self.vocab_size else lowest
+            self.abandon()
+            raise ShardError(f"{self.path.name}: token id {bad} is outside the vocabulary of {self.vocab_size}; "
+                             f"the tokenizer's vocab_size is wrong")
+        stored = tokens.astype(self.dtype, copy=False)
+        self.file.write(stored.data if stored.flags.c_contiguous else stored.tobytes())
+        self.crc = zlib.crc32(stored.view(np.uint8) if stored.flags.c_contiguous else stored.tobytes(), self.crc)
+        self.count += tokens.size
+        self.max_id = max(self.max_id, highest)
+
+    def close(self) -> int:
+        """Finish the shard under its name; returns its tokens_crc32."""
+        magic = next(m for m, (_, dt) in FORMATS.items() if dt == self.dtype)
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:3] = (magic, FORMATS[magic][0], self.count)
+        self.file.seek(0)
+        self.file.write(header.tobytes())
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return self.crc
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_shard(path: str | Path, tokens, vocab_size: int) -> int:
     """Write tokens (ids < vocab_size) as one shard, atomically; returns its tokens_crc32."""
-    path = Path(path)
-    dtype = token_dtype(vocab_size)
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        bad = int(tokens.max()) if tokens.max() >= vocab_size else int(tokens.min())
-        raise ShardError(f"{path.name}: token id {bad} is outside the vocabulary of {vocab_size}; "
-                         f"the tokenizer's vocab_size is wrong")
-    magic = next(m for m, (_, dt) in FORMATS.items() if dt == dtype)
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (magic, FORMATS[magic][0], tokens.size)
-    tmp = path.with_name(path.name + ".tmp")
-    stored = tokens.astype(dtype, copy=False)
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(stored.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return tokens_crc32(stored)
+    writer = ShardWriter(path, vocab_size)
+    writer.append(tokens)
+    return writer.close()
 
 
 def read_header(path: str | Path) -> tuple[np.dtype, int]:

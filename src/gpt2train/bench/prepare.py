@@ -1,0 +1,292 @@
+"""Prepare speed and memory: `gpt2train prepare files` against the plain loop people write by hand.
+
+The plain loop is build-nanogpt's fineweb.py, written here from its description: a
+`multiprocessing.Pool(workers).imap(tokenize, documents, chunksize=16)` where `tokenize` returns
+`[eot] + encode_ordinary(text)` as uint16, copied into a preallocated shard buffer that is saved with
+np.save when full (the first shard is val). Both run on the same parquet files with the same number of
+processes, one after the other, each in a fresh Python process (the CLI for ours), and are timed from
+start to exit. Peak memory is the largest sum over a run's processes (the parent and its workers) of
+their proportional set size (PSS: a page shared by n processes counts 1/n to each), sampled every 20 ms
+from /proc; where there is no /proc, the largest single process's peak RSS instead (said in the result).
+
+The default corpus is synthetic: documents of 200 to 6,000 characters cut at random from Tiny Shakespeare,
+written as parquet files, at two sizes ten times apart, so that growth of memory with the corpus shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gpt2train.units import format_utc
+
+SYNTHETIC_FILES = 4
+PLAIN_SHARD_TOKENS = 100_000_000  # fineweb.py's shard size
+
+
+@dataclass
+class PrepareBenchOptions:
+    inputs: list[str] = field(default_factory=list)  # the user's files or folders; empty: synthetic corpora
+    chars: list[int] = field(default_factory=lambda: [12_000_000, 120_000_000])  # synthetic corpus sizes
+    workers: int = 0  # processes for both (0: this machine's CPU count)
+    repeats: int = 1
+
+
+@dataclass
+class Run:
+    impl: str  # "gpt2train" or "plain loop"
+    corpus: str
+    tokens: int
+    wall_s: float
+    peak_mib: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+# --- the plain loop (runs in its own process: python -m gpt2train.bench.prepare INPUT... --out DIR) -------
+_encoding = None
+
+
+def _plain_tokenize(text: str) -> np.ndarray:
+    tokens = [_encoding.eot_token]
+    tokens.extend(_encoding.encode_ordinary(text))
+    return np.array(tokens).astype(np.uint16)
+
+
+def _plain_init():
+    global _encoding
+    from gpt2train.tokenizer import gpt2_encoding
+
+    _encoding = gpt2_encoding()
+
+
+def _parquet_texts(paths: list[Path]):
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
+            yield from batch.column(0).to_pylist()
+
+
+def plain_loop(paths: list[Path], out_dir: Path, workers: int, shard_tokens: int = PLAIN_SHARD_TOKENS) -> int:
+    """fineweb.py's loop over parquet files; returns the number of tokens written."""
+    import multiprocessing as mp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    buffer = np.empty(shard_tokens, dtype=np.uint16)
+    shard, count, total = 0, 0, 0
+
+    def save(n: int):
+        np.save(out_dir / f"{'val' if shard == 0 else 'train'}_{shard:06d}.npy", buffer[:n])
+
+    with mp.get_context("fork").Pool(workers, initializer=_plain_init) as pool:
+        for tokens in pool.imap(_plain_tokenize, _parquet_texts(paths), chunksize=16):
+            total += tokens.size
+            while tokens.size:
+                take = min(tokens.size, shard_tokens - count)
+                buffer[count:count + take] = tokens[:take]
+                count, tokens = count + take, tokens[take:]
+                if count == shard_tokens:
+                    save(count)
+                    shard, count = shard + 1, 0
+    if count:
+        save(count)
+    return total
+
+
+# --- measuring a run ----------------------------------------------------------------------------------
+def _tree(pid: int) -> list[int]:
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        i += 1
+    return pids
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def has_proc() -> bool:
+    return Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
+
+
+def measure(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    """(wall seconds, peak MiB, stderr) of a command run to its end; ChildProcessError with its last line when
+    it fails."""
+    peak = [0]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], sum(_pss_kib(p) for p in _tree(proc.pid)))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if has_proc():
+        sampler.start()
+    _, stderr = proc.communicate()
+    wall = time.perf_counter() - start
+    done.set()
+    if sampler.is_alive():
+        sampler.join()
+    if proc.returncode != 0:
+        last = stderr.strip().splitlines()[-1].removeprefix("error: ") if stderr.strip() else f"exit {proc.returncode}"
+        raise ChildProcessError(f"{' '.join(cmd[1:5])} ...: {last}")
+    if not has_proc():  # the largest single child's peak RSS (KiB on Linux, bytes on macOS)
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        peak[0] = rss // 1024 if sys.platform == "darwin" else rss
+    return wall, peak[0] / 1024, stderr
+
+
+def run_ours(paths: list[Path], out: Path, workers: int, env: dict) -> tuple[int, float, float]:
+    cmd = [sys.executable, "-m", "gpt2train", "prepare", "files", *map(str, paths), "--out", str(out),
+           "--workers", str(workers)]
+    wall, peak, _ = measure(cmd, env)
+    meta = json.loads((out / "meta.json").read_text())
+    return sum(meta["tokens"].values()), wall, peak
+
+
+def run_plain(paths: list[Path], out: Path, workers: int, env: dict) -> tuple[int, float, float]:
+    cmd = [sys.executable, "-m", "gpt2train.bench.prepare", *map(str, paths), "--out", str(out),
+           "--workers", str(workers)]
+    wall, peak, stderr = measure(cmd, env)
+    return int(stderr.strip().splitlines()[-1].split()[0]), wall, peak
+
+
+# --- the corpus ---------------------------------------------------------------------------------------
+def parquet_files(inputs: list[str]) -> list[Path]:
+    """The user's corpus: parquet files alone, the plain loop's input (SourceError in one line otherwise)."""
+    from gpt2train.data.sources import SourceError, expand_inputs
+
+    paths = expand_inputs(inputs)
+    other = [p for p in paths if p.suffix.lower() != ".parquet"]
+    if not paths or other:
+        raise SourceError(f"bench prepare compares on .parquet files, the plain loop's input; "
+                          f"{'found ' + str(other[0]) if other else 'found none in ' + ' '.join(inputs)}")
+    return paths
+
+
+def write_synthetic_corpus(out_dir: str | Path, chars: int, files: int = SYNTHETIC_FILES, seed: int = 0) -> list[Path]:
+    """Parquet files of about `chars` characters in all: documents of 200-6,000 characters cut at random
+    places from Tiny Shakespeare."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpt2train.data.prepare import shakespeare_text
+
+    text, rng = shakespeare_text(), np.random.default_rng(seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in range(files):
+        docs, size = [], 0
+        while size < chars // files:
+            length = int(rng.integers(200, 6000))
+            start = int(rng.integers(0, len(text) - length))
+            docs.append(text[start:start + length])
+            size += length
+        paths.append(out_dir / f"part_{f:03d}.parquet")
+        pq.write_table(pa.table({"text": docs}), paths[-1])
+    return paths
+
+
+# --- the benchmark ------------------------------------------------------------------------------------
+def run_prepare_bench(options: PrepareBenchOptions, out_path: str | Path) -> dict:
+    workers = options.workers or os.cpu_count() or 1
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:
+        if options.inputs:
+            corpora = [(" ".join(options.inputs), parquet_files(options.inputs))]
+        else:
+            corpora = [(f"synthetic {chars:,} chars", write_synthetic_corpus(Path(tmp) / f"corpus-{chars}", chars))
+                       for chars in options.chars]
+        for name, paths in corpora:
+            for _ in range(options.repeats):  # alternating, so drift in the machine's speed hits both
+                for impl, run in (("plain loop", run_plain), ("gpt2train", run_ours)):
+                    out = Path(tmp) / "out"
+                    tokens, wall, peak = run(paths, out, workers, env)
+                    shutil.rmtree(out)
+                    runs.append(Run(impl, name, tokens, wall, peak))
+                    print(f"  {name}: {impl} {tokens / wall:,.0f} tokens/s, {wall:.2f} s, peak {peak:,.0f} MiB",
+                          file=sys.stderr, flush=True)
+    result = {"workers": workers, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "memory": "PSS summed over the run's processes" if has_proc() else "largest process's peak RSS",
+              "date": format_utc(time.time()), "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in runs],
+              "ratios": ratios(runs)}
+    result["markdown"] = to_markdown(result)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def ratios(runs: list[Run]) -> dict:
+    """Per corpus, ours against the plain loop: speed (tokens/s, from the median wall time) and peak memory."""
+    def median(corpus: str, impl: str, key: str) -> float:
+        return float(np.median([getattr(r, key) for r in runs if r.corpus == corpus and r.impl == impl]))
+
+    return {corpus: {"speed": median(corpus, "plain loop", "wall_s") / median(corpus, "gpt2train", "wall_s"),
+                     "memory": median(corpus, "gpt2train", "peak_mib") / median(corpus, "plain loop", "peak_mib")}
+            for corpus in dict.fromkeys(r.corpus for r in runs)}
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"{result['workers']} workers each (the plain loop's processes; gpt2train's threads for GPT-2's "
+             f"tiktoken), {result['cpus']} CPUs; memory: {result['memory']}", "",
+             "| corpus | impl | tokens | tokens/s | wall (s) | peak memory (MiB) |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in result["runs"]:
+        lines.append(f"| {r['corpus']} | {r['impl']} | {r['tokens']:,} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['wall_s']:.2f} | {r['peak_mib']:,.0f} |")
+    lines.append("")
+    for corpus, ratio in result["ratios"].items():
+        lines.append(f"{corpus}: gpt2train {ratio['speed']:.2f}x the plain loop's speed at "
+                     f"{ratio['memory']:.2f}x its peak memory")
+    return "\n".join(lines)
+
+
+def plain_loop_main(argv=None) -> int:
+    """The plain loop alone, in its own process (run_plain): prints the token count last on stderr."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="fineweb.py's loop over parquet files (gpt2train bench prepare)")
+    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    args = ap.parse_args(argv)
+    from gpt2train.data.sources import expand_inputs
+
+    total = plain_loop(expand_inputs(args.inputs), Path(args.out), args.workers)
+    print(f"{total} tokens", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(plain_loop_main())

@@ -1,0 +1,54 @@
+"""gpt2train bench prepare: ours and the plain fineweb.py loop on the same parquet files, side by side."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from conftest import run_cli
+from gpt2train.bench.prepare import plain_loop, write_synthetic_corpus
+from gpt2train.data.prepare import prepare_files
+from gpt2train.data.shards import open_shard
+from gpt2train.tokenizer import GPT2Tokenizer
+
+
+def test_the_plain_loop_writes_the_tokens_prepare_writes(tmp_path):
+    """Both sides of the comparison do the same work: the same documents, each as [eot] + its tokens."""
+    paths = write_synthetic_corpus(tmp_path / "corpus", 40_000, files=2)
+    texts = [t for p in paths for t in pq.read_table(p).column("text").to_pylist()]
+    assert 40_000 <= sum(map(len, texts)) < 40_000 + 2 * 6000 and all(200 <= len(t) < 6000 for t in texts)
+    total = plain_loop(paths, tmp_path / "plain", workers=2, shard_tokens=5_000)
+    plain = np.concatenate([np.load(p) for p in sorted((tmp_path / "plain").glob("*.npy"),
+                                                         key=lambda p: p.name.split("_")[1])])
+    tok = GPT2Tokenizer()
+    expected = [i for t in texts for i in [tok.eot_id, *tok.encode(t)]]
+    assert total == len(expected) and plain.tolist() == expected
+    meta = prepare_files(paths, tmp_path / "ours", val_fraction=0, workers=2, progress=False)
+    ours = np.concatenate([open_shard(tmp_path / "ours" / n) for n in meta["shards"]["train"]])
+    assert ours.tolist() == expected
+
+
+def test_bench_prepare_reports_both_at_two_sizes(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_cli("bench", "prepare", "--chars", "60000,120000", "--workers", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [(x["corpus"], x["impl"]) for x in runs] == [
+        ("synthetic 60,000 chars", "plain loop"), ("synthetic 60,000 chars", "gpt2train"),
+        ("synthetic 120,000 chars", "plain loop"), ("synthetic 120,000 chars", "gpt2train")]
+    assert runs[0]["tokens"] == runs[1]["tokens"] < runs[2]["tokens"] == runs[3]["tokens"]
+    assert all(x["wall_s"] > 0 and x["peak_mib"] > 10 and x["tokens_per_s"] > 0 for x in runs)
+    assert set(result["ratios"]) == {"synthetic 60,000 chars", "synthetic 120,000 chars"}
+    assert "gpt2train" in r.stdout and "x the plain loop's speed at" in r.stdout and result["workers"] == 2
+
+
+def test_bench_prepare_on_files_that_are_not_parquet_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    r = run_cli("bench", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: bench prepare compares on .parquet files, the plain loop's input; found {tmp_path / 'a.txt'}"]
+    r = run_cli("bench", "prepare", "--chars", "12e6,5")
+    assert r.returncode == 2 and "at least 10000 characters" in r.stderr and len(r.stderr.strip().splitlines()) == 1
