@@ -119,3 +119,18 @@ def test_prepare_hf_streams_a_dataset_on_disk_like_prepare_files_and_resumes(fmt
     assert json.loads((out / "meta.json").read_text()) == hf_meta
     assert shard_bytes(out, hf_meta) == shard_bytes(tmp_path / "hf", hf_meta)
     assert not list(out.glob(".prepare-*"))
+
+
+def test_prepare_hf_dedup_drops_what_prepare_files_dedup_drops(tmp_path, monkeypatch):
+    datasets = datasets_library()
+    texts = ["first", "second", "first", "third", "second", "fourth " * 50] * 3
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.table({"text": texts}), corpus / "part-00000.parquet", row_group_size=4)
+    kwargs = {"workers": 1, "val_fraction": 0.25, "dedup": True, "progress": False}
+    local = prepare_module.prepare_files([corpus], tmp_path / "files", **kwargs)
+    with offline_in_process(datasets, tmp_path, monkeypatch):
+        hub = prepare_module.prepare_hf(str(corpus), tmp_path / "hf", **kwargs)
+    assert hub["dedup"] == local["dedup"] == {"documents_dropped": len(texts) - 4, "hash": "blake2b-128"}
+    assert sum(hub["documents"].values()) == 4
+    assert shard_bytes(tmp_path / "hf", hub) == shard_bytes(tmp_path / "files", local)
