@@ -371,6 +371,89 @@ def test_vocab_above_uint16_writes_uint32_shards(tmp_path):
     assert shard_tokens_of(tmp_path / "out", meta, "val").tolist() == [70_000] + list(range(69_990, 70_000))
 
 
+# --- --dedup -----------------------------------------------------------------------------------------
+def write_jsonl(path, texts) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def duplicated(tmp_path_factory, docs):
+    """(two JSON-lines files whose rows repeat earlier rows, within a file and across the two, and one file of
+    the same rows with every repeat left out, first occurrences kept, number of repeats)."""
+    rows = []
+    for i, d in enumerate(docs):
+        rows.append(d)
+        if i % 7 == 3:
+            rows.append(docs[i // 2])  # an earlier document again
+    rows[10:10] = ["", ""]  # empty documents repeat too
+    rows.append(docs[0] + " ")  # differs by a space: not a duplicate
+    unique = list(dict.fromkeys(rows))
+    root = tmp_path_factory.mktemp("dedup")
+    half = len(rows) // 2
+    files = [write_jsonl(root / "a.jsonl", rows[:half]), write_jsonl(root / "b.jsonl", rows[half:])]
+    return files, write_jsonl(root / "unique.jsonl", unique), len(rows) - len(unique)
+
+
+def without(meta: dict, *keys) -> dict:
+    return {k: v for k, v in meta.items() if k not in keys}
+
+
+def assert_same_shards(meta: dict, a: Path, b: Path) -> None:
+    assert {n: (a / n).read_bytes() for names in meta["shards"].values() for n in names} == \
+        {n: (b / n).read_bytes() for names in meta["shards"].values() for n in names}
+
+
+def test_dedup_drops_repeats_keeps_first_and_equals_the_deduplicated_corpus(duplicated, tmp_path, monkeypatch):
+    files, unique, repeats = duplicated
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 4)  # many chunks, so 2 workers really interleave
+    kwargs = {"shard_tokens": 4000, "progress": False}
+    direct = prepare_files([unique], tmp_path / "direct", workers=1, **kwargs)
+    metas = {w: prepare_files(files, tmp_path / f"w{w}", workers=w, dedup=True, **kwargs) for w in (1, 2)}
+    assert repeats >= 9 and metas[1]["dedup"] == {"documents_dropped": repeats, "hash": "blake2b-128"}
+    assert without(metas[1], "source", "fingerprint", "dedup") == without(direct, "source", "fingerprint")
+    assert_same_shards(direct, tmp_path / "w1", tmp_path / "direct")
+    assert metas[2] == metas[1]
+    assert_same_shards(direct, tmp_path / "w2", tmp_path / "direct")
+    plain = prepare_files(files, tmp_path / "plain", workers=1, **kwargs)  # without --dedup every row stays
+    assert "dedup" not in plain and sum(plain["documents"].values()) == sum(direct["documents"].values()) + repeats
+
+
+def test_dedup_resumes_to_the_uninterrupted_result_and_a_changed_setting_starts_over(duplicated, tmp_path,
+                                                                                     monkeypatch):
+    files, _, repeats = duplicated
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 4)  # the interruption comes mid-corpus, repeats on both sides
+    kwargs = {"workers": 1, "shard_tokens": 4000, "progress": False}
+    fresh = prepare_files(files, tmp_path / "fresh", dedup=True, **kwargs)
+    out = tmp_path / "out"
+    with interrupted_after_shards(3):
+        prepare_files(files, out, dedup=True, **kwargs)
+    (staging,) = out.glob(".prepare-*")
+    assert sum(map(len, fresh["shards"].values())) > 5  # the interruption came mid-corpus
+    assert prepare_files(files, out, dedup=True, **kwargs) == fresh
+    assert_same_shards(fresh, out, tmp_path / "fresh")
+    assert fresh["dedup"]["documents_dropped"] == repeats  # repeats before the restart point counted too
+
+    other = tmp_path / "other"
+    with interrupted_after_shards(3):
+        prepare_files(files, other, dedup=True, **kwargs)
+    plain = prepare_files(files, other, **kwargs)  # the dedup run's shards are not resumed without --dedup
+    assert plain == prepare_files(files, tmp_path / "plain", **kwargs)
+    assert plain["fingerprint"] != fresh["fingerprint"] and staging.name == f".prepare-{fresh['fingerprint']}"
+    assert_same_shards(plain, other, tmp_path / "plain")
+    assert not list(other.glob(".prepare-*"))
+    assert prepare_files(files, other, dedup=True, **kwargs)["dedup"]["documents_dropped"] == repeats  # not a no-op
+
+
+def test_cli_dedup_says_how_many_documents_it_dropped(duplicated, tmp_path):
+    files, unique, repeats = duplicated
+    r = run_cli("prepare", "files", *map(str, files), "--out", str(tmp_path / "d"), "--dedup", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    kept = len(unique.read_text().splitlines())
+    assert f"{kept} documents, {repeats} duplicates dropped (gpt2 tokenizer" in r.stdout, r.stdout
+    assert json.loads((tmp_path / "d" / "meta.json").read_text())["dedup"]["documents_dropped"] == repeats
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
     assert decode_utf8(b"ok \xff\xfe and \xe2\x82 \xef\xbf\xbd") == ("ok \ufffd\ufffd and \ufffd \ufffd", 3)

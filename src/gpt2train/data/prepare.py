@@ -37,7 +37,7 @@ from gpt2train.data.shards import (
     tokens_crc32,
     write_shard,
 )
-from gpt2train.data.sources import DocumentReader, HFStreamReader, SourceError
+from gpt2train.data.sources import DedupReader, DocumentReader, HFStreamReader, SourceError
 from gpt2train.progress import show_progress
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
@@ -378,12 +378,15 @@ def dataset_is_complete(out: Path, meta: dict) -> bool:
 
 def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, val_fraction: float | None = None,
                       val_tokens: int | None = None, workers: int | None = None,
-                      shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True) -> dict:
+                      shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True,
+                      dedup: bool = False) -> dict:
     """Tokenize the reader's documents into OUT/{train,val}_NNNNNN.bin + meta.json; returns the meta dict.
 
     A re-run with the same inputs and options finds meta.json up to date and returns at once; a run that
-    was interrupted resumes after the last shard it wrote.
+    was interrupted resumes after the last shard it wrote. dedup: drop exact duplicate documents (DedupReader).
     """
+    if dedup:
+        reader = DedupReader(reader)
     out = Path(out_dir)
     created = not out.exists()
     try:
@@ -467,6 +470,8 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
             "shard_crc32": {s: w.crcs for s, w in writers.items()},
             "documents": {"train": n_docs - n_val_docs, "val": n_val_docs},
             "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
+    if isinstance(reader, DedupReader):
+        meta["dedup"] = reader.describe()
     install(staging, out, meta)
     if reader.replacements and progress:
         print(f"warning: {reader.replacements:,} invalid UTF-8 sequences were replaced by U+FFFD "

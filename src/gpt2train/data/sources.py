@@ -4,10 +4,12 @@ Hugging Face dataset streamed by name.
 One document is one .txt file, one JSON line or one Parquet/Arrow row. Documents come out as `str`, in a
 fixed order (folders are walked recursively in sorted order), so a corpus always tokenizes the same way.
 Bytes that are not valid UTF-8 become U+FFFD and are counted in `DocumentReader.replacements`.
+`DedupReader` drops exact duplicates from any of these readers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -212,3 +214,59 @@ class HFStreamReader:
 
     def input_fingerprint(self) -> list:
         return [["hf", self.name, self.config, self.split, self.text_field]]
+
+
+DEDUP_HASH = "blake2b-128"  # of the document's UTF-8; recorded in meta.json and the prepare fingerprint
+
+
+class DedupReader:
+    """Another reader's documents without exact duplicates: a document whose text was seen before is dropped,
+    the first occurrence kept. Deciding in the reading order, before documents are split into work, makes the
+    result independent of the number of workers; every pass starts an empty set, so a resume, which reads
+    the documents before its restart point again, drops the same ones. Memory: a 16-byte digest per distinct
+    document in a Python set, about 80 bytes each (83 MB measured for a million)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.dropped = 0
+
+    @property
+    def rereadable(self) -> bool:
+        return self.reader.rereadable
+
+    @property
+    def files(self) -> list:
+        return self.reader.files
+
+    @property
+    def text_field(self) -> str:
+        return self.reader.text_field
+
+    @property
+    def replacements(self) -> int:
+        return self.reader.replacements
+
+    def __iter__(self) -> Iterator[str]:
+        self.dropped = 0
+        seen: set[bytes] = set()
+        documents = iter(self.reader)
+        try:
+            for text in documents:
+                # surrogatepass: a lone surrogate from a JSON escape still hashes as itself
+                digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+                if digest in seen:
+                    self.dropped += 1
+                    continue
+                seen.add(digest)
+                yield text
+        finally:
+            if hasattr(documents, "close"):
+                documents.close()  # a file the inner reader holds open is closed now, not when collected
+
+    def input_fingerprint(self) -> list:
+        """The inner reader's, plus the dedup rule: a prepare with and one without dedup never resume each other."""
+        return [*self.reader.input_fingerprint(), ["dedup", DEDUP_HASH]]
+
+    def describe(self) -> dict:
+        """For meta.json."""
+        return {"documents_dropped": self.dropped, "hash": DEDUP_HASH}
