@@ -190,16 +190,36 @@ def test_real_hellaswag_arrow_folder(gpt2, tmp_path):
     assert train[:len(head)].tolist() == head
 
 
-def test_worker_count_does_not_change_a_byte(txt_folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])  # tokenized in threads / in processes
+def test_worker_count_does_not_change_a_byte(txt_folder, tmp_path, monkeypatch, tokenizer):
     import gpt2train.data.prepare as prep
 
     monkeypatch.setattr(prep, "CHUNK_DOCS", 4)  # many chunks, so the workers really interleave
     outs = []
-    for workers in (1, 2):
+    for workers in (1, 2, 3):
         out = tmp_path / f"w{workers}"
-        meta = prepare_files([txt_folder], out, workers=workers, shard_tokens=5000, progress=False)
+        meta = prepare_files([txt_folder], out, tokenizer, workers=workers, shard_tokens=5000, progress=False)
         outs.append({n: (out / n).read_bytes() for names in meta["shards"].values() for n in names})
-    assert outs[0] == outs[1] and len(outs[0]) > 4
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) > 4
+
+
+def test_gpt2_tokenizes_in_threads_and_char_in_processes(txt_folder, tmp_path, monkeypatch):
+    """tiktoken encodes without the GIL, so GPT-2's workers are threads of this process (nothing pickled, one
+    tokenizer in memory); the char tokenizer is Python and holds the GIL: processes."""
+    import multiprocessing.pool
+
+    started = []
+    real_pool = multiprocessing.pool.Pool.__init__
+
+    def pool(self, *args, **kwargs):
+        started.append(args)
+        real_pool(self, *args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.pool.Pool, "__init__", pool)
+    prepare_files([txt_folder], tmp_path / "gpt2", workers=2, progress=False)
+    assert started == []
+    prepare_files([txt_folder], tmp_path / "char", "char", workers=2, progress=False)
+    assert len(started) == 1
 
 
 def test_meta_records_each_shards_count_and_largest_id(txt_folder, char_data, tmp_path):
