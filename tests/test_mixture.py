@@ -247,3 +247,27 @@ def test_resume_into_another_data_layout_is_refused_in_one_line(char_data, tmp_p
     assert "resume with those sources and weights" in one_line(DataError, train, cfg, tmp_path / "mixed", resume="auto")
     plain = tiny_config(char_data, max_steps=12)
     assert "resume with the same data.sources" in one_line(DataError, train, plain, tmp_path / "mixed", resume="auto")
+
+
+def test_eval_and_report_show_each_source_and_the_mixture(char_data, tmp_path):
+    """`gpt2train eval` of a mixture's checkpoint: eval.json's val is the mixture, with each source under
+    sources; the report's metrics.json has each source's val loss at the best val step."""
+    second = tmp_path / "second-source"
+    shutil.copytree(char_data, second)
+    cfg = tiny_config(char_data, max_steps=5)
+    cfg.data.sources = [f"{char_data}=3", f"{second}=1"]
+    train(cfg, tmp_path / "run")
+    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--tasks", "val", "--limit", "4", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert f"loss {second}" in r.stdout
+    val = json.loads((tmp_path / "run" / "checkpoints" / "step_00000005" / "eval.json").read_text())["tasks"]["val"]
+    each = val["sources"]
+    assert set(each) == {str(char_data), str(second)} and all(e["windows"] == 4 for e in each.values())
+    assert val["loss"] == pytest.approx(0.75 * each[str(char_data)]["loss"] + 0.25 * each[str(second)]["loss"], rel=1e-12)
+    assert val["windows"] == 8 and val["bpb"] is not None
+    r = run_cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "report"))
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "report" / "metrics.json").read_text())["runs"][0]
+    last_val = [v for v in load_metrics(tmp_path / "run") if v["kind"] == "val"][-1]
+    assert summary["best_val_sources"] == last_val["sources"]
+    assert "val loss per source at best val" in (tmp_path / "report" / "report.html").read_text()

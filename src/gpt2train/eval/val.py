@@ -83,16 +83,22 @@ def mixture_validation(model: torch.nn.Module, source: MixtureLoader, batches: i
     keys (the overall numbers; tokens, bytes and windows summed) and "sources": {folder: its own}."""
     per = {name: validation_loss(model, loader, batches, autocast, progress=progress, token_bytes=token_bytes)
            for name, loader in zip(source.names, source.loaders)}
-    share = dict(zip(source.names, source.share.tolist()))
+    return combine_sources(per, dict(zip(source.names, source.share.tolist())))
+
+
+def combine_sources(per: dict[str, dict], share: dict[str, float]) -> dict:
+    """The mixture's numbers from each source's validation_loss dict (mixture_validation says how)."""
     loss = sum(share[name] * out["loss"] for name, out in per.items())
     bpb = None
-    if token_bytes is not None and all(out["bytes"] for out in per.values()):
+    if all(out["bytes"] for out in per.values()):
         bits = sum(share[name] * out["loss"] / math.log(2) for name, out in per.items())
         bpb = bits / sum(share[name] * out["bytes"] / out["tokens"] for name, out in per.items())
+    with_bytes = all(out["bytes"] is not None for out in per.values())
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "bpb": bpb,
             "tokens": sum(out["tokens"] for out in per.values()),
-            "bytes": sum(out["bytes"] for out in per.values()) if token_bytes is not None else None,
-            "windows": sum(out["windows"] for out in per.values()), "seq_len": source.T, "sources": per}
+            "bytes": sum(out["bytes"] for out in per.values()) if with_bytes else None,
+            "windows": sum(out["windows"] for out in per.values()), "seq_len": next(iter(per.values()))["seq_len"],
+            "sources": per}
 
 
 @torch.no_grad()
