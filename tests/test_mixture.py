@@ -271,3 +271,23 @@ def test_eval_and_report_show_each_source_and_the_mixture(char_data, tmp_path):
     last_val = [v for v in load_metrics(tmp_path / "run") if v["kind"] == "val"][-1]
     assert summary["best_val_sources"] == last_val["sources"]
     assert "val loss per source at best val" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_plan_shows_epochs_per_source_and_warns_past_four(char_data, tmp_path):
+    """Each source's share of the budget over its train tokens; one past MAX_EPOCHS gets a warning line."""
+    from gpt2train import plan as P
+
+    second = tmp_path / "second-source"
+    shutil.copytree(char_data, second)
+    cfg = tiny_config(char_data, max_steps=40_000)  # 128 tokens a step: 5.12M tokens
+    cfg.data.sources = [f"{char_data}=9", f"{second}=1"]
+    plan = P.make_plan(cfg, P.target_device("H100"), runs_dir=tmp_path)
+    train_tokens = json.loads((char_data / "meta.json").read_text())["tokens"]["train"]
+    assert [(s.folder, s.share, s.train_tokens) for s in plan.sources] == [
+        (str(char_data), 0.9, train_tokens), (str(second), 0.1, train_tokens)]
+    first, other = (s.epochs(plan.budget_tokens) for s in plan.sources)
+    assert first == pytest.approx(0.9 * 40_000 * 128 / train_tokens) and first > P.MAX_EPOCHS > other
+    text = P.format_plan(plan)
+    warnings = [line for line in text.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and str(char_data) in warnings[0] and f"more than {P.MAX_EPOCHS}" in warnings[0]
+    assert f"data        {second} (10.0% of the tokens)" in text
