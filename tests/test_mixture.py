@@ -6,15 +6,21 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import one_line, run_cli, tiny_config
-from gpt2train.config import ConfigError, DataConfig, load_config
+from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train.checkpoint import newest_checkpoint
+from gpt2train.config import ConfigError, DataConfig, dump_toml, load_config
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.mixture import MixtureLoader, data_meta
 from gpt2train.data.prepare import prepare_files
@@ -291,3 +297,49 @@ def test_plan_shows_epochs_per_source_and_warns_past_four(char_data, tmp_path):
     warnings = [line for line in text.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and str(char_data) in warnings[0] and f"more than {P.MAX_EPOCHS}" in warnings[0]
     assert f"data        {second} (10.0% of the tokens)" in text
+
+
+def test_a_mixture_run_killed_with_sigkill_resumes_through_the_cli_to_the_same_losses_and_weights(char_data, tmp_path):
+    """`gpt2train train` killed with SIGKILL (kill -9) after its checkpoint at step 4 or later, then
+    `--resume auto`: every logged train and val loss, each source's val losses and the final weights equal those of
+    an uninterrupted CLI run (fp32 on CPU, one thread in both)."""
+    second = tmp_path / "second-source"
+    shutil.copytree(char_data, second)
+    cfg = tiny_config(char_data, max_steps=24)
+    cfg.data.sources = [f"{char_data}=2", f"{second}=1"]
+    cfg.checkpoint.every_steps = 2
+    config = tmp_path / "cfg.toml"
+    config.write_text(dump_toml(cfg))
+    env = {"OMP_NUM_THREADS": "1"}
+    straight = run_cli("train", "--config", str(config), "--out", str(tmp_path / "straight"), env=env)
+    assert straight.returncode == 0, straight.stderr
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "train", "--config", str(config), "--out", str(run)],
+                            env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while (newest_checkpoint(run, warn=False) if (run / "checkpoints").is_dir() else None) is None or \
+                int(newest_checkpoint(run, warn=False).name.split("_")[-1]) < 4:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    killed_at = max(r["step"] for r in load_metrics(run) if r["kind"] == "train")
+    assert proc.returncode == -signal.SIGKILL and killed_at < 24  # killed mid-run, not after it finished
+
+    resumed = run_cli("train", "--config", str(config), "--out", str(run), "--resume", "auto", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+
+    def series(folder):
+        records = load_metrics(folder)
+        return ({r["step"]: r["loss"] for r in records if r["kind"] == "train"},
+                {r["step"]: (r["val_loss"], r["sources"]) for r in records if r["kind"] == "val"})
+
+    assert series(run) == series(tmp_path / "straight")  # exact floats, the redone steps' records replacing the old
+    final = "checkpoints/step_00000024/model.safetensors"
+    a, b = load_file(tmp_path / "straight" / final), load_file(run / final)
+    assert all(torch.equal(a[k], b[k]) for k in a)
