@@ -72,9 +72,13 @@ class MixtureLoader:
         self.names = [str(folder) for folder, _ in sources]
         self.weights = [float(w) for _, w in sources]
         self.share = np.array(self.weights) / sum(self.weights)
-        self.loaders = [TokenLoader(folder, split, batch_size, seq_len, rank=rank, world_size=world_size, seed=seed,
-                                    order=order, mode=mode, device=device, vocab_size=vocab_size)
-                        for folder, _ in sources]
+        self.loaders = []
+        for folder, _ in sources:
+            try:
+                self.loaders.append(TokenLoader(folder, split, batch_size, seq_len, rank=rank, world_size=world_size,
+                                                seed=seed, order=order, mode=mode, device=device, vocab_size=vocab_size))
+            except DataError as e:  # say which source, when the message does not
+                raise (e if str(folder) in str(e) else DataError(f"data.sources {folder}: {e}")) from None
         self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.order, self.device = order, torch.device(device)
