@@ -343,3 +343,20 @@ def test_a_mixture_run_killed_with_sigkill_resumes_through_the_cli_to_the_same_l
     final = "checkpoints/step_00000024/model.safetensors"
     a, b = load_file(tmp_path / "straight" / final), load_file(run / final)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensorboard_gets_each_sources_val_loss(tmp_path):
+    pytest.importorskip("tensorboard", reason="log.tensorboard needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gpt2train.runlog import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    logger.log("val", step=5, tokens=640, val_loss=3.0, val_ppl=20.0, val_bpb=None,
+               sources={"data/web": {"val_loss": 2.5, "val_bpb": None}, "data/code": {"val_loss": 4.5, "val_bpb": 1.5}})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("val/sources/data/web/val_loss")] == [(5, 2.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("val/sources/data/code/val_bpb")] == [(5, 1.5)]
+    assert "val/sources/data/web/val_bpb" not in acc.Tags()["scalars"]

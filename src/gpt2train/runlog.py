@@ -137,6 +137,9 @@ class MetricsLogger:
             return
         scalars = {f"{kind}/{k}": v for k, v in fields.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for name, each in (fields.get("sources") or {}).items():  # a mixture's: val/sources/FOLDER/val_loss
+            scalars.update({f"{kind}/sources/{name}/{k}": v for k, v in each.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
