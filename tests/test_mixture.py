@@ -360,3 +360,19 @@ def test_tensorboard_gets_each_sources_val_loss(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("val/sources/data/web/val_loss")] == [(5, 2.5)]
     assert [(e.step, e.value) for e in acc.Scalars("val/sources/data/code/val_bpb")] == [(5, 1.5)]
     assert "val/sources/data/web/val_bpb" not in acc.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("weights", [[3, 1, 0.5], [1, 1, 1], [0.7, 0.3], [5]])
+def test_row_rule_is_the_argmax_of_each_sources_deficit(weights):
+    """assign_rows (Python floats, for speed) against the rule written with numpy, row by row, in uneven steps."""
+    from gpt2train.data.mixture import assign_rows
+
+    share = np.array(weights, dtype=float) / sum(weights)
+    taken, expected_taken, got, expected = np.zeros(len(share), np.int64), np.zeros(len(share), np.int64), [], []
+    for n in [1, 7, 2, 64, 3, 100]:
+        got += assign_rows(share, taken, n).tolist()
+        for _ in range(n):
+            s = int(np.argmax(share * (expected_taken.sum() + 1) - expected_taken))
+            expected.append(s)
+            expected_taken[s] += 1
+    assert got == expected and taken.tolist() == expected_taken.tolist()

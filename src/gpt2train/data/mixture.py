@@ -55,13 +55,14 @@ def open_loader(data: DataConfig, split: str, batch_size: int, seq_len: int, *, 
 
 def assign_rows(share: np.ndarray, taken: np.ndarray, n: int) -> np.ndarray:
     """The sources of the stream's next n rows (the rule above); `taken` (rows per source so far) moves on."""
-    out = np.empty(n, dtype=np.int64)
-    done = int(taken.sum())
-    for i in range(n):
-        s = int(np.argmax(share * (done + i + 1) - taken))
-        out[i] = s
-        taken[s] += 1
-    return out
+    share_of, rows, sources = share.tolist(), taken.tolist(), range(len(share))  # Python floats: a few sources
+    done, out = sum(rows), []                                                   # are faster than numpy calls
+    for k in range(done + 1, done + n + 1):
+        s = max(sources, key=lambda j: share_of[j] * k - rows[j])  # the first of equals, as argmax
+        out.append(s)
+        rows[s] += 1
+    taken[:] = rows
+    return np.array(out, dtype=np.int64)
 
 
 class MixtureLoader:
