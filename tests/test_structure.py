@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "config", "runtime", "generation"}),
-    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader"}),
+    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",

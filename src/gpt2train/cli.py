@@ -183,8 +183,9 @@ def no_config_line(cfg) -> str:
 
     m, t = cfg.model, cfg.train
     params = parameter_count(replace(m, vocab_size=m.vocab_size or GPT2_VOCAB_SIZE))
+    data = ", ".join(cfg.data.sources) or cfg.data.dir
     return (f"no --config: training the built-in defaults, a GPT-2 of {format_count(params)} parameters "
-            f"({m.n_layer} layers x {m.n_embd}, context {m.block_size}) for {t.max_steps:,} steps on {cfg.data.dir} "
+            f"({m.n_layer} layers x {m.n_embd}, context {m.block_size}) for {t.max_steps:,} steps on {data} "
             "(`gpt2train config show`); on a CPU try --config shakespeare-cpu (`gpt2train config list`)")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import sys
 import types
 import typing
@@ -39,6 +40,9 @@ class DataConfig:
     dir: str = "data/shakespeare"  # folder written by `gpt2train prepare` (meta.json + shards)
     loader: str = "auto"  # ram: load all tokens; memmap: read from disk; auto: ram when it fits
     order: str = "random"  # random windows, or sequential epochs over a seeded permutation of windows
+    # Several prepared folders at once, each "DIR=WEIGHT" (e.g. ["data/web=3", "data/code=1"]): each batch takes
+    # rows from each in proportion to its weight (data/mixture.py). Empty: data.dir alone.
+    sources: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -211,7 +215,33 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(str(e)) from None
     if train.seq_len > model.block_size:
         raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}")
+    data_sources(cfg.data)
     return cfg
+
+
+def data_sources(data: DataConfig) -> list[tuple[str, float]]:
+    """The (folder, weight) pairs a run reads: data.sources parsed ("DIR=WEIGHT" each), else data.dir with weight 1.
+    One-line ConfigError for an entry without a positive weight or a folder named twice."""
+    if not data.sources:
+        return [(data.dir, 1.0)]
+    pairs, seen = [], {}
+    for entry in data.sources:
+        folder, sep, raw = entry.rpartition("=")  # the weight follows the last "=": a folder may contain one
+        try:
+            weight = float(raw) if sep and folder.strip() else math.nan
+        except ValueError:
+            weight = math.nan
+        if not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(f"data.sources entry {entry!r} is not DIR=WEIGHT with a positive weight, "
+                              f"e.g. \"data/web=3\"")
+        folder = folder.strip()
+        key = str(Path(folder).resolve())
+        if key in seen:
+            raise ConfigError(f"data.sources names {folder!r} twice ({seen[key]!r} and {entry!r}); "
+                              f"list each folder once and give it the sum of the weights")
+        seen[key] = entry
+        pairs.append((folder, weight))
+    return pairs
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

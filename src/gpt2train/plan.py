@@ -33,6 +33,22 @@ SUGGESTED_LOSS_CHUNK = 1024  # rows per cross-entropy chunk: (1024, 50304) fp32 
 BENCH_GLOB = "bench-*/journey.json"  # what `gpt2train bench` writes under runs/
 
 
+# More epochs than this over one source of a mixture gets a warning: past about 4 repeats, more of the same text
+# helps little (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models").
+MAX_EPOCHS = 4
+
+
+@dataclass
+class SourceEpochs:
+    """One source of a mixture (data.sources): its share of the run's tokens and its train tokens."""
+    folder: str
+    share: float
+    train_tokens: int | None  # None: not prepared yet
+
+    def epochs(self, budget_tokens: int) -> float | None:
+        return self.share * budget_tokens / self.train_tokens if self.train_tokens else None
+
+
 class PlanError(ValueError):
     """Input a plan cannot be made from; the message is one line saying what to fix."""
 
@@ -236,6 +252,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tokens_per_s: float | None = None  # per device, where no peak is known (a CPU): given or measured here
     tokens_per_s_source: str = ""
+    sources: list[SourceEpochs] = field(default_factory=list)  # a mixture's (then train_tokens is None)
 
     @property
     def steps_per_epoch(self) -> float | None:
@@ -261,8 +278,12 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
     if mfu is not None and not 0 < mfu <= 1:
         raise PlanError(f"--mfu {mfu}: give model FLOPs utilization as a fraction in (0, 1], e.g. 0.4")
     notes: list[str] = []
-    data_dir = data_dir or cfg.data.dir
-    meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
+    sources = [] if data_dir else _read_sources(cfg, notes)
+    if sources:
+        data_dir, meta = ", ".join(s.folder for s, _ in sources), next((m for _, m in sources if m), None)
+    else:
+        data_dir = data_dir or cfg.data.dir
+        meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
     if cfg.model.vocab_size <= 0:
         notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
     cfg = config_as_trained(cfg, gpus, meta, device)
@@ -287,9 +308,9 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
                 flops_per_token=per_token, tokens_per_step=tokens_per_step, grad_accum=accum,
                 budget_tokens=cfg.train.max_steps * tokens_per_step,
                 chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
-                train_tokens=int(meta["tokens"]["train"]) if meta else None, peak_flops=peak, mfu=mfu,
+                train_tokens=int(meta["tokens"]["train"]) if meta and not sources else None, peak_flops=peak, mfu=mfu,
                 mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes, tokens_per_s=speed,
-                tokens_per_s_source=speed_source)
+                tokens_per_s_source=speed_source, sources=[s for s, _ in sources])
 
 
 CPU_FLOPS_FLOOR = 2e10  # FLOP/s: a slow CPU, to decide whether timing a step here is quick
@@ -319,6 +340,24 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
     elapsed = sum(step().seconds for _ in range(steps))
     speed = B * T * steps / elapsed
     return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
+
+
+def _read_sources(cfg: Config, notes: list[str]) -> list[tuple[SourceEpochs, dict | None]]:
+    """data.sources with each one's meta.json (None, with a note, where not prepared yet); [] without sources.
+    Sources of different tokenizers are refused here as the trainer refuses them."""
+    from gpt2train.config import data_sources
+    from gpt2train.data.mixture import data_meta
+
+    pairs = data_sources(cfg.data) if cfg.data.sources else []
+    total = sum(weight for _, weight in pairs)
+    out = []
+    for folder, weight in pairs:
+        meta = _read_meta(folder, required=False, notes=notes)
+        out.append((SourceEpochs(folder, weight / total, int(meta["tokens"]["train"]) if meta else None), meta))
+    if out and all(meta for _, meta in out):
+        shared = data_meta(cfg.data)  # one tokenizer; the largest vocabulary
+        out[0] = (out[0][0], shared)
+    return out
 
 
 def _read_meta(data_dir: str, required: bool, notes: list[str]) -> dict | None:
@@ -371,6 +410,7 @@ def format_plan(plan: Plan) -> str:
         f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
         f"{_figure(plan.budget_tokens / plan.chinchilla_tokens, 2)}x of it",
     ]
+    lines += _source_lines(plan)
     if plan.train_tokens:
         lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {_figure(plan.steps_per_epoch, 1)} "
                      f"steps/epoch; the budget is {_figure(plan.epochs, 2)} epochs")
@@ -390,6 +430,21 @@ def format_plan(plan: Plan) -> str:
     lines += _memory_lines(plan)
     lines += [f"note        {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _source_lines(plan: Plan) -> list[str]:
+    """A mixture's sources: each one's share, train tokens and the epochs the budget makes over it; a warning
+    past MAX_EPOCHS."""
+    lines = []
+    for s in plan.sources:
+        epochs = s.epochs(plan.budget_tokens)
+        size = (f"{s.train_tokens:,} train tokens; the budget is {_figure(epochs, 2)} epochs of it" if epochs is not None
+                else "not prepared: epochs unknown")
+        lines.append(f"data        {s.folder} ({_figure(100 * s.share, 1)}% of the tokens): {size}")
+        if epochs is not None and epochs > MAX_EPOCHS:
+            lines.append(f"warning     {_figure(epochs, 1)} epochs over {s.folder}, more than {MAX_EPOCHS}: repeated "
+                         f"text helps little; lower its weight or train.max_steps, or prepare more of it")
+    return lines
 
 
 def _memory_lines(plan: Plan) -> list[str]:

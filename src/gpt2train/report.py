@@ -106,6 +106,25 @@ def _missing(runs: list[Run], what: str, has) -> list[str]:
     return [f"No {what} in {', '.join(lacking)}."] if lacking and len(lacking) < len(runs) else []
 
 
+SOURCE_MARKERS = ("s", "^", "v", "D", "P", "X")
+
+
+def _source_names(runs: list[Run]) -> list[str]:
+    """The sources of the runs' mixtures (data.sources), in the order first logged."""
+    names = {}
+    for run in runs:
+        for r in run.of("val"):
+            if isinstance(r.get("sources"), dict):
+                names.update(dict.fromkeys(map(str, r["sources"])))
+    return list(names)
+
+
+def _source_records(run: Run, name: str) -> list[dict]:
+    """One source's val records of a mixture, shaped like the overall ones (step, val_loss)."""
+    return [{"step": r.get("step"), **r["sources"][name]} for r in run.of("val")
+            if isinstance(r.get("sources"), dict) and isinstance(r["sources"].get(name), dict)]
+
+
 def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
     title = "Loss"
 
@@ -122,6 +141,9 @@ def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
     for i, run in enumerate(runs):
         ax.plot(*_xy(run.of("train"), "loss"), color=_colour(i), lw=1, alpha=0.8)
         ax.plot(*_xy(run.of("val"), "val_loss"), color=_colour(i), lw=1.5, ls="--", marker="o", ms=4)
+        for j, name in enumerate(_source_names([run])):  # a mixture's sources: dotted, a marker each
+            ax.plot(*_xy(_source_records(run, name), "val_loss"), color=_colour(i), lw=1, ls=":",
+                    marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)], ms=4)
         for start in run.of("run_start")[1:]:  # resumes: where a new launch took over
             if runlog.is_int(start.get("step")):
                 ax.axvline(start["step"], color=_colour(i), lw=1, ls="-.", alpha=0.6)
@@ -131,6 +153,9 @@ def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
     styles = [Line2D([], [], color="grey", lw=1, label="train")]
     if any(has_val(r) for r in runs):
         styles.append(Line2D([], [], color="grey", lw=1.5, ls="--", marker="o", ms=4, label="val"))
+    for j, name in enumerate(_source_names(runs)):
+        styles.append(Line2D([], [], color="grey", lw=1, ls=":", marker=SOURCE_MARKERS[j % len(SOURCE_MARKERS)], ms=4,
+                             label=f"val {name}"))
     if any(len(run.of("run_start")) > 1 for run in runs):
         styles.append(Line2D([], [], color="grey", lw=1, ls="-.", label="resume"))
     _legend(fig, runs, styles)
@@ -315,6 +340,8 @@ SUMMARY_ROWS = [
     ("best val loss", "best_val_loss", lambda v: f"{v:.4f}"),
     ("bits/byte at best val", "best_val_bpb", lambda v: f"{v:.4f}"),
     ("best val step", "best_val_step", lambda v: f"{v:,}"),
+    ("val loss per source at best val", "best_val_sources", lambda v: "; ".join(  # a mixture's (data.sources)
+        f"{name} {_format(each['val_loss'], lambda x: f'{x:.4f}')}" for name, each in v.items())),
     ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
     ("mean tokens/s", "mean_tokens_per_s", lambda v: f"{v:,.0f}"),
     ("mean MFU", "mean_mfu", lambda v: f"{100 * v:.1f}%"),
@@ -335,6 +362,9 @@ SUMMARY_ROWS = [
     ("guard events", "guard_events", str),
     ("malformed lines skipped", "malformed_lines", str),
 ]
+
+
+ONLY_WHEN_PRESENT = {"best_val_sources"}  # rows left out where no run has them
 
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:
@@ -381,6 +411,8 @@ def _summary_table(summaries: list[dict]) -> dict:
     """{"runs": the column heads, "rows": (label, one text per run)} for the summary table."""
     rows = []
     for label, key, fmt in SUMMARY_ROWS:
+        if key in ONLY_WHEN_PRESENT and all(s.get(key) is None for s in summaries):
+            continue
         cells = []
         for s in summaries:
             if key is None:

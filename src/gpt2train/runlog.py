@@ -52,7 +52,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
                 "flops_per_token", "peak_flops", "resumed_from"),
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
             "compile_ms"),
-    VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb"),
+    VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb", "sources"),
     HELLASWAG: ("step", "acc", "acc_norm", "n"),
     SAMPLE: ("step", "prompt", "text"),
     GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
@@ -137,6 +137,9 @@ class MetricsLogger:
             return
         scalars = {f"{kind}/{k}": v for k, v in fields.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        for name, each in (fields.get("sources") or {}).items():  # a mixture's: val/sources/FOLDER/val_loss
+            scalars.update({f"{kind}/sources/{name}/{k}": v for k, v in each.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
@@ -393,6 +396,7 @@ def summarize(run: Run) -> dict:
         "wall_s": _wall_seconds(run),
         "best_val_loss": best["val_loss"] if best else None,
         "best_val_bpb": best.get("val_bpb") if best else None,  # absent from runs logged before it existed
+        "best_val_sources": _sources_at(best),
         "best_val_step": best["step"] if best else None,
         "last_train_loss": train[-1].get("loss") if train else None,
         "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),
@@ -443,6 +447,15 @@ def _wall_seconds(run: Run) -> float | None:
             continue
         known = True
     return total if known else None
+
+
+def _sources_at(val: dict | None) -> dict | None:
+    """A mixture's {folder: {"val_loss", "val_bpb"}} of a val record (non-finite values as None); None without."""
+    sources = val.get("sources") if val else None
+    if not isinstance(sources, dict):
+        return None
+    return {str(name): {key: (each.get(key) if is_finite(each.get(key)) else None) for key in ("val_loss", "val_bpb")}
+            for name, each in sources.items() if isinstance(each, dict)}
 
 
 def _mean(values) -> float | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2train.config import Config
+from gpt2train.config import Config, data_sources
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.model import GPTConfig
 from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
@@ -128,7 +128,7 @@ def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
     GPT-2's 50257."""
     notes = []
     data_vocab = None
-    meta = Path(cfg.data.dir) / "meta.json"
+    meta = Path(data_sources(cfg.data)[0][0]) / "meta.json"  # data.dir, or a mixture's first source (one tokenizer)
     if cfg.model.vocab_size <= 0:
         if meta.is_file():
             data_vocab = int(json.loads(meta.read_text())["vocab_size"])

@@ -118,6 +118,8 @@ class TokenLoader:
     def load_state_dict(self, state: dict):
         """Continue a saved stream. Another micro-batch or world size is fine (the stream is drawn in the saved
         unit); another seq_len or order is not: windows would mean other tokens."""
+        if "sources" in state:
+            raise DataError("loader state was saved by a mixture of data.sources; resume with the same data.sources")
         saved_b, saved_t, saved_ranks = state["batch"]
         if saved_t != self.T or state["order"] != self.order:
             raise DataError(f"loader state was saved with seq_len {saved_t} and order {state['order']}; resume "
@@ -136,7 +138,10 @@ class TokenLoader:
     # --- batches -----------------------------------------------------------------------------------
     def _window_ids(self) -> np.ndarray:
         """Global window ids for this step, all ranks together (B * world_size of them)."""
-        n = self.B * self.world_size
+        return self.take_ids(self.B * self.world_size)
+
+    def take_ids(self, n: int) -> np.ndarray:
+        """The stream's next n window ids (a mixture takes a varying number per step: data/mixture.py)."""
         if n == self.draw and not len(self._pending):
             return self._draw()  # the stream's unit is this run's batch: the usual case
         while len(self._pending) < n:
@@ -159,7 +164,10 @@ class TokenLoader:
 
     def _gather(self, out: np.ndarray) -> np.ndarray:
         """Fill out (B, T + 1) with this rank's windows for the next step."""
-        ids = self._window_ids()[self.rank :: self.world_size]
+        return self.gather_ids(self._window_ids()[self.rank :: self.world_size], out)
+
+    def gather_ids(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Fill out (len(ids), T + 1) with the windows of these ids."""
         shard_of = np.searchsorted(self.cum_starts, ids, side="right")
         start = ids - self.first_id[shard_of]
         if self.order == "sequential":

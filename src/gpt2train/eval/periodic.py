@@ -18,7 +18,8 @@ import torch
 
 from gpt2train.config import Config
 from gpt2train.data.loader import TokenLoader
-from gpt2train.eval.val import validation_loss
+from gpt2train.data.mixture import MixtureLoader
+from gpt2train.eval.val import mixture_validation, validation_loss
 from gpt2train.tokenizer import tokenizer_from_spec
 
 SAMPLE_TEMPERATURE = 0.8
@@ -26,7 +27,7 @@ SAMPLE_TOP_K = 200
 
 
 class PeriodicEvals:
-    def __init__(self, cfg: Config, model: torch.nn.Module, val_loader: TokenLoader, tokenizer_spec: dict,
+    def __init__(self, cfg: Config, model: torch.nn.Module, val_loader: TokenLoader | MixtureLoader, tokenizer_spec: dict,
                  autocast: Callable, log: Callable, say: Callable[[str], None], is_main: bool):
         self.cfg, self.model, self.val_loader = cfg, model, val_loader
         self.tokenizer_spec = tokenizer_spec
@@ -42,27 +43,33 @@ class PeriodicEvals:
         cfg = self.cfg.eval
         val_loss = None
         if (cfg.interval and step % cfg.interval == 0) or last:
-            val_loss, bpb = self.validate()
+            val_loss, bpb, sources = self.validate()
+            per_source = {} if sources is None else {"sources": {  # a mixture's sources, each under its folder
+                name: {"val_loss": out["loss"], "val_bpb": out["bpb"]} for name, out in sources.items()}}
             self.log("val", step=step, tokens=tokens, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)),
-                     val_bpb=bpb)
+                     val_bpb=bpb, **per_source)
             bits = f", {bpb:.4f} bits/byte" if bpb is not None else ""
-            self.say(f"step {step}: val loss {val_loss:.4f}{bits}" + (" (best)" if val_loss < best_val else ""))
+            each = "".join(f"; {name} {out['loss']:.4f}" + (f" ({out['bpb']:.4f} bits/byte)" if out["bpb"] is not None
+                                                            else "") for name, out in (sources or {}).items())
+            self.say(f"step {step}: val loss {val_loss:.4f}{bits}" + (" (best)" if val_loss < best_val else "") + each)
         if cfg.hellaswag_interval and step % cfg.hellaswag_interval == 0 and not self.hellaswag_disabled:
             self.hellaswag(step)
         if cfg.sample_interval and step % cfg.sample_interval == 0:
             self.samples(step)
         return val_loss
 
-    def validate(self) -> tuple[float, float]:
-        """Mean loss and bits per byte over the first val_batches windows of the val split (all of it
-        when 0), the same windows every time."""
+    def validate(self) -> tuple[float, float | None, dict | None]:
+        """Mean loss and bits per byte over the first val_batches batches of the val split (all of it
+        when 0), the same windows every time; a mixture's per source (val_batches of each) and overall, with
+        {folder: validation_loss's dict} third (None for one data.dir)."""
         self.model.eval()
         try:
-            out = validation_loss(self.model, self.val_loader, self.cfg.eval.val_batches, self.autocast(),
-                                  token_bytes=self.token_bytes)
+            evaluate = mixture_validation if isinstance(self.val_loader, MixtureLoader) else validation_loss
+            out = evaluate(self.model, self.val_loader, self.cfg.eval.val_batches, self.autocast(),
+                           token_bytes=self.token_bytes)
         finally:
             self.model.train()
-        return out["loss"], out["bpb"]
+        return out["loss"], out["bpb"], out.get("sources")
 
     def hellaswag(self, step: int):
         from gpt2train.eval.hellaswag import evaluate_hellaswag, load_examples

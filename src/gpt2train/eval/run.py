@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_for_inference, resolve_checkpoint
+from gpt2train.config import data_sources
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
@@ -129,23 +130,33 @@ def with_speed(task: str, out: dict) -> dict:
 
 
 def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
-    from gpt2train.eval.val import validation_loss
+    """--data DIR, else the checkpoint config's data.dir, or each of its data.sources and their mixture
+    (eval.val.combine_sources; --limit windows of each)."""
+    from gpt2train.eval.val import combine_sources, validation_loss
 
-    data_dir = data_dir or cfg.data.dir
-    if not (Path(data_dir) / "meta.json").is_file():
-        raise FileNotFoundError(f"val data {data_dir} (from {'--data' if data_dir != cfg.data.dir else 'the checkpoint config'}) "
-                                "has no meta.json; pass --data DIR with prepared data")
-    data_tokenizer = load_meta(data_dir)["tokenizer"]
-    if data_tokenizer != meta["tokenizer"]:
-        raise ValueError(f"{data_dir} was tokenized with {data_tokenizer.get('kind')!r} but the checkpoint uses "
-                         f"{meta['tokenizer'].get('kind')!r}; pass --data with data prepared by the same tokenizer")
+    folders = [(data_dir, 1.0)] if data_dir else data_sources(cfg.data)
+    for folder, _ in folders:
+        if not (Path(folder) / "meta.json").is_file():
+            raise FileNotFoundError(f"val data {folder} (from {'--data' if data_dir else 'the checkpoint config'}) "
+                                    "has no meta.json; pass --data DIR with prepared data")
+        data_tokenizer = load_meta(folder)["tokenizer"]
+        if data_tokenizer != meta["tokenizer"]:
+            raise ValueError(f"{folder} was tokenized with {data_tokenizer.get('kind')!r} but the checkpoint uses "
+                             f"{meta['tokenizer'].get('kind')!r}; pass --data with data prepared by the same tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
     token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
 
-    def run() -> dict:
-        out = validation_loss(model, data_dir, batch_size=batch_size, seq_len=seq_len, windows=limit,
+    def one(folder) -> dict:
+        out = validation_loss(model, folder, batch_size=batch_size, seq_len=seq_len, windows=limit,
                               progress=progress, autocast=autocast, token_bytes=token_bytes)
-        return {**out, "data": str(data_dir)}
+        return {**out, "data": str(folder)}
+
+    def run() -> dict:
+        if len(folders) == 1 and (data_dir or not cfg.data.sources):
+            return one(folders[0][0])
+        total = sum(weight for _, weight in folders)
+        mixed = combine_sources({str(f): one(f) for f, _ in folders}, {str(f): w / total for f, w in folders})
+        return {**mixed, "data": ", ".join(str(f) for f, _ in folders)}
     return run
 
 
@@ -199,7 +210,8 @@ def write_eval_json(path: Path, record: dict) -> None:
 def format_table(record: dict) -> str:
     step = f" (step {record['step']})" if record.get("step") is not None else ""
     width = max([10, *(len(task) for task in record["tasks"])])  # harness task names run long
-    metric_width = max([9, *(len(m) for r in record["tasks"].values() for m in r.get("metrics", {}) if "stderr" not in m)])
+    metric_width = max([9, *(len(m) for r in record["tasks"].values() for m in r.get("metrics", {}) if "stderr" not in m),
+                        *(len(f"bits/byte {f}") for r in record["tasks"].values() for f in r.get("sources", {}))])
     lines = [f"checkpoint {record['checkpoint']}{step}, {record['world_size']} rank(s), {record['device']}, {record['dtype']}",
              f"{'task':<{width}} {'metric':<{metric_width}} {'value':>10}  over"]
     for task, r in record["tasks"].items():
@@ -210,6 +222,10 @@ def format_table(record: dict) -> str:
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
             if r.get("bpb") is not None:
                 rows.append(("bits/byte", f"{r['bpb']:.4f}"))
+            for folder, each in r.get("sources", {}).items():  # a mixture's sources, after its overall numbers
+                rows += [(f"loss {folder}", f"{each['loss']:.4f}")]
+                if each.get("bpb") is not None:
+                    rows.append((f"bits/byte {folder}", f"{each['bpb']:.4f}"))
         elif task.startswith(HARNESS_PREFIX):
             lines += _harness_rows(task, r, width, metric_width)
             continue

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from gpt2train.data.loader import DataError, TokenLoader
+from gpt2train.data.mixture import MixtureLoader
 from gpt2train.data.prepare import load_meta, open_split, split_paths
 from gpt2train.data.shards import check_ids_below
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
@@ -72,6 +73,32 @@ def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autoca
     with autocast or nullcontext():
         _, loss = model(x, y)  # the mean over B * T positions, in fp32
     return loss.double() * y.numel()
+
+
+def mixture_validation(model: torch.nn.Module, source: MixtureLoader, batches: int = 0, autocast=None, *,
+                       progress: bool = False, token_bytes: np.ndarray | None = None) -> dict:
+    """validation_loss over each source of a mixture (`batches` batches of each), and overall: the mixture's
+    loss, each source's weighted by its share, and its bits per byte, the expected bits of a token over its
+    expected bytes (sum_s share_s * bits_s / sum_s share_s * bytes_s, per token). Returns validation_loss's
+    keys (the overall numbers; tokens, bytes and windows summed) and "sources": {folder: its own}."""
+    per = {name: validation_loss(model, loader, batches, autocast, progress=progress, token_bytes=token_bytes)
+           for name, loader in zip(source.names, source.loaders)}
+    return combine_sources(per, dict(zip(source.names, source.share.tolist())))
+
+
+def combine_sources(per: dict[str, dict], share: dict[str, float]) -> dict:
+    """The mixture's numbers from each source's validation_loss dict (mixture_validation says how)."""
+    loss = sum(share[name] * out["loss"] for name, out in per.items())
+    bpb = None
+    if all(out["bytes"] for out in per.values()):
+        bits = sum(share[name] * out["loss"] / math.log(2) for name, out in per.items())
+        bpb = bits / sum(share[name] * out["bytes"] / out["tokens"] for name, out in per.items())
+    with_bytes = all(out["bytes"] is not None for out in per.values())
+    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "bpb": bpb,
+            "tokens": sum(out["tokens"] for out in per.values()),
+            "bytes": sum(out["bytes"] for out in per.values()) if with_bytes else None,
+            "windows": sum(out["windows"] for out in per.values()), "seq_len": next(iter(per.values()))["seq_len"],
+            "sources": per}
 
 
 @torch.no_grad()

@@ -20,8 +20,7 @@ from gpt2train import distributed as D
 from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint
 from gpt2train.config import Config, save_config, validate
 from gpt2train.counting import flops_per_token, parameter_count
-from gpt2train.data.loader import TokenLoader
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.mixture import data_meta, open_loader
 from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT
@@ -47,7 +46,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else None
         # The inputs first (a bad config or missing data stops before the run directory is made); the data sizes the vocab.
         validate(cfg)
-        self.data_meta = load_meta(cfg.data.dir)
+        self.data_meta = data_meta(cfg.data)  # data.dir's, or the sources' (one tokenizer)
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
@@ -85,9 +84,9 @@ class Trainer:
         # Data streams: the same seed on every rank, each rank taking its own slice of every draw.
         loader_args = dict(rank=self.dist.rank, world_size=self.dist.world_size, mode=cfg.data.loader, device=self.device,
                            vocab_size=cfg.model.vocab_size)
-        self.train_loader = TokenLoader(cfg.data.dir, "train", cfg.train.micro_batch, cfg.train.seq_len,
+        self.train_loader = open_loader(cfg.data, "train", cfg.train.micro_batch, cfg.train.seq_len,
                                         seed=cfg.train.seed, order=cfg.data.order, **loader_args)
-        self.val_loader = TokenLoader(cfg.data.dir, "val", cfg.train.micro_batch, cfg.train.seq_len,
+        self.val_loader = open_loader(cfg.data, "val", cfg.train.micro_batch, cfg.train.seq_len,
                                       seed=cfg.train.seed + 1, order="sequential", **loader_args)
 
         # The step, and the components around it.
