@@ -33,6 +33,7 @@ import numpy as np
 from gpt2train.units import format_utc
 
 SYNTHETIC_FILES = 4
+ROW_GROUP_ROWS = 1024  # a few MB of text per row group at any corpus size, as in published parquet datasets
 PLAIN_SHARD_TOKENS = 100_000_000  # fineweb.py's shard size
 
 
@@ -194,7 +195,7 @@ def parquet_files(inputs: list[str]) -> list[Path]:
 
 def write_synthetic_corpus(out_dir: str | Path, chars: int, files: int = SYNTHETIC_FILES, seed: int = 0) -> list[Path]:
     """Parquet files of about `chars` characters in all: documents of 200-6,000 characters cut at random
-    places from Tiny Shakespeare."""
+    places from Tiny Shakespeare, in row groups of ROW_GROUP_ROWS documents."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -212,7 +213,7 @@ def write_synthetic_corpus(out_dir: str | Path, chars: int, files: int = SYNTHET
             docs.append(text[start:start + length])
             size += length
         paths.append(out_dir / f"part_{f:03d}.parquet")
-        pq.write_table(pa.table({"text": docs}), paths[-1])
+        pq.write_table(pa.table({"text": docs}), paths[-1], row_group_size=ROW_GROUP_ROWS)
     return paths
 
 
