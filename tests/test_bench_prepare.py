@@ -32,16 +32,19 @@ def test_the_plain_loop_writes_the_tokens_prepare_writes(tmp_path):
 
 def test_bench_prepare_reports_both_at_two_sizes(tmp_path):
     out = tmp_path / "bench.json"
-    r = run_cli("bench", "prepare", "--chars", "60000,120000", "--workers", "2", "--out", str(out))
+    r = run_cli("bench", "prepare", "--chars", "60000,120000", "--workers", "2", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
-    runs = result["runs"]
-    assert [(x["corpus"], x["impl"]) for x in runs] == [
-        ("synthetic 60,000 chars", "plain loop"), ("synthetic 60,000 chars", "gpt2train"),
-        ("synthetic 120,000 chars", "plain loop"), ("synthetic 120,000 chars", "gpt2train")]
-    assert runs[0]["tokens"] == runs[1]["tokens"] < runs[2]["tokens"] == runs[3]["tokens"]
-    assert all(x["wall_s"] > 0 and x["peak_mib"] > 10 and x["tokens_per_s"] > 0 for x in runs)
-    assert set(result["ratios"]) == {"synthetic 60,000 chars", "synthetic 120,000 chars"}
+    runs = result["runs"]  # per corpus: 2 timed runs each, alternating, then one each for memory
+    assert [(x["corpus"], x["impl"], x["peak_mib"] is None) for x in runs] == [
+        (corpus, impl, timed) for corpus in ("synthetic 60,000 chars", "synthetic 120,000 chars")
+        for timed in (True, True, False) for impl in ("plain loop", "gpt2train")]
+    assert len({x["tokens"] for x in runs[:6]}) == 1 and runs[0]["tokens"] < runs[6]["tokens"]
+    assert all(x["wall_s"] > 0 and (x["peak_mib"] is None or x["peak_mib"] > 10) for x in runs)
+    small = result["summary"]["synthetic 60,000 chars"]
+    assert small["gpt2train"]["walls_s"] == [runs[1]["wall_s"], runs[3]["wall_s"]]
+    assert small["speed_ratio"] == small["plain loop"]["wall_s"] / small["gpt2train"]["wall_s"]
+    assert small["memory_ratio"] == runs[5]["peak_mib"] / runs[4]["peak_mib"]
     assert "gpt2train" in r.stdout and "x the plain loop's speed at" in r.stdout and result["workers"] == 2
 
 

@@ -757,7 +757,8 @@ def add_bench_prepare(bench) -> None:
     p.add_argument("--chars", type=char_count_list, default="12e6,120e6",
                    help="synthetic corpus sizes in characters, comma-separated (default %(default)s)")
     p.add_argument("--workers", type=POSITIVE_INT, help="processes or threads for both (default: all CPU cores)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=1, help="runs of each, alternating (default %(default)s)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs of each, alternating; then one more "
+                   "each for memory (default %(default)s)")
     p.add_argument("--out", help="JSON file (default runs/bench-prepare-<time>.json)")
     p.set_defaults(func=cmd_bench_prepare)
 

@@ -5,9 +5,10 @@ The plain loop is build-nanogpt's fineweb.py, written here from its description:
 `[eot] + encode_ordinary(text)` as uint16, copied into a preallocated shard buffer that is saved with
 np.save when full (the first shard is val). Both run on the same parquet files with the same number of
 processes, one after the other, each in a fresh Python process (the CLI for ours), and are timed from
-start to exit. Peak memory is the largest sum over a run's processes (the parent and its workers) of
-their proportional set size (PSS: a page shared by n processes counts 1/n to each), sampled every 20 ms
-from /proc; where there is no /proc, the largest single process's peak RSS instead (said in the result).
+start to exit; the median of the timed runs is reported. Peak memory comes from one more run of each: the
+largest sum over its processes (the parent and its workers) of their proportional set size (PSS: a page
+shared by n processes counts 1/n to each), sampled every 20 ms from /proc, which slows the run and so is
+never timed; where there is no /proc, the largest single process's peak RSS instead (said in the result).
 
 The default corpus is synthetic: documents of 200 to 6,000 characters cut at random from Tiny Shakespeare,
 written as parquet files, at two sizes ten times apart, so that growth of memory with the corpus shows.
@@ -42,7 +43,7 @@ class PrepareBenchOptions:
     inputs: list[str] = field(default_factory=list)  # the user's files or folders; empty: synthetic corpora
     chars: list[int] = field(default_factory=lambda: [12_000_000, 120_000_000])  # synthetic corpus sizes
     workers: int = 0  # processes for both (0: this machine's CPU count)
-    repeats: int = 1
+    repeats: int = 3  # timed runs of each
 
 
 @dataclass
@@ -51,11 +52,7 @@ class Run:
     corpus: str
     tokens: int
     wall_s: float
-    peak_mib: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
+    peak_mib: float | None  # None: a timed run (not sampled)
 
 
 # --- the plain loop (runs in its own process: python -m gpt2train.bench.prepare INPUT... --out DIR) -------
@@ -136,9 +133,10 @@ def has_proc() -> bool:
     return Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
 
 
-def measure(cmd: list[str], env: dict) -> tuple[float, float, str]:
+def measure(cmd: list[str], env: dict, memory: bool) -> tuple[float, float, str]:
     """(wall seconds, peak MiB, stderr) of a command run to its end; ChildProcessError with its last line when
-    it fails."""
+    it fails. Sampling memory slows the run (reading a process's PSS walks its page tables), so a run measures
+    its wall time or its memory: `memory` False gives a peak of 0."""
     peak = [0]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -149,7 +147,7 @@ def measure(cmd: list[str], env: dict) -> tuple[float, float, str]:
             peak[0] = max(peak[0], sum(_pss_kib(p) for p in _tree(proc.pid)))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    if has_proc():
+    if memory and has_proc():
         sampler.start()
     _, stderr = proc.communicate()
     wall = time.perf_counter() - start
@@ -159,24 +157,24 @@ def measure(cmd: list[str], env: dict) -> tuple[float, float, str]:
     if proc.returncode != 0:
         last = stderr.strip().splitlines()[-1].removeprefix("error: ") if stderr.strip() else f"exit {proc.returncode}"
         raise ChildProcessError(f"{' '.join(cmd[1:5])} ...: {last}")
-    if not has_proc():  # the largest single child's peak RSS (KiB on Linux, bytes on macOS)
+    if memory and not has_proc():  # the largest single child's peak RSS (KiB on Linux, bytes on macOS)
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         peak[0] = rss // 1024 if sys.platform == "darwin" else rss
     return wall, peak[0] / 1024, stderr
 
 
-def run_ours(paths: list[Path], out: Path, workers: int, env: dict) -> tuple[int, float, float]:
+def run_ours(paths: list[Path], out: Path, workers: int, env: dict, memory: bool) -> tuple[int, float, float]:
     cmd = [sys.executable, "-m", "gpt2train", "prepare", "files", *map(str, paths), "--out", str(out),
            "--workers", str(workers)]
-    wall, peak, _ = measure(cmd, env)
+    wall, peak, _ = measure(cmd, env, memory)
     meta = json.loads((out / "meta.json").read_text())
     return sum(meta["tokens"].values()), wall, peak
 
 
-def run_plain(paths: list[Path], out: Path, workers: int, env: dict) -> tuple[int, float, float]:
+def run_plain(paths: list[Path], out: Path, workers: int, env: dict, memory: bool) -> tuple[int, float, float]:
     cmd = [sys.executable, "-m", "gpt2train.bench.prepare", *map(str, paths), "--out", str(out),
            "--workers", str(workers)]
-    wall, peak, stderr = measure(cmd, env)
+    wall, peak, stderr = measure(cmd, env, memory)
     return int(stderr.strip().splitlines()[-1].split()[0]), wall, peak
 
 
@@ -230,46 +228,58 @@ def run_prepare_bench(options: PrepareBenchOptions, out_path: str | Path) -> dic
             corpora = [(f"synthetic {chars:,} chars", write_synthetic_corpus(Path(tmp) / f"corpus-{chars}", chars))
                        for chars in options.chars]
         for name, paths in corpora:
-            for _ in range(options.repeats):  # alternating, so drift in the machine's speed hits both
+            # timed runs alternating, so drift in the machine's speed hits both; then one run each for memory
+            for memory in [False] * options.repeats + [True]:
                 for impl, run in (("plain loop", run_plain), ("gpt2train", run_ours)):
                     out = Path(tmp) / "out"
-                    tokens, wall, peak = run(paths, out, workers, env)
+                    tokens, wall, peak = run(paths, out, workers, env, memory)
                     shutil.rmtree(out)
-                    runs.append(Run(impl, name, tokens, wall, peak))
-                    print(f"  {name}: {impl} {tokens / wall:,.0f} tokens/s, {wall:.2f} s, peak {peak:,.0f} MiB",
-                          file=sys.stderr, flush=True)
+                    runs.append(Run(impl, name, tokens, wall, peak if memory else None))
+                    what = f"peak {peak:,.0f} MiB" if memory else f"{tokens / wall:,.0f} tokens/s, {wall:.2f} s"
+                    print(f"  {name}: {impl} {what}", file=sys.stderr, flush=True)
     result = {"workers": workers, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "memory": "PSS summed over the run's processes" if has_proc() else "largest process's peak RSS",
-              "date": format_utc(time.time()), "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in runs],
-              "ratios": ratios(runs)}
+              "repeats": options.repeats, "date": format_utc(time.time()), "runs": [asdict(r) for r in runs],
+              "summary": summary(runs)}
     result["markdown"] = to_markdown(result)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
-def ratios(runs: list[Run]) -> dict:
-    """Per corpus, ours against the plain loop: speed (tokens/s, from the median wall time) and peak memory."""
-    def median(corpus: str, impl: str, key: str) -> float:
-        return float(np.median([getattr(r, key) for r in runs if r.corpus == corpus and r.impl == impl]))
-
-    return {corpus: {"speed": median(corpus, "plain loop", "wall_s") / median(corpus, "gpt2train", "wall_s"),
-                     "memory": median(corpus, "gpt2train", "peak_mib") / median(corpus, "plain loop", "peak_mib")}
-            for corpus in dict.fromkeys(r.corpus for r in runs)}
+def summary(runs: list[Run]) -> dict:
+    """Per corpus and implementation: the median wall time of the timed runs, its tokens/s, the memory run's
+    peak; and per corpus, ours against the plain loop."""
+    out = {}
+    for corpus in dict.fromkeys(r.corpus for r in runs):
+        rows = {}
+        for impl in ("plain loop", "gpt2train"):
+            mine = [r for r in runs if r.corpus == corpus and r.impl == impl]
+            wall = float(np.median([r.wall_s for r in mine if r.peak_mib is None]))
+            rows[impl] = {"tokens": mine[0].tokens, "wall_s": wall, "tokens_per_s": mine[0].tokens / wall,
+                          "walls_s": [r.wall_s for r in mine if r.peak_mib is None],
+                          "peak_mib": next(r.peak_mib for r in mine if r.peak_mib is not None)}
+        ours, plain = rows["gpt2train"], rows["plain loop"]
+        out[corpus] = {**rows, "speed_ratio": plain["wall_s"] / ours["wall_s"],
+                       "memory_ratio": ours["peak_mib"] / plain["peak_mib"]}
+    return out
 
 
 def to_markdown(result: dict) -> str:
     lines = [f"{result['workers']} workers each (the plain loop's processes; gpt2train's threads for GPT-2's "
-             f"tiktoken), {result['cpus']} CPUs; memory: {result['memory']}", "",
-             "| corpus | impl | tokens | tokens/s | wall (s) | peak memory (MiB) |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
-    for r in result["runs"]:
-        lines.append(f"| {r['corpus']} | {r['impl']} | {r['tokens']:,} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['wall_s']:.2f} | {r['peak_mib']:,.0f} |")
+             f"tiktoken), {result['cpus']} CPUs; wall time: median of {result['repeats']} runs each, alternating; "
+             f"memory: one more run each, {result['memory']}", "",
+             "| corpus | impl | tokens | tokens/s | wall (s) | runs (s) | peak memory (MiB) |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
+    for corpus, row in result["summary"].items():
+        for impl in ("plain loop", "gpt2train"):
+            r = row[impl]
+            lines.append(f"| {corpus} | {impl} | {r['tokens']:,} | {r['tokens_per_s']:,.0f} | {r['wall_s']:.2f} | "
+                         f"{', '.join(f'{w:.2f}' for w in r['walls_s'])} | {r['peak_mib']:,.0f} |")
     lines.append("")
-    for corpus, ratio in result["ratios"].items():
-        lines.append(f"{corpus}: gpt2train {ratio['speed']:.2f}x the plain loop's speed at "
-                     f"{ratio['memory']:.2f}x its peak memory")
+    for corpus, row in result["summary"].items():
+        lines.append(f"{corpus}: gpt2train {row['speed_ratio']:.2f}x the plain loop's speed at "
+                     f"{row['memory_ratio']:.2f}x its peak memory")
     return "\n".join(lines)
 
 

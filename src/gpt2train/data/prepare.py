@@ -133,6 +133,8 @@ def _init_worker(spec: dict) -> None:
 def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths): the chunk's documents, each preceded by EOT, as one uint32 array."""
     tok = _worker_tokenizer
+    if hasattr(tok, "encode_documents"):  # GPT-2: tiktoken writes arrays itself
+        return tok.encode_documents(texts)
     flat: list[int] = []
     lengths = np.empty(len(texts), dtype=np.int64)
     for i, ids in enumerate(tok.encode_batch(texts)):
