@@ -72,12 +72,39 @@ def test_gpt2_encode_documents_is_eot_then_each_texts_ids(gpt2, numpy_path, monk
     """prepare's form of encode: special-token text stays plain text, as in encode()."""
     expected = [[gpt2.eot_id, *gpt2.encode(t)] for t in AWKWARD]
     if not numpy_path:
-        monkeypatch.setattr(gpt2, "enc", types.SimpleNamespace(encode_ordinary_batch=gpt2.enc.encode_ordinary_batch))
+        monkeypatch.setattr(gpt2, "_enc", types.SimpleNamespace(encode_ordinary_batch=gpt2.enc.encode_ordinary_batch))
     tokens, lengths = gpt2.encode_documents(AWKWARD)
     assert tokens.dtype == np.uint32 and lengths.tolist() == [len(e) for e in expected]
     assert tokens.tolist() == [i for e in expected for i in e]
     empty_tokens, empty_lengths = gpt2.encode_documents([])
     assert empty_tokens.size == 0 and empty_lengths.size == 0
+
+
+def test_gpt2s_encoding_is_built_once_at_first_use_whatever_the_threads(monkeypatch):
+    """prepare's worker threads all reach for the encoding at their first chunk: one builds it, the others wait
+    for that one (a second build would take a core for half a second)."""
+    import threading
+    import time
+
+    import gpt2train.tokenizer as tokenizer
+
+    builds = []
+
+    def slow_build():
+        builds.append(1)
+        time.sleep(0.2)
+        return object()
+
+    tok = tokenizer.GPT2Tokenizer()
+    monkeypatch.setattr(tokenizer, "gpt2_encoding", slow_build)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(tok.enc)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(seen) == 4 and all(e is seen[0] for e in seen)
+    assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
 
 
 def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
@@ -141,11 +168,12 @@ def test_gpt2_without_the_data_package_uses_tiktokens_cache(tiktoken_offline_cac
     import gpt2train.tokenizer as tokenizer
 
     local = tokenizer.GPT2Tokenizer()
+    local_encoding = local.enc  # built now, from the local files (it is built at first use)
     tokenizer.gpt2_encoding.cache_clear()
     monkeypatch.setattr(tokenizer, "package_file", lambda package, relative: None)
     try:
         fallback = tokenizer.GPT2Tokenizer()
-        assert fallback.enc is not local.enc
+        assert fallback.enc is not local_encoding
         for text in VARIED + list(KNOWN_GPT2):
             assert fallback.encode(text) == local.encode(text), repr(text)
     finally:

