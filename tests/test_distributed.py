@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -161,14 +162,39 @@ def test_ddp_torchrun_two_processes_equal_one_process_with_twice_the_batch(char_
 def test_a_two_rank_run_resumes_in_one_process_with_the_same_global_batch(char_data, tmp_path):
     """2 ranks x B=2 x 2 micro-steps saved at step 3, resumed by one process with B=4 x 2 micro-steps: the
     same windows per step, so steps 4..6 log the losses the 2-rank run logged."""
-    config = two_rank_config(char_data, tmp_path, max_steps=6, every_steps=3)
+    resume_two_ranks_in_one_process(two_rank_config(char_data, tmp_path, max_steps=6, every_steps=3), tmp_path)
+
+
+def resume_two_ranks_in_one_process(config: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Runs of 6 steps: 2 ranks x B=2 under torchrun ("two"), and its step-3 checkpoint resumed by one process
+    with B=4 ("one"), whose steps 4..6 must log the 2-rank run's losses."""
     two = tmp_path / "two"
     r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-
     one = tmp_path / "one"
     train(load_config(config, ["train.micro_batch=4"]), one, resume=str(two / "checkpoints" / "step_00000003"))
     np.testing.assert_allclose(train_losses(one), train_losses(two)[3:], rtol=0, atol=1e-5)
+    return one, two
+
+
+@pytest.mark.slow
+def test_a_two_rank_mixture_run_resumes_in_one_process_with_the_same_rows(char_data, tmp_path):
+    """data.sources under torchrun: 2 ranks x B=2 draw a 3:1 mixture of two folders, every rank the same row
+    schedule and its own rows of it; saved at step 3 and resumed by one process with B=4, steps 4..6 log the
+    losses the 2-rank run logged, and each source's val loss is the 2-rank run's."""
+    web, code = tmp_path / "web", tmp_path / "code"
+    shutil.copytree(char_data, web)
+    shutil.copytree(char_data, code)
+    config = two_rank_config(char_data, tmp_path, max_steps=6, every_steps=3)
+    mixture = [f'data.sources=["{web}=3", "{code}=1"]', "eval.interval=3", "eval.val_batches=2"]
+    config.write_text(dump_toml(load_config(config, mixture)))
+    one, two = resume_two_ranks_in_one_process(config, tmp_path)
+    val = {run: [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "val"]
+           for run in (one, two)}
+    assert set(val[two][-1]["sources"]) == {str(web), str(code)}
+    for name in (str(web), str(code)):
+        assert val[one][-1]["sources"][name]["val_loss"] == pytest.approx(val[two][-1]["sources"][name]["val_loss"],
+                                                                           abs=1e-5)
 
 
 @pytest.mark.slow
