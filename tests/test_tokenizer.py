@@ -107,6 +107,15 @@ def test_gpt2s_encoding_is_built_once_at_first_use_whatever_the_threads(monkeypa
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
 
 
+def test_gpt2_tokenizer_pickles_and_copies(gpt2):
+    """It holds a lock (for the build at first use); a copy or a pickle is a tokenizer of its own."""
+    import copy
+    import pickle
+
+    for twin in (pickle.loads(pickle.dumps(gpt2)), copy.deepcopy(gpt2)):
+        assert twin.encode("Hello world <|endoftext|>") == gpt2.encode("Hello world <|endoftext|>")
+
+
 def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
     """An independent implementation (the Rust `tokenizers` BPE with GPT-2's byte-level pre-tokenizer) over
     the same local files."""

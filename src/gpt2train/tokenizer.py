@@ -71,13 +71,19 @@ class GPT2Tokenizer:
 
     @property
     def enc(self):
-        """tiktoken's encoding, built at first use (half a second): prepare's first worker builds it while the
-        main thread reads ahead, instead of before any reading starts."""
+        """tiktoken's encoding, built at first use: prepare's first worker builds it while the main thread
+        reads ahead, instead of before any reading starts."""
         if self._enc is None:
             with self._building:  # the other workers wait for the one build
                 if self._enc is None:
                     self._enc = gpt2_encoding()
         return self._enc
+
+    def __getstate__(self) -> dict:  # the lock and the built encoding belong to this process
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)  # special-token text in the corpus is plain text
@@ -88,8 +94,8 @@ class GPT2Tokenizer:
     def encode_documents(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """prepare's form: every text as [eot] + its ids, all in one uint32 array, and each one's length.
         tiktoken writes a text's ids straight into an array, making no Python int per token (which needs the
-        GIL, and halved prepare's speed in threads); with no special token disallowed, special-token text is
-        plain text, as in encode()."""
+        GIL, so prepare's threads would wait on each other: docs/benchmarks.md); with no special token
+        disallowed, special-token text is plain text, as in encode()."""
         if not hasattr(self.enc, "encode_to_numpy"):  # tiktoken before 0.8
             ids = self.encode_batch(texts)
             lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
