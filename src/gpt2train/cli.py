@@ -417,9 +417,14 @@ def cmd_bench_quality(args) -> int:
 
 
 def cmd_config_show(args) -> int:
-    from gpt2train.config import dump_toml, load_config
+    from gpt2train.config import derived_settings, dump_toml, load_config
+    from gpt2train.sizing import format_derived
 
-    print(dump_toml(load_config(args.config, args.set or [])), end="")
+    cfg = load_config(args.config, args.set or [])
+    print(dump_toml(cfg), end="")
+    if derived_settings(cfg):  # as TOML comments: the output stays a config file
+        print(f"\n# the size dial, model.depth = {cfg.model.depth} (docs/training.md, \"One size dial\"):")
+        print("\n".join(f"#   {line}" for line in format_derived(derived_settings(cfg))))
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import tomli_w
 
 from gpt2train.model import GPTConfig
+from gpt2train import sizing
 from gpt2train.ranges import COMPILE_SETTINGS, DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
 
@@ -57,6 +58,10 @@ class TrainConfig:
     seq_len: int = 0  # 0: the model's block_size
     total_batch_tokens: int = 0  # tokens per optimizer step; 0: one micro-batch on every rank
     max_steps: int = 1000
+    # With model.depth (the size dial), the run's length when max_steps is not set: tokens_per_param x the
+    # model's non-embedding parameters (Chinchilla's ~20), or flops_budget / (6 x those parameters) when > 0.
+    tokens_per_param: float = 20.0
+    flops_budget: float = 0.0
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
@@ -164,11 +169,16 @@ RANGES: dict[str, Range] = {
     "model.loss_chunk": at_least(0),
     "model.rope_base": above(0),
     "model.logit_softcap": at_least(0),  # 0: no cap
+    "model.depth": at_least(0),  # 0: the dial is off
+    "model.aspect_ratio": at_least(1),
+    "model.head_dim": at_least(1),
     "train.seed": SEEDS,
     "train.micro_batch": at_least(1),
     "train.seq_len": at_least(0),
     "train.total_batch_tokens": at_least(0),
     "train.max_steps": at_least(1),
+    "train.tokens_per_param": above(0),
+    "train.flops_budget": at_least(0),  # 0: tokens_per_param decides
     "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
@@ -257,9 +267,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{name}: invalid TOML: {e}") from None
     cfg = from_dict(data)
+    explicit = {f"{section}.{key}" for section, values in data.items() for key in values}
     for item in overrides:
-        apply_override(cfg, item)
+        explicit.add(apply_override(cfg, item))
+    try:
+        cfg.derived = sizing.derive(cfg, explicit)  # the size dial: what it set, for plan and config show
+    except sizing.SizingError as e:
+        raise ConfigError(str(e)) from None
     return validate(cfg)
+
+
+def derived_settings(cfg: Config) -> list[sizing.Derived]:
+    """What the size dial set when the config was loaded (nothing for a Config built in code or read back)."""
+    return getattr(cfg, "derived", [])
 
 
 def read_config_text(path: str | Path) -> tuple[str, str]:
@@ -304,8 +324,9 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def apply_override(cfg: Config, item: str) -> None:
-    """Apply one `section.key=value`; the value is read as TOML (1e-3, true, "x", [1, 2]) or a bare string."""
+def apply_override(cfg: Config, item: str) -> str:
+    """Apply one `section.key=value`; the value is read as TOML (1e-3, true, "x", [1, 2]) or a bare string.
+    Returns the key's "section.key"."""
     name, sep, raw = item.partition("=")
     section, dot, key = name.strip().partition(".")
     if not sep or not dot:
@@ -317,6 +338,7 @@ def apply_override(cfg: Config, item: str) -> None:
     if section not in _sections():
         raise ConfigError(f"--set {item!r}: unknown section {section!r}; sections are {', '.join(_sections())}")
     _set(cfg, section, key, value)
+    return f"{section}.{key}"
 
 
 def to_dict(cfg: Config) -> dict:

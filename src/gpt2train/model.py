@@ -55,6 +55,11 @@ class GPTConfig:
     tied_head: bool = True  # the output head is the token embedding; false: a separate matrix
     zero_init_proj: bool = False  # residual projections (and an untied head) start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # The size dial (sizing.py): depth > 0 sets n_layer = depth, n_embd = depth * aspect_ratio, n_head =
+    # n_embd / head_dim, and the training settings by rule, where the config does not set them. 0: off.
+    depth: int = 0
+    aspect_ratio: int = 64  # width per layer: depth 12 is GPT-2 124M's 768
+    head_dim: int = 64  # GPT-2's head size
 
     # The values each choice above takes (config.py's CHOICES lists these, it does not repeat them).
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {

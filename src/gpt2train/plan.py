@@ -19,11 +19,12 @@ import torch
 from gpt2train import devices, runtime
 from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
-from gpt2train.config import Config, ConfigError
+from gpt2train.config import Config, ConfigError, derived_settings
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
 from gpt2train.model import GPT
 from gpt2train.runtime import accumulation_steps, resolve_runtime
+from gpt2train.sizing import Derived, format_derived
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.units import format_bytes, format_count, format_duration, format_significant
 
@@ -253,6 +254,7 @@ class Plan:
     tokens_per_s: float | None = None  # per device, where no peak is known (a CPU): given or measured here
     tokens_per_s_source: str = ""
     sources: list[SourceEpochs] = field(default_factory=list)  # a mixture's (then train_tokens is None)
+    derived: list[Derived] = field(default_factory=list)  # what the size dial set, and the rules the config beat
 
     @property
     def steps_per_epoch(self) -> float | None:
@@ -286,6 +288,7 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
         meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
     if cfg.model.vocab_size <= 0:
         notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
+    derived = derived_settings(cfg)
     cfg = config_as_trained(cfg, gpus, meta, device)
 
     params, params_non_embedding = parameter_count(cfg.model), parameter_count(cfg.model, non_embedding=True)
@@ -310,7 +313,7 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
                 chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
                 train_tokens=int(meta["tokens"]["train"]) if meta and not sources else None, peak_flops=peak, mfu=mfu,
                 mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes, tokens_per_s=speed,
-                tokens_per_s_source=speed_source, sources=[s for s, _ in sources])
+                tokens_per_s_source=speed_source, sources=[s for s, _ in sources], derived=derived)
 
 
 CPU_FLOPS_FLOOR = 2e10  # FLOP/s: a slow CPU, to decide whether timing a step here is quick
@@ -410,6 +413,9 @@ def format_plan(plan: Plan) -> str:
         f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
         f"{_figure(plan.budget_tokens / plan.chinchilla_tokens, 2)}x of it",
     ]
+    if plan.derived:
+        lines.append(f"size dial   model.depth = {m.depth} (rules: docs/training.md, \"One size dial\")")
+        lines += [f"  {line}" for line in format_derived(plan.derived)]
     lines += _source_lines(plan)
     if plan.train_tokens:
         lines.append(f"data        {plan.data_dir}: {plan.train_tokens:,} train tokens = {_figure(plan.steps_per_epoch, 1)} "

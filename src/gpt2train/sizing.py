@@ -1,0 +1,104 @@
+"""The size dial: `model.depth` sets the model's shape, and the run's other settings follow by stated rules.
+
+A key set in the config file or with --set always wins over a rule; a rule only fills keys left at their
+defaults. Every value a rule sets is kept with the rule's words, which `plan` and `config show` print.
+docs/training.md ("One size dial") gives each rule's source.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gpt2train.counting import parameter_count
+
+# GPT-2 124M's AdamW learning rate at its width (GPT-3's Table 2.1, 6e-4 at 768), scaled as 1/width.
+REFERENCE_LR, REFERENCE_WIDTH = 6e-4, 768
+# The batch grows with the run's tokens alone: 2^19 tokens at 10B tokens (llm.c's GPT-2 124M run), times D^0.4.
+REFERENCE_BATCH_TOKENS, REFERENCE_TOKENS, BATCH_EXPONENT = 2 ** 19, 10e9, 0.4
+WARMUP_FRACTION = 0.05  # of the steps
+
+
+@dataclass(frozen=True)
+class Derived:
+    key: str  # section.key, or a quantity the rules pass on ("tokens", "decay")
+    value: object  # the run's value: the rule's, or the user's where explicit
+    rule: str  # how the rule reaches its value, in words and numbers
+    explicit: bool = False  # the user set the key; `rule_value` is what the rule would have given
+    rule_value: object = None
+
+
+class SizingError(ValueError):
+    """A dial setting no model can take (the message names the key)."""
+
+
+def scaling_parameters(model) -> int:
+    """N of the scaling rules: the blocks' parameters without embeddings and head (Kaplan et al. 2020), so it
+    does not depend on the vocabulary."""
+    return parameter_count(model, non_embedding=True)
+
+
+def batch_tokens_for(tokens: float, granule: int) -> int:
+    """REFERENCE_BATCH_TOKENS * (tokens / REFERENCE_TOKENS)^BATCH_EXPONENT, to the nearest power of two,
+    at least `granule` (one micro-batch) and a multiple of it."""
+    ideal = REFERENCE_BATCH_TOKENS * (tokens / REFERENCE_TOKENS) ** BATCH_EXPONENT
+    power = 2 ** round(math.log2(max(ideal, 1)))
+    return max(granule, power // granule * granule)
+
+
+def derive(cfg, explicit: set[str]) -> list[Derived]:
+    """Fill cfg's dial-derived keys that are not in `explicit`; returns what was set and why. Nothing when
+    model.depth is 0. Order matters: width before learning rate, tokens before batch, batch before steps."""
+    model, train = cfg.model, cfg.train
+    if model.depth <= 0:
+        return []
+    out: list[Derived] = []
+
+    def fill(key: str, value, rule: str) -> None:
+        section, name = key.split(".")
+        if key in explicit:
+            out.append(Derived(key, getattr(getattr(cfg, section), name), rule, explicit=True, rule_value=value))
+            return
+        setattr(getattr(cfg, section), name, value)
+        out.append(Derived(key, value, rule))
+
+    width = model.depth * model.aspect_ratio
+    if width % model.head_dim:
+        raise SizingError(f"model.depth * model.aspect_ratio = {width} is not a multiple of model.head_dim = "
+                          f"{model.head_dim}; pick an aspect ratio that is a multiple of the head size")
+    fill("model.n_layer", model.depth, f"model.depth = {model.depth}")
+    fill("model.n_embd", width, f"depth {model.depth} x aspect_ratio {model.aspect_ratio}")
+    fill("model.n_head", model.n_embd // model.head_dim, f"n_embd {model.n_embd} / head_dim {model.head_dim}")
+    fill("train.lr", REFERENCE_LR * REFERENCE_WIDTH / model.n_embd,
+         f"{REFERENCE_LR:g} x {REFERENCE_WIDTH} / n_embd {model.n_embd} (AdamW's rate falls as 1/width)")
+    if train.optimizer == "muon" and "train.muon_lr" not in explicit:
+        out.append(Derived("train.muon_lr", train.muon_lr, "kept: Muon's orthogonalized step does not grow with width"))
+
+    n = scaling_parameters(model)
+    if train.flops_budget > 0:
+        tokens = train.flops_budget / (6 * n)
+        how = f"train.flops_budget {train.flops_budget:.3g} / (6 x N {n:,})"
+    else:
+        tokens = train.tokens_per_param * n
+        how = f"train.tokens_per_param {train.tokens_per_param:g} x N {n:,}"
+    out.append(Derived("tokens", int(tokens), how))
+    seq_len = train.seq_len or model.block_size
+    granule = train.micro_batch * seq_len
+    fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
+         f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, to a power of two, at least one micro-batch of {granule:,}")
+    batch = train.total_batch_tokens or granule
+    fill("train.max_steps", max(1, math.ceil(tokens / batch)), f"tokens {int(tokens):,} / batch {batch:,}")
+    fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
+    decay = (f"the last {train.decay_fraction:g} of the steps" if train.schedule == "wsd"
+             else "the steps after warmup" if train.schedule == "cosine" else "none (constant)")
+    out.append(Derived("decay", decay, f"train.schedule = {train.schedule} over max_steps {train.max_steps:,}"))
+    return out
+
+
+def format_derived(derived: list[Derived]) -> list[str]:
+    """One line per value the dial touches: `key = value  (rule)`, or, where the user's key won,
+    `key = value  (set in the config; the rule gives X: rule)`."""
+    def shown(v):
+        return f"{v:.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+    return [f"{d.key} = {shown(d.value)}  (set in the config; the rule gives {shown(d.rule_value)}: {d.rule})"
+            if d.explicit else f"{d.key} = {shown(d.value)}  ({d.rule})" for d in derived]
