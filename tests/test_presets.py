@@ -18,7 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PRESETS = ("finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern",
-           "shakespeare-cpu", "shakespeare-modern")
+           "scaling-cpu", "shakespeare-cpu", "shakespeare-modern")
 
 
 def test_the_presets_are_the_repository_configs():

@@ -17,14 +17,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
-    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture"}),
+    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture", "data.markov"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
                   "training.loop"}),
     ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve",
-               "bench.prepare", "bench.markov_corpus", "bench.scaling", "plan", "doctor", "report"}),
+               "bench.prepare", "bench.scaling", "plan", "doctor", "report"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "__main__"}),

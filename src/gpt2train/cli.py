@@ -124,6 +124,14 @@ def print_prepared(out, meta: dict) -> None:
           f"({meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,})")
 
 
+def cmd_prepare_markov(args) -> int:
+    from gpt2train.data.markov import prepare_markov
+
+    meta = prepare_markov(args.out, args.chars, order=args.order, seed=args.seed, **prepare_options(args))
+    print_prepared(args.out, meta)
+    return 0
+
+
 def cmd_prepare_files(args) -> int:
     from gpt2train.data.prepare import prepare_files
 
@@ -416,6 +424,19 @@ def cmd_bench_quality(args) -> int:
     return 0
 
 
+def cmd_bench_scaling(args) -> int:
+    from gpt2train.bench.scaling import ScalingOptions, run_ladder, summary_line
+
+    options = ScalingOptions(config=args.config, depths=args.depths, predict=args.predict, seeds=args.seeds,
+                             overrides=args.set or [])
+    out = Path(args.out) if args.out else Path("runs") / "bench-scaling"
+    result = run_ladder(options, out)
+    print(result["markdown"])
+    print(summary_line(result))
+    print(f"wrote {out}/scaling.md, scaling.json, scaling.png; each rung's run in {out}/seed<S>/depth<d>/")
+    return 0
+
+
 def cmd_config_show(args) -> int:
     from gpt2train.config import derived_settings, dump_toml, load_config
     from gpt2train.sizing import format_derived
@@ -551,6 +572,12 @@ def add_prepare(sub) -> None:
     f = prep.add_parser("files", parents=[common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
+    m = prep.add_parser("markov", parents=[common], help="any amount of text sampled from Tiny Shakespeare's "
+                        "character Markov chain (the scaling ladder's corpus); the char tokenizer")
+    m.add_argument("--chars", type=POSITIVE_INT, required=True, help="characters of text to make")
+    m.add_argument("--order", type=POSITIVE_INT, default=5, help="characters of context of the chain (default %(default)s)")
+    m.add_argument("--seed", type=COUNT, default=0, help="the sampling seed (default %(default)s)")
+    m.set_defaults(func=cmd_prepare_markov)
     h = prep.add_parser("hf", parents=[common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
     h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
     h.add_argument("--config", help="dataset configuration, e.g. sample-10BT (default: the dataset's default)")
@@ -703,7 +730,7 @@ def add_ckpt(sub) -> None:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality,
+    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality, add_bench_scaling,
                           add_bench_prepare):
         add_benchmark(bench)
 
@@ -793,6 +820,33 @@ def add_bench_serve(bench) -> None:
                    help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
     p.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
     p.set_defaults(func=cmd_bench_serve)
+
+
+def depth_list(text: str) -> list[int]:
+    try:
+        depths = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give depths as comma-separated whole numbers of 1 or more, e.g. 2,3,4,5")
+    return depths
+
+
+def add_bench_scaling(bench) -> None:
+    p = bench.add_parser("scaling", help="a ladder of model.depth rungs at their compute-optimal budgets: fit loss "
+                         "against compute, predict a bigger rung, train it, compare")
+    p.add_argument("--config", default="scaling-cpu", help=CONFIG_HELP + "; it must leave the shape, batch and "
+                   "steps to the size dial (default %(default)s)")
+    p.add_argument("--depths", type=depth_list, default=[3, 4, 5], help="the ladder's rungs, at least three (default "
+                   "3,4,5: on scaling-cpu depth 2 lies above the line through the others, docs/benchmarks.md)")
+    p.add_argument("--predict", type=POSITIVE_INT, default=6, help="the rung to predict, then train (default %(default)s)")
+    p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; one ladder each "
+                   "(default: the config's seed)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every rung "
+                   "(repeatable), e.g. data.dir=... (default: none)")
+    p.add_argument("--out", help="output folder; run again with the same one to continue an interrupted ladder "
+                   "(default runs/bench-scaling)")
+    p.set_defaults(func=cmd_bench_scaling)
 
 
 def add_bench_quality(bench) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import tomli_w
 
-from gpt2train.model import GPTConfig
 from gpt2train import sizing
+from gpt2train.model import GPTConfig
 from gpt2train.ranges import COMPILE_SETTINGS, DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
 

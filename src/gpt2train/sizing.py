@@ -8,6 +8,7 @@ docs/training.md ("One size dial") gives each rule's source.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from gpt2train.counting import parameter_count
@@ -39,11 +40,11 @@ def scaling_parameters(model) -> int:
 
 
 def batch_tokens_for(tokens: float, granule: int) -> int:
-    """REFERENCE_BATCH_TOKENS * (tokens / REFERENCE_TOKENS)^BATCH_EXPONENT, to the nearest power of two,
-    at least `granule` (one micro-batch) and a multiple of it."""
+    """REFERENCE_BATCH_TOKENS * (tokens / REFERENCE_TOKENS)^BATCH_EXPONENT to the nearest multiple of `granule`
+    (one micro-batch on every rank), at least one. Not to a power of two: between two rungs of a ladder that
+    would halve or double the batch in one jump, and the deeper rung could get fewer steps than the shallower."""
     ideal = REFERENCE_BATCH_TOKENS * (tokens / REFERENCE_TOKENS) ** BATCH_EXPONENT
-    power = 2 ** round(math.log2(max(ideal, 1)))
-    return max(granule, power // granule * granule)
+    return max(1, round(ideal / granule)) * granule
 
 
 def derive(cfg, explicit: set[str]) -> list[Derived]:
@@ -83,9 +84,10 @@ def derive(cfg, explicit: set[str]) -> list[Derived]:
         how = f"train.tokens_per_param {train.tokens_per_param:g} x N {n:,}"
     out.append(Derived("tokens", int(tokens), how))
     seq_len = train.seq_len or model.block_size
-    granule = train.micro_batch * seq_len
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the batch must split evenly over the ranks
+    granule = train.micro_batch * seq_len * ranks
     fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
-         f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, to a power of two, at least one micro-batch of {granule:,}")
+         f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
     batch = train.total_batch_tokens or granule
     fill("train.max_steps", max(1, math.ceil(tokens / batch)), f"tokens {int(tokens):,} / batch {batch:,}")
     fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")

@@ -1,4 +1,4 @@
-"""A corpus of any size from Tiny Shakespeare, made here: text sampled from its order-k character Markov chain.
+"""A corpus of any size made here from Tiny Shakespeare: text sampled from its order-k character Markov chain.
 
 Why: a scaling ladder needs more fresh tokens than the biggest rung reads, on the machine and without a
 download. Each next character is drawn from the characters that followed the same k characters somewhere in
@@ -54,3 +54,16 @@ def write_markov_corpus(path: str | Path, source: str, chars: int, order: int = 
         for doc in markov_documents(source, chars, order=order, seed=seed):
             f.write(json.dumps({"text": doc}) + "\n")
     return path
+
+
+def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 0, **options) -> dict:
+    """`gpt2train prepare markov`: the corpus, tokenized by characters into out_dir like any other."""
+    import tempfile
+
+    from gpt2train.data.prepare import prepare_documents, shakespeare_text
+    from gpt2train.data.sources import DocumentReader
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_markov_corpus(Path(tmp) / "corpus.jsonl", shakespeare_text(), chars, order=order, seed=seed)
+        source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"
+        return prepare_documents(DocumentReader([corpus]), out_dir, "char", source=source, **options)

@@ -1,0 +1,300 @@
+"""The scaling ladder: train small rungs of the size dial at their compute-optimal budgets, fit loss against
+compute, predict a bigger rung's loss, then train that rung and put the measurement beside the prediction.
+
+Each rung is `model.depth = d` on the config's data, so the dial's rules (sizing.py) set its shape, learning
+rate, batch and steps; the config may not set those keys itself. Every rung is a real run of the trainer in
+OUT/seed<S>/depth<d>/, finished when its rung.json is written: an interrupted ladder run again with the same
+--out skips finished rungs and resumes an unfinished one from its newest checkpoint.
+
+The fit is Hoffmann et al.'s (Chinchilla) form in one variable, L(x) = E + A * x^-alpha, for x = compute C
+(training FLOPs, counting.flops_per_token x tokens), parameters N and tokens D; the prediction uses C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2train import runlog
+from gpt2train.config import Config, derived_settings, load_config
+from gpt2train.counting import flops_per_token
+from gpt2train.data.prepare import load_meta
+from gpt2train.ranges import SEEDS, UsageError
+from gpt2train.sizing import scaling_parameters
+from gpt2train.units import format_count, format_duration, format_utc
+
+TARGET_ERROR = 0.02  # issue 34: the held-out rung within 2% of its prediction
+LADDER_KEYS = ("model.n_layer", "model.n_embd", "model.n_head", "train.total_batch_tokens", "train.max_steps",
+               "train.warmup_steps")  # what the dial must set per rung
+
+
+@dataclass
+class ScalingOptions:
+    config: str = "scaling-cpu"
+    depths: list[int] = field(default_factory=lambda: [3, 4, 5])
+    predict: int | None = 6
+    seeds: list[int] | None = None  # None: the config's train.seed
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Rung:
+    depth: int
+    seed: int
+    width: int
+    heads: int
+    params: int  # N: non-embedding (sizing.scaling_parameters)
+    tokens: int  # D: steps x batch
+    batch_tokens: int
+    steps: int
+    lr: float
+    flops: float  # C
+    val_loss: float | None = None
+    wall_s: float | None = None
+    run_dir: str = ""
+
+
+@dataclass
+class Fit:
+    variable: str  # "compute", "params" or "tokens"
+    E: float
+    A: float
+    alpha: float
+    rms_log_error: float  # of the fitted points, in log-loss
+
+    def __call__(self, x: float) -> float:
+        return self.E + self.A * x ** -self.alpha
+
+
+def fit_power_law(xs, ys, variable: str = "compute") -> Fit:
+    """Least squares in log-loss of L = E + A x^-alpha over 0 <= E < min(L): for each E the rest is a straight
+    line in log-log, so E is searched (a grid, then a narrowing one) and A, alpha solved exactly."""
+    x, y = np.log(np.asarray(xs, dtype=float)), np.asarray(ys, dtype=float)
+    if len(x) < 3:
+        raise UsageError("a fit of E + A x^-alpha needs at least three rungs")
+
+    def solve(E):
+        slope, intercept = np.polyfit(x, np.log(y - E), 1)
+        error = np.log(E + np.exp(intercept + slope * x)) - np.log(y)
+        return float(np.sqrt(np.mean(error ** 2))), float(np.exp(intercept)), float(-slope)
+
+    low, high = 0.0, float(y.min())
+    for _ in range(6):
+        grid = np.linspace(low, high, 201)[:-1]
+        scores = [solve(E)[0] for E in grid]
+        best = int(np.argmin(scores))
+        step = grid[1] - grid[0]
+        low, high = max(0.0, grid[best] - step), min(float(y.min()) * (1 - 1e-9), grid[best] + step)
+    E = grid[best]
+    rms, A, alpha = solve(E)
+    return Fit(variable, float(E), A, alpha, rms)
+
+
+def rung_config(options: ScalingOptions, depth: int, seed: int) -> Config:
+    """The config with model.depth = depth and train.seed = seed; refused in one line where the config
+    itself sets a key the ladder derives per rung."""
+    cfg = load_config(options.config, [*options.overrides, f"model.depth={depth}", f"train.seed={seed}"])
+    fixed = [d.key for d in derived_settings(cfg) if d.explicit and d.key in LADDER_KEYS]
+    if fixed:
+        raise UsageError(f"{options.config} sets {', '.join(fixed)}, which the ladder derives for each rung from "
+                         "model.depth: remove {} from the config".format("it" if len(fixed) == 1 else "them"))
+    return cfg
+
+
+def describe_rung(cfg: Config, seed: int) -> Rung:
+    m, t = cfg.model, cfg.train
+    seq_len = t.seq_len or m.block_size
+    tokens = t.max_steps * t.total_batch_tokens
+    per_token = flops_per_token(dataclasses.replace(m, vocab_size=m.vocab_size or 1), seq_len)
+    return Rung(depth=m.depth, seed=seed, width=m.n_embd, heads=m.n_head, params=scaling_parameters(m),
+                tokens=tokens, batch_tokens=t.total_batch_tokens, steps=t.max_steps, lr=t.lr,
+                flops=float(per_token * tokens))
+
+
+def check_fresh_data(rungs: list[Rung], cfg: Config) -> int:
+    """The data's train tokens; UsageError if any rung would read more than that (it would repeat data)."""
+    meta = load_meta(cfg.data.dir)
+    have = int(meta["tokens"]["train"])
+    worst = max(rungs, key=lambda r: r.tokens)
+    if worst.tokens > have:
+        raise UsageError(f"rung depth {worst.depth} needs {worst.tokens:,} training tokens "
+                         f"({cfg.train.tokens_per_param:g} per parameter x {worst.params:,} parameters, in whole "
+                         f"batches) and {cfg.data.dir} holds {have:,}: it would repeat data; prepare more text or "
+                         f"leave depth {worst.depth} out")
+    return have
+
+
+def train_rung(cfg: Config, rung: Rung, run_dir: Path) -> Rung:
+    """Train one rung into run_dir (resuming its newest checkpoint if it has one), read its final validation
+    loss and write rung.json, which marks it finished."""
+    from gpt2train.training.loop import train
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(run_dir / "console.log", "a") as console, contextlib.redirect_stdout(console):
+        out = train(cfg, run_dir, resume="auto")
+    if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the ladder
+        raise KeyboardInterrupt
+    vals = [r for r in runlog.load_run(run_dir).of(runlog.VAL)
+            if r["step"] == cfg.train.max_steps and runlog.is_finite(r.get("val_loss"))]
+    if not vals:
+        raise UsageError(f"rung depth {rung.depth} ended without a validation loss at step {cfg.train.max_steps}; "
+                         f"see {run_dir}/console.log")
+    rung.val_loss, rung.wall_s, rung.run_dir = float(vals[-1]["val_loss"]), time.perf_counter() - start, str(run_dir)
+    (run_dir / "rung.json").write_text(json.dumps(dataclasses.asdict(rung), indent=2) + "\n")
+    return rung
+
+
+def finished_rung(run_dir: Path, planned: Rung) -> Rung | None:
+    """The rung run_dir finished earlier, or None; UsageError if it was trained with other settings (a ladder
+    of another config or dial rule in the same --out)."""
+    path = run_dir / "rung.json"
+    if not path.is_file():
+        return None
+    done = Rung(**json.loads(path.read_text()))
+    plan = dataclasses.asdict(planned)
+    changed = [k for k, v in dataclasses.asdict(done).items()
+               if k not in ("val_loss", "wall_s", "run_dir") and not math.isclose(v, plan[k], rel_tol=1e-9)]
+    if changed:
+        what = ", ".join(f"{k} {getattr(done, k):g}, now {plan[k]:g}" for k in changed)
+        raise UsageError(f"{path} was trained with other settings ({what}); pass a new --out for this ladder")
+    return done
+
+
+def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = True) -> dict:
+    """Every seed's ladder, fit and prediction; writes scaling.{json,md,png} to out_dir."""
+    depths = sorted(set(options.depths))
+    if len(depths) < 3 or depths[0] < 1:
+        raise UsageError(f"--depths {options.depths}: give at least three distinct depths of 1 or more")
+    if options.predict is not None and options.predict <= depths[-1]:
+        raise UsageError(f"--predict {options.predict}: predict a rung deeper than the ladder's last, {depths[-1]}")
+    base = load_config(options.config, options.overrides)
+    seeds = options.seeds or [base.train.seed]
+    if any(s not in SEEDS or seeds.count(s) > 1 for s in seeds):
+        raise UsageError(f"--seeds {seeds}: seeds must be distinct and {SEEDS}")
+    every = depths + ([options.predict] if options.predict else [])
+    configs = {(d, s): rung_config(options, d, s) for d in every for s in seeds}
+    planned = {key: describe_rung(cfg, key[1]) for key, cfg in configs.items()}
+    train_tokens = check_fresh_data(list(planned.values()), base)
+    out = Path(out_dir)
+    ladders = []
+    for seed in seeds:
+        rungs = {}
+        for depth in every:
+            if depth == options.predict:
+                fits = fit_all([rungs[d] for d in depths])
+                predicted = fits["compute"](planned[depth, seed].flops)
+                if progress:
+                    print(f"seed {seed}: predicted val loss of depth {depth}: {predicted:.4f}", flush=True)
+            run_dir = out / f"seed{seed}" / f"depth{depth}"
+            rung = finished_rung(run_dir, planned[depth, seed])
+            if rung is None:
+                if progress:
+                    r = planned[depth, seed]
+                    print(f"seed {seed}, depth {depth}: {r.params:,} params, {r.tokens:,} tokens, {r.steps:,} steps "
+                          f"of {r.batch_tokens:,}, lr {r.lr:.3g} ...", flush=True)
+                rung = train_rung(configs[depth, seed], planned[depth, seed], run_dir)
+            elif progress:
+                print(f"seed {seed}, depth {depth}: finished earlier ({run_dir}/rung.json)", flush=True)
+            rungs[depth] = rung
+            if progress:
+                print(f"seed {seed}, depth {depth}: val loss {rung.val_loss:.4f} in {format_duration(rung.wall_s)}",
+                      flush=True)
+        fits = fit_all([rungs[d] for d in depths])
+        ladder = {"seed": seed, "rungs": [dataclasses.asdict(rungs[d]) for d in every],
+                  "fits": {k: dataclasses.asdict(f) for k, f in fits.items()}}
+        if options.predict:
+            held = rungs[options.predict]
+            predicted = fits["compute"](held.flops)
+            ladder["prediction"] = {"depth": options.predict, "predicted": predicted, "measured": held.val_loss,
+                                    "error": (held.val_loss - predicted) / predicted}
+        ladders.append(ladder)
+    result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
+              "cpu_threads": torch.get_num_threads(), "data": base.data.dir, "train_tokens": train_tokens,
+              "target_error": TARGET_ERROR, "ladders": ladders}
+    result["markdown"] = to_markdown(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "scaling.md").write_text(result["markdown"])
+    plot_ladders(result, out / "scaling.png")
+    return result
+
+
+def fit_all(rungs: list[Rung]) -> dict[str, Fit]:
+    losses = [r.val_loss for r in rungs]
+    return {"compute": fit_power_law([r.flops for r in rungs], losses, "compute"),
+            "params": fit_power_law([r.params for r in rungs], losses, "params"),
+            "tokens": fit_power_law([r.tokens for r in rungs], losses, "tokens")}
+
+
+def to_markdown(result: dict) -> str:
+    lines = []
+    for ladder in result["ladders"]:
+        lines += [f"Seed {ladder['seed']}:", "",
+                  "| depth | width | heads | params N | tokens D | batch | steps | lr | compute C | val loss | time |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in ladder["rungs"]:
+            lines.append(f"| {r['depth']} | {r['width']} | {r['heads']} | {format_count(r['params'])} | "
+                         f"{format_count(r['tokens'])} | {r['batch_tokens']:,} | {r['steps']:,} | {r['lr']:.3g} | "
+                         f"{r['flops']:.3g} | {r['val_loss']:.4f} | {format_duration(r['wall_s'])} |")
+        lines.append("")
+        for name, f in ladder["fits"].items():
+            lines.append(f"- L({name}) = {f['E']:.4f} + {f['A']:.4g} x^-{f['alpha']:.4f} "
+                         f"(rms error {f['rms_log_error']:.2%})")
+        p = ladder.get("prediction")
+        if p:
+            ok = "within" if abs(p["error"]) <= result["target_error"] else "NOT within"
+            lines.append(f"- depth {p['depth']}: predicted {p['predicted']:.4f}, measured {p['measured']:.4f}, "
+                         f"error {p['error']:+.2%} ({ok} {result['target_error']:.0%})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_ladders(result: dict, path: Path) -> None:
+    """Validation loss against compute: each seed's rungs, its fit, the predicted and the measured held-out rung."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for ladder in result["ladders"]:
+        fit = Fit(**ladder["fits"]["compute"])
+        p = ladder.get("prediction")
+        fitted = [r for r in ladder["rungs"] if not p or r["depth"] != p["depth"]]
+        xs = np.geomspace(min(r["flops"] for r in ladder["rungs"]), max(r["flops"] for r in ladder["rungs"]), 100)
+        line, = ax.plot(xs, [fit(x) for x in xs], linewidth=1, label=f"seed {ladder['seed']}: fit")
+        ax.plot([r["flops"] for r in fitted], [r["val_loss"] for r in fitted], "o", color=line.get_color())
+        if p:
+            held = next(r for r in ladder["rungs"] if r["depth"] == p["depth"])
+            ax.plot([held["flops"]], [p["predicted"]], "o", mfc="none", color=line.get_color(),
+                    label=f"depth {p['depth']} predicted")
+            ax.plot([held["flops"]], [p["measured"]], "*", markersize=11, color=line.get_color(),
+                    label=f"depth {p['depth']} measured ({p['error']:+.1%})")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels at the powers of ten only
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"scaling ladder: {result['options']['config']} on {result['data']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_line(result: dict) -> str:
+    parts = []
+    for ladder in result["ladders"]:
+        p = ladder.get("prediction")
+        if p:
+            parts.append(f"seed {ladder['seed']}: depth {p['depth']} predicted {p['predicted']:.4f}, measured "
+                         f"{p['measured']:.4f} ({p['error']:+.2%})")
+    return "; ".join(parts) or "no --predict rung"

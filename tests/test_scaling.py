@@ -1,0 +1,255 @@
+"""The size dial (sizing.py) and the scaling ladder (`gpt2train bench scaling`): the rules on known shapes,
+explicit keys winning, plan and config show explaining, the power-law fit, the ladder's refusals, and an
+interrupted ladder that continues to the same numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from conftest import one_line, run_cli
+from gpt2train.bench import scaling
+from gpt2train.bench.scaling import ScalingOptions, fit_power_law, run_ladder
+from gpt2train.config import ConfigError, derived_settings, load_config
+from gpt2train.data.markov import markov_documents
+from gpt2train.ranges import UsageError
+from gpt2train.sizing import batch_tokens_for, format_derived
+from gpt2train.training.loop import Trainer
+
+
+def derived(cfg) -> dict:
+    return {d.key: d for d in derived_settings(cfg)}
+
+
+# --- the dial ------------------------------------------------------------------------------------------
+
+def test_depth_12_is_gpt2_124m_with_its_learning_rate():
+    cfg = load_config(None, ["model.depth=12"])
+    m, t = cfg.model, cfg.train
+    assert (m.n_layer, m.n_embd, m.n_head) == (12, 768, 12)  # GPT-2 124M's shape
+    assert t.lr == pytest.approx(6e-4)
+    # 20 x 85,056,000 non-embedding parameters; 2^19 x (1.70e9 / 1e10)^0.4 = 258,263 -> 32 micro-batches of 8 x 1024
+    tokens = 20 * 85_056_000
+    assert t.total_batch_tokens == 32 * 8 * 1024 == 2 ** 18  # modded-nanogpt's batch for this model
+    assert t.max_steps == math.ceil(tokens / 2 ** 18) == 6490
+    assert t.warmup_steps == round(0.05 * 6490)
+    assert derived(cfg)["tokens"].value == tokens
+
+
+def test_rules_scale_with_width_and_budget():
+    small, big = load_config(None, ["model.depth=6"]), load_config(None, ["model.depth=24"])
+    assert (small.model.n_embd, small.model.n_head, big.model.n_embd, big.model.n_head) == (384, 6, 1536, 24)
+    assert small.train.lr == pytest.approx(2 * 6e-4) and big.train.lr == pytest.approx(6e-4 / 2)  # 1 / width
+    assert small.train.total_batch_tokens < big.train.total_batch_tokens
+    flops = load_config(None, ["model.depth=6", "train.flops_budget=1e17"])
+    n = 6 * (12 * 384 ** 2 + 13 * 384) + 2 * 384  # blocks (weights, biases, two LayerNorms) and ln_f
+    assert derived(flops)["tokens"].value == int(1e17 / (6 * n))
+    half = load_config(None, ["model.depth=6", "train.tokens_per_param=10"])
+    assert derived(half)["tokens"].value == 10 * n
+
+
+def test_batch_rule_grows_smoothly_in_whole_micro_batches(monkeypatch):
+    assert batch_tokens_for(10e9, 1024) == 2 ** 19
+    assert batch_tokens_for(1e3, 8192) == 8192  # at least one micro-batch
+    batches = [batch_tokens_for(tokens, 4096) for tokens in np.geomspace(1e7, 1e11, 13)]
+    assert all(b % 4096 == 0 for b in batches) and batches == sorted(batches)
+    assert all(later / earlier < 1.5 for earlier, later in zip(batches, batches[1:]))  # no doubling in one step
+    monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun: whole micro-batches on every rank
+    assert load_config(None, ["model.depth=12"]).train.total_batch_tokens % (3 * 8 * 1024) == 0
+
+
+def test_explicit_keys_win_over_the_dial_and_say_what_the_rule_gives(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nn_embd = 512\n[train]\nlr = 1e-3\n")
+    cfg = load_config(path, ["model.depth=6", "train.max_steps=77"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head) == (6, 512, 8)  # heads follow the width kept
+    assert (cfg.train.lr, cfg.train.max_steps) == (1e-3, 77)
+    d = derived(cfg)
+    assert d["model.n_embd"].explicit and d["model.n_embd"].rule_value == 384
+    assert d["train.max_steps"].explicit and not d["model.n_layer"].explicit
+    lines = format_derived(derived_settings(cfg))
+    assert "train.lr = 0.001  (set in the config; the rule gives 0.0009: 0.0006 x 768 / n_embd 512" in "\n".join(lines)
+    assert load_config(None, []).train.max_steps == 1000 and not derived_settings(load_config(None, []))  # dial off
+
+
+def test_dial_refuses_a_width_the_head_size_does_not_divide():
+    with pytest.raises(ConfigError, match="model.depth \\* model.aspect_ratio = 30 is not a multiple of model.head_dim"):
+        load_config(None, ["model.depth=3", "model.aspect_ratio=10", "model.head_dim=4"])
+
+
+def test_shakespeare_cpu_is_the_same_model_and_depth_6_runs_with_every_setting_explained(char_data, tmp_path):
+    cfg = load_config("shakespeare-cpu", [])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.total_batch_tokens) == (4, 128, 4, 0)
+    r = run_cli(*["plan", "--config", "shakespeare-cpu", "--set", "model.depth=6", "--set", f"data.dir={char_data}",
+                 "--tokens-per-s", "1000"])
+    assert r.returncode == 0, r.stderr
+    assert "model       6 layers x 192 wide, 6 heads" in r.stdout
+    for line in ("model.n_embd = 192  (depth 6 x aspect_ratio 32)", "model.n_head = 6  (n_embd 192 / head_dim 32)",
+                 "train.max_steps = 300  (set in the config; the rule gives"):
+        assert line in r.stdout
+    shown = run_cli(*["config", "show", "--config", "shakespeare-cpu", "--set", "model.depth=6"])
+    assert "#   model.n_layer = 6  (model.depth = 6)" in shown.stdout
+    out = tmp_path / "run"
+    r = run_cli(*["train", "--config", "shakespeare-cpu", "--out", str(out), "--set", "model.depth=6",
+                 "--set", f"data.dir={char_data}", "--set", "train.max_steps=3", "--set", "eval.interval=0",
+                 "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0"])
+    assert r.returncode == 0, r.stderr
+    saved = load_config(out / "config.toml")
+    assert (saved.model.n_layer, saved.model.n_embd, saved.model.n_head, saved.model.depth) == (6, 192, 6, 6)
+
+
+# --- the fit -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("E,A,alpha", [(1.7, 40.0, 0.3), (0.0, 12.0, 0.1), (2.5, 1e3, 0.45)])
+def test_fit_recovers_a_known_power_law(E, A, alpha):
+    xs = np.geomspace(1e10, 1e14, 5)
+    fit = fit_power_law(xs, E + A * xs ** -alpha)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-3)
+    assert fit.E == pytest.approx(E, abs=1e-3) and fit.rms_log_error < 1e-5
+    assert fit(1e15) == pytest.approx(E + A * 1e15 ** -alpha, rel=1e-4)  # and it extrapolates
+
+
+def test_fit_needs_three_points():
+    with pytest.raises(UsageError, match="at least three rungs"):
+        fit_power_law([1, 2], [3, 2])
+
+
+# --- the corpus ----------------------------------------------------------------------------------------
+
+def test_markov_corpus_is_seeded_and_made_of_the_sources_contexts():
+    source = "the cat sat on the mat. the dog sat on the log. " * 20
+    a = markov_documents(source, 3000, order=3, doc_chars=500, seed=1)
+    assert a == markov_documents(source, 3000, order=3, doc_chars=500, seed=1)
+    assert a != markov_documents(source, 3000, order=3, doc_chars=500, seed=2)
+    assert len(a) == 6 and all(len(d) == 500 for d in a)
+    grams = {source[i:i + 4] for i in range(len(source) - 3)}
+    assert all(d[i:i + 4] in grams for d in a for i in range(len(d) - 3))  # every 4 characters occur in the source
+
+
+# --- the ladder ----------------------------------------------------------------------------------------
+
+LADDER_TOML = """
+[model]
+aspect_ratio = 8
+head_dim = 8
+block_size = 32
+vocab_size = 0
+[data]
+dir = "{data}"
+[train]
+device = "cpu"
+micro_batch = 4
+seq_len = 32
+tokens_per_param = {tpp}
+dtype = "float32"
+compile = false
+[eval]
+interval = 0
+val_batches = 4
+[log]
+interval = 5
+progress = "lines"
+[checkpoint]
+every_steps = 0
+keep_last = 1
+save_best = false
+"""
+
+
+def ladder_config(tmp_path, data, tpp=1):
+    path = tmp_path / "ladder.toml"
+    path.write_text(LADDER_TOML.format(data=data, tpp=tpp))
+    return str(path)
+
+
+def test_ladder_refuses_a_rung_that_would_repeat_data(char_data, tmp_path):
+    options = ScalingOptions(config=ladder_config(tmp_path, char_data, tpp=500), depths=[1, 2, 3], predict=4)
+    message = one_line(UsageError, run_ladder, options, tmp_path / "out", progress=False)
+    assert message.startswith("rung depth 4 needs ") and "training tokens (500 per parameter x 50,880 parameters" in message
+    assert "it would repeat data; prepare more text or leave depth 4 out" in message
+    assert not (tmp_path / "out").exists()  # refused before any rung trained
+
+
+def test_ladder_refuses_a_config_that_fixes_what_the_rungs_vary(char_data, tmp_path):
+    options = ScalingOptions(config=ladder_config(tmp_path, char_data), depths=[1, 2, 3], predict=4,
+                             overrides=["train.max_steps=5"])
+    with pytest.raises(UsageError, match="sets train.max_steps, which the ladder derives for each rung"):
+        run_ladder(options, tmp_path / "out", progress=False)
+    with pytest.raises(UsageError, match="--predict 3: predict a rung deeper"):
+        run_ladder(ScalingOptions(config=options.config, depths=[1, 2, 3], predict=3), tmp_path / "o", progress=False)
+
+
+def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, monkeypatch):
+    config = ladder_config(tmp_path, char_data)
+    options = ScalingOptions(config=config, depths=[1, 2, 3], predict=4)
+    straight = run_ladder(options, tmp_path / "straight", progress=False)
+    ladder = straight["ladders"][0]
+    assert [r["depth"] for r in ladder["rungs"]] == [1, 2, 3, 4]
+    assert all(r["val_loss"] > 0 for r in ladder["rungs"])
+    assert set(ladder["fits"]) == {"compute", "params", "tokens"}
+    p = ladder["prediction"]
+    assert p["error"] == pytest.approx((p["measured"] - p["predicted"]) / p["predicted"])
+    for name in ("scaling.json", "scaling.md", "scaling.png"):
+        assert (tmp_path / "straight" / name).is_file()
+    assert "| 4 | 32 | 4 |" in straight["markdown"]
+
+    # A SIGTERM in the middle of depth 3: the trainer checkpoints and stops, the ladder stops with it.
+    original = Trainer.train_step
+
+    def step_then_signal(self):
+        out = original(self)
+        if self.cfg.model.depth == 3 and self.state.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_ladder(options, out, progress=False)
+    monkeypatch.setattr(Trainer, "train_step", original)
+    assert (out / "seed1337" / "depth2" / "rung.json").is_file() and not (out / "seed1337" / "depth3" / "rung.json").exists()
+    finished = (out / "seed1337" / "depth1" / "rung.json").stat().st_mtime_ns
+
+    trained = []
+    real_train_rung = scaling.train_rung
+    monkeypatch.setattr(scaling, "train_rung", lambda cfg, rung, run_dir: trained.append(rung.depth)
+                        or real_train_rung(cfg, rung, run_dir))
+    resumed = run_ladder(options, out, progress=False)
+    assert trained == [3, 4]  # depths 1 and 2 were read back, not trained again
+    assert (out / "seed1337" / "depth1" / "rung.json").stat().st_mtime_ns == finished
+    loss = {r["depth"]: r["val_loss"] for r in resumed["ladders"][0]["rungs"]}
+    assert loss == {r["depth"]: r["val_loss"] for r in ladder["rungs"]}  # the resumed rung continued exactly
+    assert resumed["ladders"][0]["prediction"] == p
+    assert json.loads((out / "scaling.json").read_text())["ladders"][0]["prediction"] == p
+    other = ScalingOptions(config=config, depths=[1, 2, 3], predict=4, overrides=["train.tokens_per_param=2"])
+    message = one_line(UsageError, run_ladder, other, out, progress=False)  # not another ladder's rungs
+    assert "depth1/rung.json was trained with other settings (tokens " in message
+    assert message.endswith("); pass a new --out for this ladder")
+
+
+def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
+    r = run_cli(*["bench", "scaling", "--depths", "2,x"])
+    assert r.returncode == 2 and "give depths as comma-separated whole numbers" in r.stderr
+    r = run_cli(*["bench", "scaling", "--set", f"data.dir={tmp_path / 'none'}", "--out", str(tmp_path / "o")])
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):
+    """scaling-cpu as a user runs it (Muon, rotary, the dial), with one-layer-sized rungs and a small budget."""
+    out = tmp_path / "ladder"
+    shrink = ["model.aspect_ratio=8", "model.head_dim=8", "model.block_size=32", "train.seq_len=32",
+              "train.micro_batch=4", "train.tokens_per_param=1", "eval.val_batches=2", f"data.dir={char_data}"]
+    r = run_cli("bench", "scaling", "--depths", "1,2,3", "--predict", "4", "--out", str(out),
+                *[a for kv in shrink for a in ("--set", kv)])
+    assert r.returncode == 0, r.stderr
+    assert "seed 1337: depth 4 predicted " in r.stdout and f"wrote {out}/scaling.md" in r.stdout
+    result = json.loads((out / "scaling.json").read_text())
+    assert [x["depth"] for x in result["ladders"][0]["rungs"]] == [1, 2, 3, 4]
+    saved = load_config(out / "seed1337" / "depth4" / "config.toml")
+    assert (saved.train.optimizer, saved.model.position, saved.model.n_embd) == ("muon", "rotary", 32)
+
