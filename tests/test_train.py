@@ -281,9 +281,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, libc.mallinfo
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
-def test_kept_freed_memory_is_reused_without_page_faults():
-    """With glibc's defaults each new 25 MB tensor is a fresh mapping the kernel faults in page by page;
-    with the training default it reuses the freed heap: no new memory from the kernel, so nothing to fault in."""
+def test_kept_freed_memory_serves_large_blocks_from_the_heap():
+    """With glibc's defaults each new 25 MB tensor is a fresh mapping the kernel faults in page by page; with the
+    training default glibc serves it from its heap, which keeps what was freed for the next one."""
     def reallocate(mode):
         r = subprocess.run([sys.executable, "-c", _REALLOCATION, mode], capture_output=True,
                            text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
@@ -292,11 +292,11 @@ def test_kept_freed_memory_is_reused_without_page_faults():
     tensor = 25 << 20
     faults, _, mapped = reallocate("default")
     assert mapped >= tensor and faults > 5 * tensor // 4096 // 2  # every page of every tensor faulted in
-    # Kept: the heap does not grow and nothing is mapped, which is what makes the faults go away. The fault count
-    # itself is not asserted here: the kernel adds minor faults of its own on a loaded machine (CI's full suite
-    # saw 6,400, 12,801 and 25,600 of the 32,000 where runs alone see next to none).
-    _, heap_growth, mapped = reallocate("keep")
-    assert heap_growth < tensor and mapped == 0
+    # Kept: no tensor is mapped on its own (glibc's choice by the threshold, the same on any machine). Whether the
+    # heap's freed memory is then reused without new pages is glibc's and the machine's: runs alone fault in none,
+    # but CI's loaded full suites saw 1 to 5 tensors' worth of new pages and heap, so neither is asserted here.
+    _, _, mapped = reallocate("keep")
+    assert mapped == 0
 
 
 def test_cpu_runs_keep_freed_memory_unless_turned_off(char_data, monkeypatch):

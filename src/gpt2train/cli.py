@@ -427,8 +427,8 @@ def cmd_bench_quality(args) -> int:
 def cmd_bench_scaling(args) -> int:
     from gpt2train.bench.scaling import ScalingOptions, run_ladder, summary_line
 
-    options = ScalingOptions(config=args.config, depths=args.depths, predict=args.predict, seeds=args.seeds,
-                             overrides=args.set or [])
+    options = ScalingOptions(config=args.config, depths=args.depths or ScalingOptions().depths, predict=args.predict,
+                             seeds=args.seeds, overrides=args.set or [])
     out = Path(args.out) if args.out else Path("runs") / "bench-scaling"
     result = run_ladder(options, out)
     print(result["markdown"])
@@ -837,8 +837,8 @@ def add_bench_scaling(bench) -> None:
                          "against compute, predict a bigger rung, train it, compare")
     p.add_argument("--config", default="scaling-cpu", help=CONFIG_HELP + "; it must leave the shape, batch and "
                    "steps to the size dial (default %(default)s)")
-    p.add_argument("--depths", type=depth_list, default=[3, 4, 5], help="the ladder's rungs, at least three (default "
-                   "3,4,5: on scaling-cpu depth 2 lies above the line through the others, docs/benchmarks.md)")
+    p.add_argument("--depths", type=depth_list, help="the ladder's rungs, at least three (default 3,4,5: on "
+                   "scaling-cpu depth 2 lies above the line through the others, docs/benchmarks.md)")
     p.add_argument("--predict", type=POSITIVE_INT, default=6, help="the rung to predict, then train (default %(default)s)")
     p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; one ladder each "
                    "(default: the config's seed)")
