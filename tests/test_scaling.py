@@ -16,7 +16,7 @@ from conftest import one_line, run_cli
 from gpt2train.bench import scaling
 from gpt2train.bench.scaling import ScalingOptions, fit_power_law, run_ladder
 from gpt2train.config import ConfigError, derived_settings, load_config
-from gpt2train.data.markov import markov_documents
+from gpt2train.data.markov import markov_documents, prepare_markov
 from gpt2train.ranges import UsageError
 from gpt2train.sizing import batch_tokens_for, format_derived
 from gpt2train.training.loop import Trainer
@@ -131,6 +131,15 @@ def test_markov_corpus_is_seeded_and_made_of_the_sources_contexts():
     assert all(d[i:i + 4] in grams for d in a for i in range(len(d) - 3))  # every 4 characters occur in the source
 
 
+def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
+    first = prepare_markov(tmp_path / "m", 40_000, seed=3, val_tokens=2_000, progress=False)
+    assert first["vocab_size"] <= 66 and first["tokens"]["train"] + first["tokens"]["val"] >= 40_000
+    again = prepare_markov(tmp_path / "m", 40_000, seed=3, val_tokens=2_000, progress=True)
+    assert again == first and "already prepared from these inputs" in capsys.readouterr().err
+    other = prepare_markov(tmp_path / "m2", 40_000, seed=4, val_tokens=2_000, progress=False)
+    assert other["fingerprint"] != first["fingerprint"]
+
+
 # --- the ladder ----------------------------------------------------------------------------------------
 
 LADDER_TOML = """
@@ -197,6 +206,8 @@ def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, m
     for name in ("scaling.json", "scaling.md", "scaling.png"):
         assert (tmp_path / "straight" / name).is_file()
     assert "| 4 | 32 | 4 |" in straight["markdown"]
+    for r in ladder["rungs"]:  # C = D x (6 x (blocks + head) + attention), the head at char_data's 66, padded to 128
+        assert r["flops"] == r["tokens"] * (6 * (r["params"] + 128 * r["width"]) + 12 * r["depth"] * r["width"] * 32)
 
     # A SIGTERM in the middle of depth 3: the trainer checkpoints and stops, the ladder stops with it.
     original = Trainer.train_step

@@ -28,6 +28,7 @@ from gpt2train.config import Config, derived_settings, load_config
 from gpt2train.counting import flops_per_token
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import SEEDS, UsageError
+from gpt2train.runtime import resolve_config
 from gpt2train.sizing import scaling_parameters
 from gpt2train.units import format_count, format_duration, format_utc
 
@@ -109,19 +110,19 @@ def rung_config(options: ScalingOptions, depth: int, seed: int) -> Config:
     return cfg
 
 
-def describe_rung(cfg: Config, seed: int) -> Rung:
+def describe_rung(cfg: Config, seed: int, data_vocab: int) -> Rung:
+    """The rung as the trainer will run it: its compute counts the head at the data's vocabulary (padded)."""
+    cfg = resolve_config(cfg, data_vocab)
     m, t = cfg.model, cfg.train
-    seq_len = t.seq_len or m.block_size
     tokens = t.max_steps * t.total_batch_tokens
-    per_token = flops_per_token(dataclasses.replace(m, vocab_size=m.vocab_size or 1), seq_len)
+    per_token = flops_per_token(m, t.seq_len)
     return Rung(depth=m.depth, seed=seed, width=m.n_embd, heads=m.n_head, params=scaling_parameters(m),
                 tokens=tokens, batch_tokens=t.total_batch_tokens, steps=t.max_steps, lr=t.lr,
                 flops=float(per_token * tokens))
 
 
-def check_fresh_data(rungs: list[Rung], cfg: Config) -> int:
+def check_fresh_data(rungs: list[Rung], cfg: Config, meta: dict) -> int:
     """The data's train tokens; UsageError if any rung would read more than that (it would repeat data)."""
-    meta = load_meta(cfg.data.dir)
     have = int(meta["tokens"]["train"])
     worst = max(rungs, key=lambda r: r.tokens)
     if worst.tokens > have:
@@ -182,14 +183,15 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
         raise UsageError(f"--seeds {seeds}: seeds must be distinct and {SEEDS}")
     every = depths + ([options.predict] if options.predict else [])
     configs = {(d, s): rung_config(options, d, s) for d in every for s in seeds}
-    planned = {key: describe_rung(cfg, key[1]) for key, cfg in configs.items()}
-    train_tokens = check_fresh_data(list(planned.values()), base)
+    meta = load_meta(base.data.dir)
+    planned = {key: describe_rung(cfg, key[1], int(meta["vocab_size"])) for key, cfg in configs.items()}
+    train_tokens = check_fresh_data(list(planned.values()), base, meta)
     out = Path(out_dir)
     ladders = []
     for seed in seeds:
-        rungs = {}
+        rungs, fits = {}, None
         for depth in every:
-            if depth == options.predict:
+            if depth == options.predict:  # the fit, and its prediction, before the held-out rung trains
                 fits = fit_all([rungs[d] for d in depths])
                 predicted = fits["compute"](planned[depth, seed].flops)
                 if progress:
@@ -208,12 +210,11 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
             if progress:
                 print(f"seed {seed}, depth {depth}: val loss {rung.val_loss:.4f} in {format_duration(rung.wall_s)}",
                       flush=True)
-        fits = fit_all([rungs[d] for d in depths])
+        fits = fits or fit_all([rungs[d] for d in depths])
         ladder = {"seed": seed, "rungs": [dataclasses.asdict(rungs[d]) for d in every],
                   "fits": {k: dataclasses.asdict(f) for k, f in fits.items()}}
         if options.predict:
             held = rungs[options.predict]
-            predicted = fits["compute"](held.flops)
             ladder["prediction"] = {"depth": options.predict, "predicted": predicted, "measured": held.val_loss,
                                     "error": (held.val_loss - predicted) / predicted}
         ladders.append(ladder)

@@ -9,7 +9,6 @@ its statistics from the short-range up, which gives the smooth loss-versus-compu
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -46,24 +45,29 @@ def markov_documents(source: str, chars: int, order: int = 5, doc_chars: int = 2
     return ["".join(table[row]) for row in out]
 
 
-def write_markov_corpus(path: str | Path, source: str, chars: int, order: int = 5, seed: int = 0) -> Path:
-    """The documents as JSON lines ({"text": ...}), ready for `gpt2train prepare files`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for doc in markov_documents(source, chars, order=order, seed=seed):
-            f.write(json.dumps({"text": doc}) + "\n")
-    return path
+class MarkovReader:
+    """The sampled documents as a prepare reader (DocumentReader's interface): made once, in memory, and
+    fingerprinted by how they were made, so a second `prepare markov` with the same options has nothing to do."""
+
+    rereadable = True
+    text_field = "text"
+    replacements = 0  # made from decoded text: no invalid UTF-8
+
+    def __init__(self, source: str, chars: int, order: int = 5, seed: int = 0):
+        self.recipe = ["tiny-shakespeare markov", len(source), chars, order, seed]
+        self.documents = markov_documents(source, chars, order=order, seed=seed)
+
+    def __iter__(self):
+        return iter(self.documents)
+
+    def input_fingerprint(self) -> list:
+        return [self.recipe]
 
 
 def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 0, **options) -> dict:
     """`gpt2train prepare markov`: the corpus, tokenized by characters into out_dir like any other."""
-    import tempfile
-
     from gpt2train.data.prepare import prepare_documents, shakespeare_text
-    from gpt2train.data.sources import DocumentReader
 
-    with tempfile.TemporaryDirectory() as tmp:
-        corpus = write_markov_corpus(Path(tmp) / "corpus.jsonl", shakespeare_text(), chars, order=order, seed=seed)
-        source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"
-        return prepare_documents(DocumentReader([corpus]), out_dir, "char", source=source, **options)
+    reader = MarkovReader(shakespeare_text(), chars, order=order, seed=seed)
+    source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"
+    return prepare_documents(reader, out_dir, "char", source=source, **options)
