@@ -103,6 +103,60 @@ def test_shakespeare_cpu_is_the_same_model_and_depth_6_runs_with_every_setting_e
     assert (saved.model.n_layer, saved.model.n_embd, saved.model.n_head, saved.model.depth) == (6, 192, 6, 6)
 
 
+def test_time_budget_sets_the_run_length_by_the_speed(char_data):
+    base = [f"data.dir={char_data}", "model.depth=2", "model.aspect_ratio=16", "model.head_dim=16", "model.block_size=32",
+            "train.micro_batch=4", "train.time_budget=2"]
+    cfg = load_config(None, [*base, "train.tokens_per_s=4000"])
+    # 2 s x 4,000 tokens/s = 8,000 tokens; 2^19 x (8e3 / 1e10)^0.4 = 1,909 -> 15 micro-batches of 4 x 32 = 1,920
+    tokens = derived(cfg)["tokens"]
+    assert tokens.value == 8000 and "train.time_budget 2 s x train.tokens_per_s 4,000" in tokens.rule
+    assert (cfg.train.total_batch_tokens, cfg.train.max_steps) == (1920, 5)  # ceil(8,000 / 1,920)
+    asked = []
+    measured = load_config(None, base, speed=lambda c: asked.append(c.model.n_embd) or (8000.0, "timed by the test"))
+    assert asked == [32] and measured.train.tokens_per_s == 8000  # called once, with the shape set; kept in the config
+    assert "train.tokens_per_s = 8000  (timed by the test)" in format_derived(derived_settings(measured))
+    message = one_line(ConfigError, load_config, None, base)
+    assert message.startswith("train.time_budget needs the run's speed: set train.tokens_per_s")
+    message = one_line(ConfigError, load_config, None, [*base, "train.tokens_per_s=1", "train.flops_budget=1e12"])
+    assert "both set the run's length; set one of them" in message
+
+
+def test_plan_sizes_a_time_budget_for_the_named_gpu(tmp_path):
+    """No GPU here: the dial takes a GPU's speed from its peak and the MFU, as `plan` estimates its time."""
+    r = run_cli("plan", "--device", "H100", "--set", "model.depth=12", "--set", "train.time_budget=3600", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # 989e12 bf16 peak x 0.40 / (6 x (85,056,000 + 50,304 x 768) + 12 x 12 x 768 x 1024 = 855,383,040) = 462,483
+    assert ("train.tokens_per_s = 4.625e+05  (1 x H100 80GB: 989 TFLOP/s peak x MFU 0.40 (assumed" in r.stdout
+            and "/ 855,383,040 FLOPs per token)" in r.stdout)
+    assert "tokens = 1,664,938,318  (train.time_budget 3600 s x train.tokens_per_s 462,483)" in r.stdout
+    assert "time        budget: 1h 00m," in r.stdout  # the plan's own estimate: the budget back, to a whole batch
+
+
+def test_time_budgeted_run_keeps_its_first_speed_on_resume(char_data, tmp_path, monkeypatch, capsys):
+    """The speed is measured once, at the first launch; a resume reads it from the checkpoint, so a machine
+    that now runs faster does not re-derive another batch and horizon (which the resume would refuse)."""
+    from gpt2train import cli, plan
+
+    speed = {"now": 4000.0}
+    monkeypatch.setattr(plan, "measure_cpu_speed", lambda cfg, notes: (speed["now"], "timed by the test"))
+    out = tmp_path / "run"
+    args = ["--set", f"data.dir={char_data}", "--set", "model.depth=2", "--set", "model.aspect_ratio=16",
+            "--set", "model.head_dim=16", "--set", "model.block_size=32", "--set", "train.micro_batch=4",
+            "--set", "train.time_budget=2", "--set", "train.device=cpu", "--set", "train.dtype=float32",
+            "--set", "train.compile=false", "--set", "eval.interval=0", "--set", "eval.val_batches=1",
+            "--set", "eval.sample_interval=0", "--set", "log.progress=lines"]
+    assert cli.main(["config", "show", *args]) == 0
+    assert "#   train.tokens_per_s = 4000  (timed by the test)" in capsys.readouterr().out
+    assert cli.main(["train", "--out", str(out), *args]) == 0
+    assert "finished at step 5" in capsys.readouterr().out
+    assert load_config(out / "config.toml").train.tokens_per_s == 4000
+    speed["now"] = 8000.0  # twice as fast now: measured again, the batch would be 2,560 and the resume refused
+    assert cli.main(["train", "--out", str(out), "--resume", "auto", *args]) == 0
+    assert "is already finished at step 5 (train.max_steps = 5)" in capsys.readouterr().out
+    assert cli.main(["train", "--out", str(tmp_path / "new"), *args, "--set", "train.max_steps=1"]) == 0
+    assert load_config(tmp_path / "new" / "config.toml").train.tokens_per_s == 8000  # a new run measures anew
+
+
 # --- the fit -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("E,A,alpha", [(1.7, 40.0, 0.3), (0.0, 12.0, 0.1), (2.5, 1e3, 0.45)])

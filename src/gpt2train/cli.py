@@ -168,10 +168,10 @@ def cmd_train(args) -> int:
     from gpt2train.training.console import ALREADY_FINISHED
     from gpt2train.training.loop import train
 
-    cfg = load_config(args.config, args.set or [])
+    run_dir = args.out or default_run_dir(args.config)
+    cfg = load_config(args.config, args.set or [], speed=run_speed(run_dir, args.resume))
     if args.config is None and os.environ.get("RANK", "0") == "0":
         print(no_config_line(cfg), flush=True)
-    run_dir = args.out or default_run_dir(args.config)
     out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
     if os.environ.get("RANK", "0") != "0" or out["reason"] == ALREADY_FINISHED:
@@ -179,6 +179,17 @@ def cmd_train(args) -> int:
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
           f"run directory {run_dir}")
     return 0
+
+
+def run_speed(run_dir, resume: str | None):
+    """How `train` learns its speed for a time budget (train.time_budget): the figure its checkpoint kept, on a
+    resume; else measured on (or, for a GPU, estimated for) this machine's device, times the ranks."""
+    from gpt2train.plan import recorded_speed, target_device, training_speed
+
+    def speed(cfg):
+        return recorded_speed(run_dir, resume) or training_speed(
+            target_device(cfg.train.device), gpus=int(os.environ.get("WORLD_SIZE", "1")))(cfg)
+    return speed
 
 
 def no_config_line(cfg) -> str:
@@ -321,13 +332,16 @@ def cmd_eval(args) -> int:
 
 def cmd_plan(args) -> int:
     from gpt2train.config import load_config
-    from gpt2train.plan import PlanError, format_plan, make_plan, target_device
+    from gpt2train.plan import PlanError, format_plan, make_plan, target_device, training_speed
 
-    cfg = load_config(args.config, args.set or [])
     try:
         device = target_device(args.device)
     except PlanError as e:  # a name outside the device table is a bad argument
         raise UsageError(str(e)) from None
+    speed = training_speed(device, gpus=args.gpus, mfu=args.mfu)
+    if args.tokens_per_s is not None and args.tokens_per_s > 0:
+        speed = lambda cfg: (args.tokens_per_s * args.gpus, "given with --tokens-per-s")  # noqa: E731
+    cfg = load_config(args.config, args.set or [], speed=speed)
     plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
                      bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
     print(format_plan(plan))
@@ -439,9 +453,10 @@ def cmd_bench_scaling(args) -> int:
 
 def cmd_config_show(args) -> int:
     from gpt2train.config import derived_settings, dump_toml, load_config
+    from gpt2train.plan import target_device, training_speed
     from gpt2train.sizing import format_derived
 
-    cfg = load_config(args.config, args.set or [])
+    cfg = load_config(args.config, args.set or [], speed=lambda cfg: training_speed(target_device(cfg.train.device))(cfg))
     print(dump_toml(cfg), end="")
     if derived_settings(cfg):  # as TOML comments: the output stays a config file
         print(f"\n# the size dial, model.depth = {cfg.model.depth} (docs/training.md, \"One size dial\"):")

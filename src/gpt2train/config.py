@@ -59,9 +59,13 @@ class TrainConfig:
     total_batch_tokens: int = 0  # tokens per optimizer step; 0: one micro-batch on every rank
     max_steps: int = 1000
     # With model.depth (the size dial), the run's length when max_steps is not set: tokens_per_param x the
-    # model's non-embedding parameters (Chinchilla's ~20), or flops_budget / (6 x those parameters) when > 0.
+    # model's non-embedding parameters (Chinchilla's ~20), or flops_budget / (6 x those parameters) when > 0,
+    # or time_budget (seconds) x tokens_per_s (the run's speed, all ranks; 0: measured or estimated when the
+    # run is planned or first started, then kept in its checkpoints so that a resume keeps the same horizon).
     tokens_per_param: float = 20.0
     flops_budget: float = 0.0
+    time_budget: float = 0.0
+    tokens_per_s: float = 0.0
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
@@ -179,6 +183,8 @@ RANGES: dict[str, Range] = {
     "train.max_steps": at_least(1),
     "train.tokens_per_param": above(0),
     "train.flops_budget": at_least(0),  # 0: tokens_per_param decides
+    "train.time_budget": at_least(0),  # 0: off
+    "train.tokens_per_s": at_least(0),  # 0: measured or estimated, for time_budget
     "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
@@ -254,11 +260,12 @@ def data_sources(data: DataConfig) -> list[tuple[str, float]]:
     return pairs
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), speed=None) -> Config:
     """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type.
 
     `path` is a file, or the name of a preset shipped in the package (`gpt2`, `shakespeare-cpu`, ...);
-    a file that exists wins over a preset of the same name."""
+    a file that exists wins over a preset of the same name. `speed`: how the size dial learns the run's
+    tokens/s for train.time_budget (sizing.derive); the commands that run or plan a run pass one."""
     data: dict = {}
     if path is not None:
         name, text = read_config_text(path)
@@ -271,7 +278,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for item in overrides:
         explicit.add(apply_override(cfg, item))
     try:
-        cfg.derived = sizing.derive(cfg, explicit)  # the size dial: what it set, for plan and config show
+        cfg.derived = sizing.derive(cfg, explicit, speed)  # the size dial: what it set, for plan and config show
     except sizing.SizingError as e:
         raise ConfigError(str(e)) from None
     return validate(cfg)

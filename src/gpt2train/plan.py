@@ -24,7 +24,7 @@ from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
 from gpt2train.model import GPT
 from gpt2train.runtime import accumulation_steps, resolve_runtime
-from gpt2train.sizing import Derived, format_derived
+from gpt2train.sizing import Derived, SizingError, format_derived
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.units import format_bytes, format_count, format_duration, format_significant
 
@@ -302,6 +302,8 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
         if tokens_per_s <= 0:
             raise PlanError(f"--tokens-per-s {tokens_per_s}: must be positive")
         speed, speed_source = tokens_per_s, "given with --tokens-per-s"
+    elif peak is None and cfg.train.tokens_per_s > 0:  # the size dial's figure, for a time budget
+        speed, speed_source = cfg.train.tokens_per_s / gpus, "train.tokens_per_s"
     elif peak is None and measure_cpu and not device.is_gpu:
         speed, speed_source = measure_cpu_speed(cfg, notes)
     if peak is None and speed is None:
@@ -343,6 +345,48 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
     elapsed = sum(step().seconds for _ in range(steps))
     speed = B * T * steps / elapsed
     return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
+
+
+def training_speed(device: Device, gpus: int = 1, mfu: float | None = None, runs_dir: str | Path = "runs"):
+    """speed(cfg) for the size dial's train.time_budget (sizing.derive): the run's tokens/s on `gpus` x device,
+    all of them, and where the figure comes from. A GPU of the table: peak x MFU (as `plan` chooses it) / FLOPs
+    per token; a CPU: a few steps timed here, on one process only (ranks would each time their own)."""
+    def speed(cfg: Config) -> tuple[float, str]:
+        notes: list[str] = []
+        shaped = config_as_trained(cfg, gpus, _read_meta(cfg.data.dir, required=False, notes=notes), device)
+        peak = peak_flops_for(device, shaped)
+        if peak is not None:
+            used, source = _choose_mfu(mfu, device, None, runs_dir, notes)
+            per_token = flops_per_token(shaped.model, shaped.train.seq_len)
+            return (peak * used * gpus / per_token,
+                    f"{gpus} x {device.name}: {peak / 1e12:,.0f} TFLOP/s peak x MFU {used:.2f} ({source}) / "
+                    f"{per_token:,} FLOPs per token")
+        if device.is_gpu or gpus > 1:
+            raise SizingError(f"train.time_budget: the speed of {gpus} x {device.name} cannot be measured here; "
+                              f"set train.tokens_per_s")
+        rate, source = measure_cpu_speed(shaped, notes)
+        if rate is None:
+            raise SizingError(f"train.time_budget: {notes[-1]} (set train.tokens_per_s)")
+        return rate, source
+    return speed
+
+
+def recorded_speed(run_dir: str | Path, resume: str | None) -> tuple[float, str] | None:
+    """The tokens/s a time-budgeted run was sized by at its first launch, read from the checkpoint `resume`
+    continues (the trainer's choice: --resume auto or PATH): a resume keeps that horizon and batch instead of
+    measuring again. None for a new run, or one sized without a time budget."""
+    from gpt2train.checkpoint import CheckpointError, newest_checkpoint, read_meta, resolve_checkpoint
+
+    if not resume:
+        return None
+    try:
+        ckpt = newest_checkpoint(run_dir, warn=False) if resume == "auto" else resolve_checkpoint(resume)
+        train = read_meta(ckpt)["config"].get("train", {}) if ckpt else {}
+    except CheckpointError:  # the trainer says what is wrong with it
+        return None
+    if train.get("time_budget", 0) > 0 and train.get("tokens_per_s", 0) > 0:
+        return float(train["tokens_per_s"]), f"measured at the run's first launch, kept in {ckpt}"
+    return None
 
 
 def _read_sources(cfg: Config, notes: list[str]) -> list[tuple[SourceEpochs, dict | None]]:

@@ -47,9 +47,12 @@ def batch_tokens_for(tokens: float, granule: int) -> int:
     return max(1, round(ideal / granule)) * granule
 
 
-def derive(cfg, explicit: set[str]) -> list[Derived]:
+def derive(cfg, explicit: set[str], speed=None) -> list[Derived]:
     """Fill cfg's dial-derived keys that are not in `explicit`; returns what was set and why. Nothing when
-    model.depth is 0. Order matters: width before learning rate, tokens before batch, batch before steps."""
+    model.depth is 0. Order matters: width before learning rate, tokens before batch, batch before steps.
+
+    speed(cfg) -> (tokens/s, where the figure comes from): the run's speed for train.time_budget where
+    train.tokens_per_s is 0, called with the model's shape set; its figure is kept in train.tokens_per_s."""
     model, train = cfg.model, cfg.train
     if model.depth <= 0:
         return []
@@ -76,7 +79,20 @@ def derive(cfg, explicit: set[str]) -> list[Derived]:
         out.append(Derived("train.muon_lr", train.muon_lr, "kept: Muon's orthogonalized step does not grow with width"))
 
     n = scaling_parameters(model)
-    if train.flops_budget > 0:
+    if train.flops_budget > 0 and train.time_budget > 0:
+        raise SizingError(f"train.flops_budget = {train.flops_budget:g} and train.time_budget = "
+                          f"{train.time_budget:g} both set the run's length; set one of them (the other to 0)")
+    if train.time_budget > 0:
+        if train.tokens_per_s <= 0:
+            if speed is None:
+                raise SizingError("train.time_budget needs the run's speed: set train.tokens_per_s (`gpt2train "
+                                  "plan` reports it), or use a command that measures it (train, plan, config show)")
+            rate, source = speed(cfg)  # an explicit 0 too: it means "measure it"
+            train.tokens_per_s = float(rate)
+            out.append(Derived("train.tokens_per_s", train.tokens_per_s, source))
+        tokens = train.time_budget * train.tokens_per_s
+        how = f"train.time_budget {train.time_budget:g} s x train.tokens_per_s {train.tokens_per_s:,.0f}"
+    elif train.flops_budget > 0:
         tokens = train.flops_budget / (6 * n)
         how = f"train.flops_budget {train.flops_budget:.3g} / (6 x N {n:,})"
     else:
