@@ -184,11 +184,10 @@ def cmd_train(args) -> int:
 def run_speed(run_dir, resume: str | None):
     """How `train` learns its speed for a time budget (train.time_budget): the figure its checkpoint kept, on a
     resume; else measured on (or, for a GPU, estimated for) this machine's device, times the ranks."""
-    from gpt2train.plan import recorded_speed, target_device, training_speed
+    from gpt2train.plan import recorded_speed, training_speed
 
     def speed(cfg):
-        return recorded_speed(run_dir, resume) or training_speed(
-            target_device(cfg.train.device), gpus=int(os.environ.get("WORLD_SIZE", "1")))(cfg)
+        return recorded_speed(run_dir, resume) or training_speed(gpus=int(os.environ.get("WORLD_SIZE", "1")))(cfg)
     return speed
 
 
@@ -338,9 +337,7 @@ def cmd_plan(args) -> int:
         device = target_device(args.device)
     except PlanError as e:  # a name outside the device table is a bad argument
         raise UsageError(str(e)) from None
-    speed = training_speed(device, gpus=args.gpus, mfu=args.mfu)
-    if args.tokens_per_s is not None and args.tokens_per_s > 0:
-        speed = lambda cfg: (args.tokens_per_s * args.gpus, "given with --tokens-per-s")  # noqa: E731
+    speed = training_speed(device, gpus=args.gpus, mfu=args.mfu, tokens_per_s=args.tokens_per_s)
     cfg = load_config(args.config, args.set or [], speed=speed)
     plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
                      bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
@@ -453,10 +450,10 @@ def cmd_bench_scaling(args) -> int:
 
 def cmd_config_show(args) -> int:
     from gpt2train.config import derived_settings, dump_toml, load_config
-    from gpt2train.plan import target_device, training_speed
+    from gpt2train.plan import training_speed
     from gpt2train.sizing import format_derived
 
-    cfg = load_config(args.config, args.set or [], speed=lambda cfg: training_speed(target_device(cfg.train.device))(cfg))
+    cfg = load_config(args.config, args.set or [], speed=training_speed())
     print(dump_toml(cfg), end="")
     if derived_settings(cfg):  # as TOML comments: the output stays a config file
         print(f"\n# the size dial, model.depth = {cfg.model.depth} (docs/training.md, \"One size dial\"):")

@@ -347,22 +347,28 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
     return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
 
 
-def training_speed(device: Device, gpus: int = 1, mfu: float | None = None, runs_dir: str | Path = "runs"):
+def training_speed(device: Device | None = None, gpus: int = 1, mfu: float | None = None,
+                   tokens_per_s: float | None = None, runs_dir: str | Path = "runs"):
     """speed(cfg) for the size dial's train.time_budget (sizing.derive): the run's tokens/s on `gpus` x device,
-    all of them, and where the figure comes from. A GPU of the table: peak x MFU (as `plan` chooses it) / FLOPs
-    per token; a CPU: a few steps timed here, on one process only (ranks would each time their own)."""
+    all of them, and where the figure comes from. device None: the config's train.device on this machine.
+    tokens_per_s (per device, plan's --tokens-per-s) wins; else a GPU of the table: peak x MFU (as `plan`
+    chooses it) / FLOPs per token; a CPU: a few steps timed here, on one process only (ranks would each time
+    their own)."""
     def speed(cfg: Config) -> tuple[float, str]:
+        if tokens_per_s:  # plan's --tokens-per-s, a positive figure
+            return tokens_per_s * gpus, "given with --tokens-per-s"
+        target = device or target_device(cfg.train.device)
         notes: list[str] = []
-        shaped = config_as_trained(cfg, gpus, _read_meta(cfg.data.dir, required=False, notes=notes), device)
-        peak = peak_flops_for(device, shaped)
+        shaped = config_as_trained(cfg, gpus, _read_meta(cfg.data.dir, required=False, notes=notes), target)
+        peak = peak_flops_for(target, shaped)
         if peak is not None:
-            used, source = _choose_mfu(mfu, device, None, runs_dir, notes)
+            used, source = _choose_mfu(mfu, target, None, runs_dir, notes)
             per_token = flops_per_token(shaped.model, shaped.train.seq_len)
             return (peak * used * gpus / per_token,
-                    f"{gpus} x {device.name}: {peak / 1e12:,.0f} TFLOP/s peak x MFU {used:.2f} ({source}) / "
+                    f"{gpus} x {target.name}: {peak / 1e12:,.0f} TFLOP/s peak x MFU {used:.2f} ({source}) / "
                     f"{per_token:,} FLOPs per token")
-        if device.is_gpu or gpus > 1:
-            raise SizingError(f"train.time_budget: the speed of {gpus} x {device.name} cannot be measured here; "
+        if target.is_gpu or gpus > 1:
+            raise SizingError(f"train.time_budget: the speed of {gpus} x {target.name} cannot be measured here; "
                               f"set train.tokens_per_s")
         rate, source = measure_cpu_speed(shaped, notes)
         if rate is None:
