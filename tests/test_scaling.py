@@ -132,6 +132,17 @@ def test_plan_sizes_a_time_budget_for_the_named_gpu(tmp_path):
     assert "time        budget: 1h 00m," in r.stdout  # the plan's own estimate: the budget back, to a whole batch
 
 
+def test_plan_sizes_the_dials_batch_for_its_gpus(tmp_path):
+    """plan --gpus N splits the dial's batch over N devices (it took torchrun's WORLD_SIZE, 1 here, and refused)."""
+    r = run_cli("plan", "--device", "cpu", "--tokens-per-s", "1000", "--gpus", "2", "--set", "model.depth=2",
+                "--set", "train.time_budget=60", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # 60 s x 1,000 tokens/s x 2 devices = 120,000 tokens; 2^19 x (1.2e5 / 1e10)^0.4 = 5,640 -> one micro-batch
+    # of 8 x 1024 on each of 2 devices
+    assert "batch       16,384 tokens/step = 8 x 1024 x 2 devices x 1 accumulation" in r.stdout
+    assert "tokens = 120,000  (train.time_budget 60 s x train.tokens_per_s 2,000)" in r.stdout
+
+
 def test_time_budgeted_run_keeps_its_first_speed_on_resume(char_data, tmp_path, monkeypatch, capsys):
     """The speed is measured once, at the first launch; a resume reads it from the checkpoint, so a machine
     that now runs faster does not re-derive another batch and horizon (which the resume would refuse)."""

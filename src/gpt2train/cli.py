@@ -338,7 +338,7 @@ def cmd_plan(args) -> int:
     except PlanError as e:  # a name outside the device table is a bad argument
         raise UsageError(str(e)) from None
     speed = training_speed(device, gpus=args.gpus, mfu=args.mfu, tokens_per_s=args.tokens_per_s)
-    cfg = load_config(args.config, args.set or [], speed=speed)
+    cfg = load_config(args.config, args.set or [], speed=speed, ranks=args.gpus)  # the dial's batch for --gpus
     plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
                      bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
     print(format_plan(plan))

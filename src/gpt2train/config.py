@@ -260,12 +260,13 @@ def data_sources(data: DataConfig) -> list[tuple[str, float]]:
     return pairs
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), speed=None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), speed=None, ranks: int | None = None) -> Config:
     """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type.
 
     `path` is a file, or the name of a preset shipped in the package (`gpt2`, `shakespeare-cpu`, ...);
     a file that exists wins over a preset of the same name. `speed`: how the size dial learns the run's
-    tokens/s for train.time_budget (sizing.derive); the commands that run or plan a run pass one."""
+    tokens/s for train.time_budget (sizing.derive); the commands that run or plan a run pass one. `ranks`: the
+    processes the dial splits the batch over (None: torchrun's WORLD_SIZE)."""
     data: dict = {}
     if path is not None:
         name, text = read_config_text(path)
@@ -278,7 +279,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), speed
     for item in overrides:
         explicit.add(apply_override(cfg, item))
     try:
-        cfg.derived = sizing.derive(cfg, explicit, speed)  # the size dial: what it set, for plan and config show
+        cfg.derived = sizing.derive(cfg, explicit, speed, ranks)  # the size dial: what it set, for plan and config show
     except sizing.SizingError as e:
         raise ConfigError(str(e)) from None
     return validate(cfg)

@@ -47,12 +47,13 @@ def batch_tokens_for(tokens: float, granule: int) -> int:
     return max(1, round(ideal / granule)) * granule
 
 
-def derive(cfg, explicit: set[str], speed=None) -> list[Derived]:
+def derive(cfg, explicit: set[str], speed=None, ranks: int | None = None) -> list[Derived]:
     """Fill cfg's dial-derived keys that are not in `explicit`; returns what was set and why. Nothing when
     model.depth is 0. Order matters: width before learning rate, tokens before batch, batch before steps.
 
     speed(cfg) -> (tokens/s, where the figure comes from): the run's speed for train.time_budget where
-    train.tokens_per_s is 0, called with the model's shape set; its figure is kept in train.tokens_per_s."""
+    train.tokens_per_s is 0, called with the model's shape set; its figure is kept in train.tokens_per_s.
+    ranks: the processes the batch splits over (None: torchrun's WORLD_SIZE, else 1; `plan --gpus` gives its own)."""
     model, train = cfg.model, cfg.train
     if model.depth <= 0:
         return []
@@ -100,7 +101,7 @@ def derive(cfg, explicit: set[str], speed=None) -> list[Derived]:
         how = f"train.tokens_per_param {train.tokens_per_param:g} x N {n:,}"
     out.append(Derived("tokens", int(tokens), how))
     seq_len = train.seq_len or model.block_size
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the batch must split evenly over the ranks
+    ranks = ranks or int(os.environ.get("WORLD_SIZE", "1"))  # the batch must split evenly over the ranks
     granule = train.micro_batch * seq_len * ranks
     fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
          f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
