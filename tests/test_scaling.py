@@ -16,7 +16,7 @@ from conftest import one_line, run_cli
 from gpt2train.bench import scaling
 from gpt2train.bench.scaling import ScalingOptions, fit_power_law, run_ladder
 from gpt2train.config import ConfigError, derived_settings, load_config
-from gpt2train.data.markov import markov_documents, prepare_markov
+from gpt2train.data.markov import Chain, loss_floor, markov_documents, prepare_markov
 from gpt2train.ranges import UsageError
 from gpt2train.sizing import batch_tokens_for, format_derived
 from gpt2train.training.loop import Trainer
@@ -179,6 +179,28 @@ def test_fit_recovers_a_known_power_law(E, A, alpha):
     assert fit(1e15) == pytest.approx(E + A * 1e15 ** -alpha, rel=1e-4)  # and it extrapolates
 
 
+def test_a_known_floor_keeps_the_fit_above_it():
+    """Noisy points of E = 1.0: the free fit puts E below the floor the data is known to have; held at the
+    floor, the fit predicts the next point better. A floor below the true E changes nothing."""
+    xs = np.geomspace(1e12, 1e14, 3)
+    exact = 1.0 + 300.0 * xs ** -0.2
+    noisy = exact * np.array([0.985, 1.0, 1.0])  # the smallest rung 1.5% low, as one seed's rung can be
+    free, held = fit_power_law(xs, noisy), fit_power_law(xs, noisy, floor=1.0)
+    assert free.E < 0.9 and held.E == pytest.approx(1.0, abs=1e-9)
+    truth = 1.0 + 300.0 * 1e15 ** -0.2
+    assert abs(held(1e15) - truth) < abs(free(1e15) - truth) / 2
+    above = fit_power_law(xs, 1.5 + 300.0 * xs ** -0.2, floor=1.0)
+    assert above.E == pytest.approx(1.5, abs=1e-3)
+    with pytest.raises(UsageError, match=r"loss floor 2 must be at least 0 and below the rungs' lowest loss, 1.9755"):
+        fit_power_law(xs, 1.5 + 300.0 * xs ** -0.2, floor=2.0)  # 1.5 + 300 / 10^2.8
+
+
+def test_fit_floor_comes_from_the_option_then_the_data():
+    assert scaling.fit_floor(ScalingOptions(floor=0.5), {"loss_floor": 0.9}, "d") == {"value": 0.5, "from": "--floor"}
+    assert scaling.fit_floor(ScalingOptions(), {"loss_floor": 0.9}, "d") == {"value": 0.9, "from": "d/meta.json"}
+    assert scaling.fit_floor(ScalingOptions(), {}, "d") == {"value": 0.0, "from": "none known"}
+
+
 def test_fit_needs_three_points():
     with pytest.raises(UsageError, match="at least three rungs"):
         fit_power_law([1, 2], [3, 2])
@@ -196,6 +218,18 @@ def test_markov_corpus_is_seeded_and_made_of_the_sources_contexts():
     assert all(d[i:i + 4] in grams for d in a for i in range(len(d) - 3))  # every 4 characters occur in the source
 
 
+def test_chain_surprisal_by_hand():
+    """Order 1 on "aab" repeated: after "a" comes "a" or "b" equally (log 2 each), after "b" always "a" (0)."""
+    chain = Chain("aab" * 50, order=1)
+    a, b = chain.alphabet.index("a"), chain.alphabet.index("b")
+    nats, counted = chain.surprisal(np.array([a, a, b, a, a, b]))
+    assert counted == 5 and nats == pytest.approx(4 * math.log(2))
+    nats, counted = chain.surprisal(np.array([a, a, -1, b, a]))  # -1 ends a document: no context across it
+    assert counted == 2 and nats == pytest.approx(math.log(2))
+    # tokens: ids of the char tokenizer ("a", "b"), 2 = end of text; 6 targets, log 2 at 2 of them
+    assert loss_floor(chain, np.array([2, 0, 0, 1, 2, 1, 0]), "ab") == pytest.approx(2 * math.log(2) / 6)
+
+
 def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
     first = prepare_markov(tmp_path / "m", 40_000, seed=3, val_tokens=2_000, progress=False)
     assert first["vocab_size"] <= 66 and first["tokens"]["train"] + first["tokens"]["val"] >= 40_000
@@ -203,6 +237,34 @@ def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
     assert again == first and "already prepared from these inputs" in capsys.readouterr().err
     other = prepare_markov(tmp_path / "m2", 40_000, seed=4, val_tokens=2_000, progress=False)
     assert other["fingerprint"] != first["fingerprint"]
+
+
+def test_prepare_markov_records_its_chains_loss_on_the_val_split(tmp_path):
+    """Checked against the chain's loss counted here another way: a Counter of every 3-character context and
+    its next character in the source, and -log p of each val character after 3 characters of its document."""
+    from collections import Counter
+
+    from gpt2train.data.prepare import shakespeare_text
+    from gpt2train.data.shards import open_tokens
+
+    r = run_cli("prepare", "markov", "--chars", "40000", "--order", "3", "--seed", "5", "--val-tokens", "4000",
+                "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert f"loss floor {meta['loss_floor']:.4f} nats per token: the chain's own loss on the val split" in r.stdout
+    source = shakespeare_text()
+    contexts = Counter(source[i:i + 3] for i in range(len(source) - 3))
+    followed = Counter(source[i:i + 4] for i in range(len(source) - 3))
+    chars, eot = meta["tokenizer"]["chars"], meta["eot_id"]
+    val = [int(t) for t in open_tokens(tmp_path / "m" / meta["shards"]["val"][0])]
+    nats = 0.0
+    for i in range(3, len(val)):
+        window = val[i - 3:i + 1]
+        if eot not in window:
+            gram = "".join(chars[t] for t in window)
+            nats += math.log(contexts[gram[:3]] / followed[gram])
+    assert meta["loss_floor"] == pytest.approx(nats / (len(val) - 1), abs=1e-6)
+    assert 0.5 < meta["loss_floor"] < 3.0
 
 
 # --- the ladder ----------------------------------------------------------------------------------------
@@ -271,6 +333,7 @@ def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, m
     for name in ("scaling.json", "scaling.md", "scaling.png"):
         assert (tmp_path / "straight" / name).is_file()
     assert "| 4 | 32 | 4 |" in straight["markdown"]
+    assert straight["floor"] == {"value": 0.0, "from": "none known"}  # char_data is real text
     for r in ladder["rungs"]:  # C = D x (6 x (blocks + head) + attention), the head at char_data's 66, padded to 128
         assert r["flops"] == r["tokens"] * (6 * (r["params"] + 128 * r["width"]) + 12 * r["depth"] * r["width"] * 32)
 
@@ -320,11 +383,14 @@ def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):
     out = tmp_path / "ladder"
     shrink = ["model.aspect_ratio=8", "model.head_dim=8", "model.block_size=32", "train.seq_len=32",
               "train.micro_batch=4", "train.tokens_per_param=1", "eval.val_batches=2", f"data.dir={char_data}"]
-    r = run_cli("bench", "scaling", "--depths", "1,2,3", "--predict", "4", "--out", str(out),
+    r = run_cli("bench", "scaling", "--depths", "1,2,3", "--predict", "4", "--out", str(out), "--floor", "0.5",
                 *[a for kv in shrink for a in ("--set", kv)])
     assert r.returncode == 0, r.stderr
     assert "seed 1337: depth 4 predicted " in r.stdout and f"wrote {out}/scaling.md" in r.stdout
     result = json.loads((out / "scaling.json").read_text())
+    assert result["floor"] == {"value": 0.5, "from": "--floor"}
+    assert all(f["E"] >= 0.5 for f in result["ladders"][0]["fits"].values())
+    assert "Fits of L = E + A x^-alpha with E at least 0.5000 (loss floor: --floor)." in r.stdout
     assert [x["depth"] for x in result["ladders"][0]["rungs"]] == [1, 2, 3, 4]
     saved = load_config(out / "seed1337" / "depth4" / "config.toml")
     assert (saved.train.optimizer, saved.model.position, saved.model.n_embd) == ("muon", "rotary", 32)

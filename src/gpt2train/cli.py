@@ -129,6 +129,8 @@ def cmd_prepare_markov(args) -> int:
 
     meta = prepare_markov(args.out, args.chars, order=args.order, seed=args.seed, **prepare_options(args))
     print_prepared(args.out, meta)
+    print(f"loss floor {meta['loss_floor']:.4f} nats per token: the chain's own loss on the val split, which no "
+          "model beats (bench scaling fits above it)")
     return 0
 
 
@@ -439,7 +441,7 @@ def cmd_bench_scaling(args) -> int:
     from gpt2train.bench.scaling import ScalingOptions, run_ladder, summary_line
 
     options = ScalingOptions(config=args.config, depths=args.depths or ScalingOptions().depths, predict=args.predict,
-                             seeds=args.seeds, overrides=args.set or [])
+                             seeds=args.seeds, floor=args.floor, overrides=args.set or [])
     out = Path(args.out) if args.out else Path("runs") / "bench-scaling"
     result = run_ladder(options, out)
     print(result["markdown"])
@@ -854,6 +856,9 @@ def add_bench_scaling(bench) -> None:
     p.add_argument("--predict", type=POSITIVE_INT, default=6, help="the rung to predict, then train (default %(default)s)")
     p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; one ladder each "
                    "(default: the config's seed)")
+    p.add_argument("--floor", type=ranged(float, at_least(0.0)), help="a known lower bound on the validation loss "
+                   "(nats per token) that the fits keep their E above (default: the data's loss_floor in meta.json, "
+                   "which `prepare markov` records; else 0)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every rung "
                    "(repeatable), e.g. data.dir=... (default: none)")
     p.add_argument("--out", help="output folder; run again with the same one to continue an interrupted ladder "

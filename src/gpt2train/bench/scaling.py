@@ -7,7 +7,9 @@ OUT/seed<S>/depth<d>/, finished when its rung.json is written: an interrupted la
 --out skips finished rungs and resumes an unfinished one from its newest checkpoint.
 
 The fit is Hoffmann et al.'s (Chinchilla) form in one variable, L(x) = E + A * x^-alpha, for x = compute C
-(training FLOPs, counting.flops_per_token x tokens), parameters N and tokens D; the prediction uses C.
+(training FLOPs, counting.flops_per_token x tokens), parameters N and tokens D; the prediction uses C. E, the
+loss no size reaches below, is kept at or above what is known to bound any model's loss: the Markov corpus's
+own entropy (meta.json's loss_floor), or --floor; on text with no known bound, 0.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ScalingOptions:
     depths: list[int] = field(default_factory=lambda: [3, 4, 5])
     predict: int | None = 6
     seeds: list[int] | None = None  # None: the config's train.seed
+    floor: float | None = None  # a known lower bound on the loss; None: the data's (meta.json loss_floor) or 0
     overrides: list[str] = field(default_factory=list)
 
 
@@ -75,25 +78,28 @@ class Fit:
         return self.E + self.A * x ** -self.alpha
 
 
-def fit_power_law(xs, ys, variable: str = "compute") -> Fit:
-    """Least squares in log-loss of L = E + A x^-alpha over 0 <= E < min(L): for each E the rest is a straight
-    line in log-log, so E is searched (a grid, then a narrowing one) and A, alpha solved exactly."""
+def fit_power_law(xs, ys, variable: str = "compute", floor: float = 0.0) -> Fit:
+    """Least squares in log-loss of L = E + A x^-alpha over floor <= E < min(L): for each E the rest is a
+    straight line in log-log, so E is searched (a grid, then a narrowing one) and A, alpha solved exactly.
+    floor: a known lower bound on any model's loss (the data's entropy, where known), which E cannot go below."""
     x, y = np.log(np.asarray(xs, dtype=float)), np.asarray(ys, dtype=float)
     if len(x) < 3:
         raise UsageError("a fit of E + A x^-alpha needs at least three rungs")
+    if not 0 <= floor < y.min():
+        raise UsageError(f"loss floor {floor:g} must be at least 0 and below the rungs' lowest loss, {y.min():.4f}")
 
     def solve(E):
         slope, intercept = np.polyfit(x, np.log(y - E), 1)
         error = np.log(E + np.exp(intercept + slope * x)) - np.log(y)
         return float(np.sqrt(np.mean(error ** 2))), float(np.exp(intercept)), float(-slope)
 
-    low, high = 0.0, float(y.min())
+    low, high = floor, float(y.min())
     for _ in range(6):
         grid = np.linspace(low, high, 201)[:-1]
         scores = [solve(E)[0] for E in grid]
         best = int(np.argmin(scores))
         step = grid[1] - grid[0]
-        low, high = max(0.0, grid[best] - step), min(float(y.min()) * (1 - 1e-9), grid[best] + step)
+        low, high = max(floor, grid[best] - step), min(float(y.min()) * (1 - 1e-9), grid[best] + step)
     E = grid[best]
     rms, A, alpha = solve(E)
     return Fit(variable, float(E), A, alpha, rms)
@@ -186,13 +192,14 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
     meta = load_meta(base.data.dir)
     planned = {key: describe_rung(cfg, key[1], int(meta["vocab_size"])) for key, cfg in configs.items()}
     train_tokens = check_fresh_data(list(planned.values()), base, meta)
+    floor = fit_floor(options, meta, base.data.dir)
     out = Path(out_dir)
     ladders = []
     for seed in seeds:
         rungs, fits = {}, None
         for depth in every:
             if depth == options.predict:  # the fit, and its prediction, before the held-out rung trains
-                fits = fit_all([rungs[d] for d in depths])
+                fits = fit_all([rungs[d] for d in depths], floor["value"])
                 predicted = fits["compute"](planned[depth, seed].flops)
                 if progress:
                     print(f"seed {seed}: predicted val loss of depth {depth}: {predicted:.4f}", flush=True)
@@ -210,7 +217,7 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
             if progress:
                 print(f"seed {seed}, depth {depth}: val loss {rung.val_loss:.4f} in {format_duration(rung.wall_s)}",
                       flush=True)
-        fits = fits or fit_all([rungs[d] for d in depths])
+        fits = fits or fit_all([rungs[d] for d in depths], floor["value"])
         ladder = {"seed": seed, "rungs": [dataclasses.asdict(rungs[d]) for d in every],
                   "fits": {k: dataclasses.asdict(f) for k, f in fits.items()}}
         if options.predict:
@@ -220,7 +227,7 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
         ladders.append(ladder)
     result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
               "cpu_threads": torch.get_num_threads(), "data": base.data.dir, "train_tokens": train_tokens,
-              "target_error": TARGET_ERROR, "ladders": ladders}
+              "floor": floor, "target_error": TARGET_ERROR, "ladders": ladders}
     result["markdown"] = to_markdown(result)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -229,15 +236,27 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
     return result
 
 
-def fit_all(rungs: list[Rung]) -> dict[str, Fit]:
+def fit_floor(options: ScalingOptions, meta: dict, data_dir: str) -> dict:
+    """The lower bound the fits keep E above: --floor, else the data's own (`prepare markov` records its
+    chain's), else 0 (nothing known: real text)."""
+    if options.floor is not None:
+        return {"value": float(options.floor), "from": "--floor"}
+    recorded = meta.get("loss_floor")
+    if isinstance(recorded, (int, float)) and recorded >= 0:
+        return {"value": float(recorded), "from": f"{data_dir}/meta.json"}
+    return {"value": 0.0, "from": "none known"}
+
+
+def fit_all(rungs: list[Rung], floor: float = 0.0) -> dict[str, Fit]:
     losses = [r.val_loss for r in rungs]
-    return {"compute": fit_power_law([r.flops for r in rungs], losses, "compute"),
-            "params": fit_power_law([r.params for r in rungs], losses, "params"),
-            "tokens": fit_power_law([r.tokens for r in rungs], losses, "tokens")}
+    return {"compute": fit_power_law([r.flops for r in rungs], losses, "compute", floor),
+            "params": fit_power_law([r.params for r in rungs], losses, "params", floor),
+            "tokens": fit_power_law([r.tokens for r in rungs], losses, "tokens", floor)}
 
 
 def to_markdown(result: dict) -> str:
-    lines = []
+    floor = result["floor"]
+    lines = [f"Fits of L = E + A x^-alpha with E at least {floor['value']:.4f} (loss floor: {floor['from']}).", ""]
     for ladder in result["ladders"]:
         lines += [f"Seed {ladder['seed']}:", "",
                   "| depth | width | heads | params N | tokens D | batch | steps | lr | compute C | val loss | time |",
@@ -280,6 +299,8 @@ def plot_ladders(result: dict, path: Path) -> None:
                     label=f"depth {p['depth']} predicted")
             ax.plot([held["flops"]], [p["measured"]], "*", markersize=11, color=line.get_color(),
                     label=f"depth {p['depth']} measured ({p['error']:+.1%})")
+    if result["floor"]["value"] > 0:
+        ax.axhline(result["floor"]["value"], color="gray", linestyle=":", linewidth=1, label="loss floor")
     ax.set_xscale("log")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels at the powers of ten only
     ax.set_xlabel("training compute C (FLOPs)")

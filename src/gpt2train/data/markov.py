@@ -14,34 +14,63 @@ from pathlib import Path
 import numpy as np
 
 
+class Chain:
+    """The order-`order` character chain of `source`: at every place in the source, the context there (its
+    `order` characters as one base-`base` number) and the character that follows it."""
+
+    def __init__(self, source: str, order: int):
+        self.alphabet = sorted(set(source))
+        self.base, self.order = len(self.alphabet), order
+        if self.base ** order >= 2 ** 62:
+            raise ValueError(f"order {order} is too long for a {self.base}-character alphabet")
+        lookup = {c: i for i, c in enumerate(self.alphabet)}
+        self.text = np.fromiter((lookup[c] for c in source), dtype=np.int64, count=len(source))
+        windows = np.lib.stride_tricks.sliding_window_view(self.text, order + 1)
+        self.context = self.key(windows[:, :-1])
+        self.by_context = np.argsort(self.context, kind="stable")
+        self.sorted_context = self.context[self.by_context]
+        self.sorted_windows = np.sort(self.key(windows))  # each context with the character after it
+
+    def key(self, rows: np.ndarray) -> np.ndarray:
+        """Each row of alphabet indices as one base-`base` number."""
+        key = np.zeros(len(rows), dtype=np.int64)
+        for column in rows.T:
+            key = key * self.base + column
+        return key
+
+    @staticmethod
+    def occurrences(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each key's run starts in sorted_keys, and how long it is."""
+        first = np.searchsorted(sorted_keys, keys, "left")
+        return first, np.searchsorted(sorted_keys, keys, "right") - first
+
+    def surprisal(self, ids: np.ndarray) -> tuple[float, int]:
+        """The chain's own loss, in nats summed, on the characters of `ids` (alphabet indices; -1 for anything
+        else, such as the end of a document) that have a whole context before them, and how many those are."""
+        if len(ids) <= self.order:
+            return 0.0, 0
+        windows = np.lib.stride_tricks.sliding_window_view(ids, self.order + 1)
+        windows = windows[(windows >= 0).all(axis=1)]
+        _, seen = self.occurrences(self.sorted_context, self.key(windows[:, :-1]))
+        _, followed = self.occurrences(self.sorted_windows, self.key(windows))
+        return float(np.sum(np.log(seen) - np.log(followed))), len(windows)
+
+
 def markov_documents(source: str, chars: int, order: int = 5, doc_chars: int = 2000, seed: int = 0) -> list[str]:
     """About `chars` characters as documents of `doc_chars`, sampled from `source`'s order-`order` chain.
     All documents advance together, one character per numpy step."""
-    alphabet = sorted(set(source))
-    lookup = {c: i for i, c in enumerate(alphabet)}
-    text = np.fromiter((lookup[c] for c in source), dtype=np.int64, count=len(source))
-    base = len(alphabet)
-    if base ** order >= 2 ** 62:
-        raise ValueError(f"order {order} is too long for a {base}-character alphabet")
-    # The context id of every position that has a next character: its `order` characters as one base-`base` number.
-    n = len(text) - order
-    context = np.zeros(n, dtype=np.int64)
-    for i in range(order):
-        context = context * base + text[i:i + n]
-    by_context = np.argsort(context, kind="stable")
-    sorted_context = context[by_context]
-
+    chain = Chain(source, order)
+    base = chain.base
     rng = np.random.default_rng(seed)
     docs = max(1, chars // doc_chars)
-    state = context[rng.integers(0, n, docs)]  # each document opens at a random place in the source
+    state = chain.context[rng.integers(0, len(chain.context), docs)]  # each opens at a random place in the source
     out = np.empty((docs, doc_chars), dtype=np.int64)
     for step in range(doc_chars):
-        first = np.searchsorted(sorted_context, state, "left")
-        count = np.searchsorted(sorted_context, state, "right") - first
-        at = by_context[first + (rng.random(docs) * count).astype(np.int64)]  # one place the context occurs
-        out[:, step] = nxt = text[at + order]
+        first, count = chain.occurrences(chain.sorted_context, state)
+        at = chain.by_context[first + (rng.random(docs) * count).astype(np.int64)]  # one place the context occurs
+        out[:, step] = nxt = chain.text[at + order]
         state = (state % base ** (order - 1)) * base + nxt
-    table = np.array(alphabet)
+    table = np.array(chain.alphabet)
     return ["".join(table[row]) for row in out]
 
 
@@ -64,10 +93,31 @@ class MarkovReader:
         return [self.recipe]
 
 
-def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 0, **options) -> dict:
-    """`gpt2train prepare markov`: the corpus, tokenized by characters into out_dir like any other."""
-    from gpt2train.data.prepare import prepare_documents, shakespeare_text
+def loss_floor(chain: Chain, tokens: np.ndarray, token_chars: str) -> float:
+    """A lower bound on any model's mean loss (nats per token) on `tokens`, tokenized by the char tokenizer
+    whose ids 0.. are token_chars: the chain's own loss on each character that has a whole context in its
+    document, since nothing predicts the chain's next character better than the chain; 0 on the rest (the
+    first characters of a document, the end-of-text tokens)."""
+    to_alphabet = np.full(max(int(tokens.max()) + 1, len(token_chars)), -1, dtype=np.int64)
+    lookup = {c: i for i, c in enumerate(chain.alphabet)}
+    to_alphabet[:len(token_chars)] = [lookup.get(c, -1) for c in token_chars]
+    nats, _ = chain.surprisal(to_alphabet[tokens.astype(np.int64)])
+    return nats / max(1, len(tokens) - 1)  # every token after the first is a target
 
-    reader = MarkovReader(shakespeare_text(), chars, order=order, seed=seed)
+
+def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 0, **options) -> dict:
+    """`gpt2train prepare markov`: the corpus, tokenized by characters into out_dir like any other, and its
+    loss floor on the validation split (meta.json's loss_floor, which `bench scaling` fits above)."""
+    from gpt2train.data.prepare import prepare_documents, shakespeare_text, write_json_atomic
+    from gpt2train.data.shards import open_tokens
+
+    source_text = shakespeare_text()
+    reader = MarkovReader(source_text, chars, order=order, seed=seed)
     source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"
-    return prepare_documents(reader, out_dir, "char", source=source, **options)
+    meta = prepare_documents(reader, out_dir, "char", source=source, **options)
+    if "loss_floor" not in meta:
+        chain = Chain(source_text, order)
+        val = np.concatenate([open_tokens(Path(out_dir) / name) for name in meta["shards"]["val"]])
+        meta["loss_floor"] = round(loss_floor(chain, val, meta["tokenizer"]["chars"]), 6)
+        write_json_atomic(Path(out_dir) / "meta.json", meta)
+    return meta
