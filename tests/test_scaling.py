@@ -16,7 +16,7 @@ from conftest import one_line, run_cli
 from gpt2train.bench import scaling
 from gpt2train.bench.scaling import ScalingOptions, fit_power_law, run_ladder
 from gpt2train.config import ConfigError, derived_settings, load_config
-from gpt2train.data.markov import Chain, loss_floor, markov_documents, prepare_markov
+from gpt2train.data.markov import Chain, loss_floor, prepare_markov
 from gpt2train.ranges import UsageError
 from gpt2train.sizing import batch_tokens_for, format_derived
 from gpt2train.training.loop import Trainer
@@ -210,9 +210,10 @@ def test_fit_needs_three_points():
 
 def test_markov_corpus_is_seeded_and_made_of_the_sources_contexts():
     source = "the cat sat on the mat. the dog sat on the log. " * 20
-    a = markov_documents(source, 3000, order=3, doc_chars=500, seed=1)
-    assert a == markov_documents(source, 3000, order=3, doc_chars=500, seed=1)
-    assert a != markov_documents(source, 3000, order=3, doc_chars=500, seed=2)
+    chain = Chain(source, order=3)
+    a = chain.sample(3000, doc_chars=500, seed=1)
+    assert a == chain.sample(3000, doc_chars=500, seed=1)
+    assert a != chain.sample(3000, doc_chars=500, seed=2)
     assert len(a) == 6 and all(len(d) == 500 for d in a)
     grams = {source[i:i + 4] for i in range(len(source) - 3)}
     assert all(d[i:i + 4] in grams for d in a for i in range(len(d) - 3))  # every 4 characters occur in the source

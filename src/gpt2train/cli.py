@@ -129,8 +129,9 @@ def cmd_prepare_markov(args) -> int:
 
     meta = prepare_markov(args.out, args.chars, order=args.order, seed=args.seed, **prepare_options(args))
     print_prepared(args.out, meta)
-    print(f"loss floor {meta['loss_floor']:.4f} nats per token: the chain's own loss on the val split, which no "
-          "model beats (bench scaling fits above it)")
+    if "loss_floor" in meta:
+        print(f"loss floor {meta['loss_floor']:.4f} nats per token: the chain's own loss on the val split, which "
+              "no model beats (bench scaling fits above it)")
     return 0
 
 

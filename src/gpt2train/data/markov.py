@@ -55,23 +55,20 @@ class Chain:
         _, followed = self.occurrences(self.sorted_windows, self.key(windows))
         return float(np.sum(np.log(seen) - np.log(followed))), len(windows)
 
-
-def markov_documents(source: str, chars: int, order: int = 5, doc_chars: int = 2000, seed: int = 0) -> list[str]:
-    """About `chars` characters as documents of `doc_chars`, sampled from `source`'s order-`order` chain.
-    All documents advance together, one character per numpy step."""
-    chain = Chain(source, order)
-    base = chain.base
-    rng = np.random.default_rng(seed)
-    docs = max(1, chars // doc_chars)
-    state = chain.context[rng.integers(0, len(chain.context), docs)]  # each opens at a random place in the source
-    out = np.empty((docs, doc_chars), dtype=np.int64)
-    for step in range(doc_chars):
-        first, count = chain.occurrences(chain.sorted_context, state)
-        at = chain.by_context[first + (rng.random(docs) * count).astype(np.int64)]  # one place the context occurs
-        out[:, step] = nxt = chain.text[at + order]
-        state = (state % base ** (order - 1)) * base + nxt
-    table = np.array(chain.alphabet)
-    return ["".join(table[row]) for row in out]
+    def sample(self, chars: int, doc_chars: int = 2000, seed: int = 0) -> list[str]:
+        """About `chars` characters as documents of `doc_chars`, drawn from the chain. All documents advance
+        together, one character per numpy step."""
+        rng = np.random.default_rng(seed)
+        docs = max(1, chars // doc_chars)
+        state = self.context[rng.integers(0, len(self.context), docs)]  # each opens at a random place in the source
+        out = np.empty((docs, doc_chars), dtype=np.int64)
+        for step in range(doc_chars):
+            first, count = self.occurrences(self.sorted_context, state)
+            at = self.by_context[first + (rng.random(docs) * count).astype(np.int64)]  # one place the context occurs
+            out[:, step] = nxt = self.text[at + self.order]
+            state = (state % self.base ** (self.order - 1)) * self.base + nxt
+        table = np.array(self.alphabet)
+        return ["".join(table[row]) for row in out]
 
 
 class MarkovReader:
@@ -82,9 +79,9 @@ class MarkovReader:
     text_field = "text"
     replacements = 0  # made from decoded text: no invalid UTF-8
 
-    def __init__(self, source: str, chars: int, order: int = 5, seed: int = 0):
-        self.recipe = ["tiny-shakespeare markov", len(source), chars, order, seed]
-        self.documents = markov_documents(source, chars, order=order, seed=seed)
+    def __init__(self, chain: Chain, chars: int, seed: int = 0):
+        self.recipe = ["tiny-shakespeare markov", len(chain.text), chars, chain.order, seed]
+        self.documents = chain.sample(chars, seed=seed)
 
     def __iter__(self):
         return iter(self.documents)
@@ -111,12 +108,10 @@ def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 
     from gpt2train.data.prepare import prepare_documents, shakespeare_text, write_json_atomic
     from gpt2train.data.shards import open_tokens
 
-    source_text = shakespeare_text()
-    reader = MarkovReader(source_text, chars, order=order, seed=seed)
+    chain = Chain(shakespeare_text(), order)
     source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"
-    meta = prepare_documents(reader, out_dir, "char", source=source, **options)
-    if "loss_floor" not in meta:
-        chain = Chain(source_text, order)
+    meta = prepare_documents(MarkovReader(chain, chars, seed=seed), out_dir, "char", source=source, **options)
+    if "loss_floor" not in meta and meta["tokens"]["val"] > 0:
         val = np.concatenate([open_tokens(Path(out_dir) / name) for name in meta["shards"]["val"]])
         meta["loss_floor"] = round(loss_floor(chain, val, meta["tokenizer"]["chars"]), 6)
         write_json_atomic(Path(out_dir) / "meta.json", meta)
