@@ -236,6 +236,10 @@ def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
     assert first["vocab_size"] <= 66 and first["tokens"]["train"] + first["tokens"]["val"] >= 40_000
     again = prepare_markov(tmp_path / "m", 40_000, seed=3, val_tokens=2_000, progress=True)
     assert again == first and "already prepared from these inputs" in capsys.readouterr().err
+    older = {k: v for k, v in first.items() if k != "loss_floor"}  # prepared before prepare counted a floor
+    (tmp_path / "m" / "meta.json").write_text(json.dumps(older))
+    assert prepare_markov(tmp_path / "m", 40_000, seed=3, val_tokens=2_000, progress=False) == first
+    assert json.loads((tmp_path / "m" / "meta.json").read_text())["loss_floor"] == first["loss_floor"]
     other = prepare_markov(tmp_path / "m2", 40_000, seed=4, val_tokens=2_000, progress=False)
     assert other["fingerprint"] != first["fingerprint"]
 
