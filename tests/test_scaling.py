@@ -244,6 +244,14 @@ def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
     assert other["fingerprint"] != first["fingerprint"]
 
 
+def test_prepare_markov_refuses_a_tokenizer_it_would_not_use(tmp_path):
+    """Its text is char-tokenized: --tokenizer gpt2 (or a --text-field) was taken and ignored before."""
+    for option in (["--tokenizer", "gpt2"], ["--text-field", "body"]):
+        r = run_cli("prepare", "markov", "--chars", "1000", "--out", str(tmp_path / "m"), *option)
+        assert r.returncode == 2 and f"unrecognized arguments: {' '.join(option)}" in r.stderr
+    assert not (tmp_path / "m").exists()
+
+
 def test_prepare_markov_records_its_chains_loss_on_the_val_split(tmp_path):
     """Checked against the chain's loss counted here another way: a Counter of every 3-character context and
     its next character in the source, and -log p of each val character after 3 characters of its document."""
@@ -381,6 +389,18 @@ def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
     assert r.returncode == 2 and "give depths as comma-separated whole numbers" in r.stderr
     r = run_cli(*["bench", "scaling", "--set", f"data.dir={tmp_path / 'none'}", "--out", str(tmp_path / "o")])
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_floor_no_data_can_have_is_refused_before_any_rung_trains(char_data, tmp_path):
+    """ln(vocab) bounds every text's entropy; a floor above it would fail the fit only after the ladder."""
+    vocab = json.loads((char_data / "meta.json").read_text())["vocab_size"]
+    out = tmp_path / "ladder"
+    r = run_cli("bench", "scaling", "--out", str(out), "--floor", "9", "--set", f"data.dir={char_data}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: loss floor 9 (from --floor) is above ln({vocab}) = {math.log(vocab):.4f}, "
+                                "a uniform guess's loss over the data's vocabulary; give one below it")
+    assert not out.exists()
+    scaling.check_floor({"value": math.log(vocab), "from": "--floor"}, vocab)  # at ln V exactly: uniform data
 
 
 def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):

@@ -571,7 +571,6 @@ def add_prepare(sub) -> None:
     s.set_defaults(func=cmd_prepare_shakespeare)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--out", required=True, help="output folder for shards and meta.json")
-    common.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
     split = common.add_mutually_exclusive_group()
     split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
     split.add_argument("--val-tokens", type=POSITIVE_INT,
@@ -580,11 +579,14 @@ def add_prepare(sub) -> None:
                         "(default: all CPU cores)")
     common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
                         help="tokens per shard (default %(default)s)")
-    common.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
     common.add_argument("--dedup", action="store_true",
                         help="drop exact duplicate documents (same text), keeping the first; holds a 16-byte "
                              "digest per distinct document in memory, about 80 bytes each (0.8 GB per 10M)")
-    f = prep.add_parser("files", parents=[common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
+    # Only the sources of your own text choose a tokenizer and a field; markov's text is char-tokenized.
+    text = argparse.ArgumentParser(add_help=False)
+    text.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
+    text.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
+    f = prep.add_parser("files", parents=[text, common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
     m = prep.add_parser("markov", parents=[common], help="any amount of text sampled from Tiny Shakespeare's "
@@ -593,7 +595,7 @@ def add_prepare(sub) -> None:
     m.add_argument("--order", type=POSITIVE_INT, default=5, help="characters of context of the chain (default %(default)s)")
     m.add_argument("--seed", type=COUNT, default=0, help="the sampling seed (default %(default)s)")
     m.set_defaults(func=cmd_prepare_markov)
-    h = prep.add_parser("hf", parents=[common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
+    h = prep.add_parser("hf", parents=[text, common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
     h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
     h.add_argument("--config", help="dataset configuration, e.g. sample-10BT (default: the dataset's default)")
     h.add_argument("--split", default="train", help="dataset split (default %(default)s)")

@@ -191,8 +191,9 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
     configs = {(d, s): rung_config(options, d, s) for d in every for s in seeds}
     meta = load_meta(base.data.dir)
     planned = {key: describe_rung(cfg, key[1], int(meta["vocab_size"])) for key, cfg in configs.items()}
-    train_tokens = check_fresh_data(list(planned.values()), base, meta)
     floor = fit_floor(options, meta, base.data.dir)
+    check_floor(floor, int(meta["vocab_size"]))
+    train_tokens = check_fresh_data(list(planned.values()), base, meta)
     out = Path(out_dir)
     ladders = []
     for seed in seeds:
@@ -245,6 +246,15 @@ def fit_floor(options: ScalingOptions, meta: dict, data_dir: str) -> dict:
     if isinstance(recorded, (int, float)) and recorded >= 0:
         return {"value": float(recorded), "from": f"{data_dir}/meta.json"}
     return {"value": 0.0, "from": "none known"}
+
+
+def check_floor(floor: dict, vocab_size: int) -> None:
+    """Refuse, before any rung trains, a floor no data can have: no text over V tokens has an entropy above
+    ln V (a uniform guess's loss), so a floor above it would fail the fit only after the whole ladder trained."""
+    uniform = math.log(vocab_size)
+    if floor["value"] > uniform:
+        raise UsageError(f"loss floor {floor['value']:g} (from {floor['from']}) is above ln({vocab_size}) = "
+                         f"{uniform:.4f}, a uniform guess's loss over the data's vocabulary; give one below it")
 
 
 def fit_all(rungs: list[Rung], floor: float = 0.0) -> dict[str, Fit]:
