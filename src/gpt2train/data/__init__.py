@@ -1,1 +1,2 @@
-"""Data: documents in (sources.py), tokens out as llm.c shards (prepare.py, shards.py), batches for training (loader.py)."""
+"""Data: documents in (sources.py), tokens out as llm.c shards (prepare.py, shards.py), batches for training
+(loader.py; mixture.py for several folders at once), and the scaling ladder's corpus (markov.py)."""
