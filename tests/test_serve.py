@@ -410,6 +410,7 @@ BAD = [  # (body, the field named)
     ({"prompt": "a", "max_tokens": True}, "max_tokens"),
     ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
     ({"prompt": "abc", "max_tokens": CONTEXT - 2}, "max_tokens"),  # 3 + 46 > 48: past the context
+    ({"prompt": "a" * CONTEXT, "max_tokens": 1}, "prompt"),  # the prompt alone fills the context
     ({"prompt": "a", "temperature": -0.1}, "temperature"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
@@ -424,6 +425,7 @@ BAD = [  # (body, the field named)
     ({"prompt": "a", "seed": 2**31}, "seed"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "stream_options": {"x": 1}}, "stream_options"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"prompt": "a", "logprobs": 2}, "logprobs"),
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
@@ -443,7 +445,7 @@ def test_a_bad_field_is_a_400_naming_it(client, body, field):
 
 
 def test_more_prompts_than_the_server_takes_are_refused_before_any_is_encoded(monkeypatch):
-    """Encoding runs on the server's event loop: a body of a hundred thousand prompts (within the default
+    """Encoding costs CPU for every prompt: a body of a hundred thousand prompts (within the default
     body limit) was tokenized in full, holding every other request up, before its count was refused."""
     from gpt2train.serve import app as app_module
 
@@ -462,6 +464,77 @@ def test_neutral_values_of_openai_fields_are_accepted(client):
             "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None,
             "stop": None, "seed": None, "n": None}
     assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/v1/completions", json={**body, "echo": None}).status_code == 200  # null is the default
+
+
+def test_an_error_that_quotes_the_request_is_still_a_400():
+    """A field named by a lone surrogate was a 500: its name went into `param`, which UTF-8 cannot encode."""
+    with TestClient(tiny_app(), raise_server_exceptions=False) as client:
+        wait_ready(client)
+        r = client.post("/v1/completions", content=b'{"prompt": "a", "\\ud800": 1}')
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "\ud800" and "unknown field" in r.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "XYZ"})  # the tokenizer's message, not its repr
+        assert r.json()["error"]["message"] == ("prompt 0 cannot be encoded: character 'X' is not in this char "
+                                                "tokenizer's vocabulary")
+
+
+def test_a_prompt_being_encoded_holds_up_no_other_request():
+    """Encoding ran on the event loop: one long prompt stalled /health and every other client until it was done.
+    Here encoding waits until /health has answered; on the loop it would wait for ever (10 s, then fail)."""
+    entered, released = threading.Event(), threading.Event()
+    app = tiny_app()
+    with running(app) as url:
+        tokenizer = app.state.served.engine.tokenizer
+        encode = tokenizer.encode
+
+        def slow_encode(text):
+            entered.set()
+            released.wait(10)
+            return encode(text)
+
+        tokenizer.encode = slow_encode
+        try:
+            done = []
+            post = threading.Thread(target=lambda: done.append(httpx.post(
+                f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 2}, timeout=60)))
+            post.start()
+            assert entered.wait(30)
+            health = httpx.get(f"{url}/health", timeout=5)
+            answered_while_encoding = not released.is_set()
+            released.set()
+            post.join()
+        finally:
+            tokenizer.encode = encode
+    assert health.status_code == 200 and answered_while_encoding
+    assert done[0].status_code == 200, done[0].text
+
+
+def test_a_client_that_leaves_before_its_body_arrived_is_no_server_error(caplog):
+    """It was a 500, with a traceback in the log, counted in the 500s of /metrics."""
+    import socket
+
+    app = tiny_app()
+    with running(app) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        deadline = time.monotonic() + 30
+        while 'status="499"' not in (metrics := httpx.get(f"{url}/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.02)
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+    assert 'status="500"' not in metrics
+    assert "internal error" not in caplog.text
+
+
+def test_a_model_is_found_by_its_id_and_chat_is_pointed_to_completions(client):
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    missing = client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 404 and "/v1/completions" in chat.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"[" * 2000 + b"]" * 2000, b"\xff\xfe{}",
@@ -605,6 +678,8 @@ def test_a_full_queue_is_a_429(monkeypatch):
         refused, served = asyncio.run(three(url))
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert refused.json()["error"]["message"] == ("the server is busy (2 completion(s) wait and 1 more do not fit: "
+                                                  "1 free row(s) and 1 waiting place(s) take at most 2); retry later")
     assert [r.status_code for r in served] == [200, 200]
 
 

@@ -73,6 +73,12 @@ def test_the_openai_package_completes_and_streams(server):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
     assert [m.id for m in client.models.list()] == [str(run)]
+    assert client.models.retrieve(str(run)).id == str(run)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert "/v1/completions" in str(e.value)
     several = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=0.9, seed=3)
     assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
 

@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
 from gpt2train.serve.request import BadRequest, CompletionRequest, parse_completion_request
@@ -45,9 +46,17 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
 
+class ErrorResponse(JSONResponse):
+    """OpenAI's error body, as ASCII JSON: a message or param that quotes the request (a field name holding a
+    lone surrogate) is always encodable, where UTF-8 output would fail on it and turn a 400 into a 500."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, kind: str, param: str | None = None, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
-                        headers=headers)
+    return ErrorResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                         headers=headers)
 
 
 class Metrics:
@@ -185,12 +194,28 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_entry() -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "gpt2train",
+                "context_length": served.ready().context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        engine = served.ready()
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "gpt2train", "context_length": engine.context}]}
+        return {"object": "list", "data": [model_entry()]}
+
+    @app.get("/v1/models/{name:path}")  # a run directory's name has slashes
+    async def one_model(name: str, request: Request):
+        authorize(request)
+        if name != model_id:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
+                           param="model")
+        return model_entry()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):  # what OpenAI's chat clients call first: say where to go instead
+        authorize(request)
+        raise ApiError(404, "this server has no chat completions: GPT-2 is a base model, not tuned for chat "
+                       "messages; send a prompt to /v1/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -203,10 +228,10 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
         except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             raise BadRequest(None, "the body is not valid JSON") from None
         req = parse_completion_request(data)
-        if req.choices > engine.capacity:  # before encoding, which holds up the event loop for every prompt
+        if req.choices > engine.capacity:  # before encoding, which costs CPU for every prompt
             raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
                              f"{engine.capacity} (--max-batch + --max-queue)")
-        prompt_ids = encode_prompts(engine, req)
+        prompt_ids = await asyncio.to_thread(encode_prompts, engine, req)  # a long prompt holds up no other request
         inbox = Inbox()
         jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stop, index=i * req.n + j)
                 for i, ids in enumerate(prompt_ids) for j in range(req.n)]
@@ -233,10 +258,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the body of {int(declared):,} bytes exceeds this server's {limit:,}")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the body exceeds this server's {limit:,} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the body exceeds this server's {limit:,} bytes")
+    except ClientDisconnect:  # the client's fault, not the server's: no traceback, not counted as a 500
+        raise ApiError(499, "the client closed the request before its body arrived") from None
     return bytes(body)
 
 
@@ -249,8 +277,11 @@ def encode_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
         try:
             ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
         except Exception as e:  # noqa: BLE001 -- a character the tokenizer has no id for, a lone surrogate ...
-            raise BadRequest("prompt", f"prompt {i} cannot be encoded: {str(e).splitlines()[0] if str(e) else e!r}") \
-                from None
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BadRequest("prompt", f"prompt {i} cannot be encoded: {reason}") from None
+        if len(ids) >= engine.context:
+            raise BadRequest("prompt", f"prompt {i} has {len(ids)} tokens; the model's context of {engine.context} "
+                             "tokens leaves no room for a new one: shorten it")
         if len(ids) + req.max_tokens > engine.context:
             raise BadRequest("max_tokens", f"prompt {i} has {len(ids)} tokens; with max_tokens {req.max_tokens} that "
                              f"exceeds the model's context of {engine.context} tokens")

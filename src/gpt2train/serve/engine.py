@@ -244,7 +244,9 @@ class Engine:
             self.drop_cancelled_waiting()
             free = self.max_batch - len(self.rows) - len(self.joining)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} completions wait for a row; at most {self.max_queue} may")
+                raise QueueFull(f"{len(self.waiting)} completion(s) wait and {len(completions)} more do not fit: "
+                                f"{max(free, 0)} free row(s) and {self.max_queue} waiting place(s) take at most "
+                                f"{max(free, 0) + self.max_queue}")
             self.waiting.extend(completions)
             self.wakeup.notify()
 

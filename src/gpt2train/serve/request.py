@@ -14,7 +14,7 @@ MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 200  # each is looked for in the text after every token
 
 # OpenAI's fields that change nothing at these values: accepted there, refused (not ignored) elsewhere.
-NEUTRAL = {"echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+NEUTRAL = {"echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
            "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 IGNORED = ("model", "user")  # any string: one model is served, and users are not told apart
 FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options", "seed")
@@ -54,6 +54,8 @@ def parse_completion_request(data) -> CompletionRequest:
     if "prompt" not in data:
         raise BadRequest("prompt", "prompt is required: a string or a list of strings")
     stream_options = options(data.get("stream_options"))
+    if stream_options and data.get("stream") is not True:
+        raise BadRequest("stream_options", "stream_options is taken only with stream: true")
     return CompletionRequest(
         prompts=prompts(data["prompt"]),
         max_tokens=integer(data, "max_tokens", NEW_TOKENS, 16),
