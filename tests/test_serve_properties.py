@@ -24,7 +24,7 @@ FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", 
 # JSON values of every kind, near the edges of the ranges and far beyond them.
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 60), st.integers(), st.floats(allow_nan=False),
                     st.sampled_from([0, 1, 0.5, 1.0, 2**31, -(2**63), 1e-300, 1e308]), st.text(max_size=6),
-                    st.text(alphabet="abcdefgh \n", max_size=12))
+                    st.text(alphabet="abcdefgh \n", max_size=12), st.just("\udfff"))
 json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
                                                             st.dictionaries(st.text(max_size=5), inner, max_size=4)),
                            max_leaves=10)
@@ -53,10 +53,12 @@ def one_field_changed(body: dict, name: str, value) -> dict:
     return {**body, name: value}
 
 
+# Unknown names too, one of them a lone surrogate (JSON can say "\ud800"; UTF-8 cannot): an error quoting it was a 500.
+names = st.sampled_from(FIELDS + ["nope", "\ud800", "caf\u00e9"])
 bodies = st.one_of(
     good_bodies,
-    st.builds(one_field_changed, good_bodies, st.sampled_from(FIELDS + ["nope"]), json_values),
-    st.dictionaries(st.sampled_from(FIELDS + ["nope"]), json_values, max_size=5),
+    st.builds(one_field_changed, good_bodies, names, json_values),
+    st.dictionaries(names, json_values, max_size=5),
     json_values,
 )
 raw_bodies = st.one_of(bodies.map(lambda b: json.dumps(b).encode()), st.binary(max_size=40))
