@@ -3,6 +3,8 @@ the exported tokenizer gives our ids, and greedy text agrees. Random weights, of
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -179,6 +181,31 @@ def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_
     assert r.stdout.rstrip("\n") == "ROMEO:" + theirs_text.rstrip("\n") and len(theirs_text) > 0
 
 
+def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_data, tmp_path, monkeypatch):
+    """README.md: the Hub's metadata, the run's facts from its checkpoint, and Python that loads the folder."""
+    from huggingface_hub import ModelCard
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train(tiny_config(gpt2_data, max_steps=6), tmp_path / "run")
+    out = tmp_path / "hf"
+    assert run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out)).returncode == 0
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    _, _, meta = load_for_inference(tmp_path / "run")
+    assert f"| steps | 6 of {meta['batch']['tokens_per_step']:,} tokens: {meta['tokens']:,} tokens in all |" in card.text
+    assert f"| validation loss | {meta['val_loss']:.4f} at the last step |" in card.text
+    assert f"| data | `{gpt2_data}` |" in card.text and "| tokenizer | GPT-2's BPE, 50,257 tokens |" in card.text
+    code = card.text.split("```python\n", 1)[1].split("```", 1)[0]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, {})  # the card's own example, as a reader would paste it
+    assert printed.getvalue().startswith("The")
+
+    (out / "README.md").write_text("# my own card\n")  # written by hand: a later export keeps it
+    assert run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out)).returncode == 0
+    assert (out / "README.md").read_text() == "# my own card\n"
+
+
 # ---------------------------------------------------------------- run directories and the CLI
 
 
@@ -193,6 +220,9 @@ def test_import_to_run_directory_then_sample_and_export(tmp_path):
     result = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "exported"))
     assert result.returncode == 0, result.stderr
     assert "merges.txt" in result.stdout and "vocab.json" in result.stdout
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert f"| started from | the Hugging Face model `{tmp_path / 'hf'}` |" in card
+    assert "| data | not recorded (imported) |" in card and "imported with gpt2train" in card
     original = load_file(str(tmp_path / "hf" / "model.safetensors"))
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
     assert all(torch.equal(original[k], exported[k]) for k in original) and original.keys() == exported.keys()

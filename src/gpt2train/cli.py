@@ -293,10 +293,11 @@ def cmd_import_hf(args) -> int:
 
 def cmd_export_hf(args) -> int:
     from gpt2train.checkpoint import load_for_inference
-    from gpt2train.hf import export_hf
+    from gpt2train.hf import export_hf, model_card
 
-    model, _, meta = load_for_inference(args.ckpt)
-    out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
+    model, cfg, meta = load_for_inference(args.ckpt)
+    out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
+                    card=model_card(cfg, meta, args.out))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 

@@ -293,11 +293,12 @@ def load_pretrained_tokenizer(path: str | Path):
 
 
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None,
-              dtype: str = "float32") -> Path:
+              dtype: str = "float32", card: str | None = None) -> Path:
     """Write config.json + model.safetensors + the tokenizer's files into out_dir, loadable with transformers'
     GPT2LMHeadModel / AutoTokenizer.from_pretrained(out_dir) offline. `dtype`: the stored tensors' (bfloat16 /
     float16 halve the files, as the Hub's larger checkpoints are shared). A model or tokenizer HF cannot hold
-    (the char tokenizer) is refused before anything is written; no `tokenizer_spec`: the model alone."""
+    (the char tokenizer) is refused before anything is written; no `tokenizer_spec`: the model alone.
+    `card`: the README.md (model_card's), written unless the folder holds a README.md someone else wrote."""
     if dtype not in DTYPES:
         raise HFConversionError(f"export dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     from gpt2train.checkpoint import save_safetensors
@@ -322,7 +323,54 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
             shutil.copyfile(content, out / name)
         else:
             (out / name).write_text(content, encoding="utf-8")
+    readme = out / "README.md"
+    if card is not None and (not readme.is_file() or CARD_MARKER in readme.read_text(encoding="utf-8", errors="replace")):
+        readme.write_text(card, encoding="utf-8")
     return out
+
+
+# The card's own line: a README.md that holds it is ours to rewrite on the next export; one without it is kept.
+CARD_MARKER = "<!-- written by gpt2train export-hf; delete this line to keep your edits through later exports -->"
+
+
+def model_card(cfg, meta: dict, folder: str | Path) -> str:
+    """README.md for an exported folder, as the Hub shows it: the model's shape, how it was trained (from the
+    checkpoint's config and meta) and the transformers code that loads it from `folder`."""
+    import jinja2
+
+    from gpt2train import __version__
+    from gpt2train.counting import parameter_count
+    from gpt2train.units import format_count, format_duration
+
+    m, train = cfg.model, cfg.train
+    spec = meta.get("tokenizer") or {"kind": "gpt2"}
+    imported_from = meta.get("imported_from")
+    val, best = meta.get("val_loss"), meta.get("best_val_loss")
+    runtime = meta.get("runtime") or {}
+    if imported_from:
+        started_from = f"the Hugging Face model `{imported_from}`"
+    else:
+        started_from = "random weights" if train.init_from == "scratch" else f"`{train.init_from}` (fine-tuned)"
+    values = {
+        "marker": CARD_MARKER, "name": Path(folder).resolve().name, "version": __version__,
+        "params": format_count(parameter_count(m)), "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd,
+        "block_size": m.block_size, "imported_from": imported_from, "started_from": started_from,
+        "data": ("not recorded (imported)" if imported_from else
+                 ", ".join(f"`{s}`" for s in cfg.data.sources) if cfg.data.sources else f"`{cfg.data.dir}`"),
+        "tokenizer": describe_tokenizer(spec), "vocab": f"{tokenizer_from_spec(spec).vocab_size:,}",
+        "steps": f"{meta.get('step', 0):,}", "tokens": f"{meta.get('tokens', 0):,}",
+        "tokens_per_step": f"{(meta.get('batch') or {}).get('tokens_per_step', train.total_batch_tokens):,}",
+        "optimizer": {"adamw": "AdamW", "muon": "Muon with AdamW"}.get(train.optimizer, train.optimizer),
+        "lr": f"{train.lr:g}",
+        "precision": f"{runtime['dtype']}, {runtime['device']}" if runtime else "not recorded",
+        "training_time": format_duration(meta["train_wall_s"]) if meta.get("train_wall_s") else "not recorded",
+        "val_loss": ("not measured" if val is None else
+                     f"{val:.4f} at the last step" + ("" if best is None or best == val else f", best {best:.4f}")),
+        "folder": Path(folder).as_posix(), "prompt": "The", "new_tokens": min(40, m.block_size - 1),  # within the context
+    }
+    env = jinja2.Environment(loader=jinja2.PackageLoader("gpt2train", "templates"), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    return env.get_template("model_card.md").render(**values)
 
 
 def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
