@@ -545,6 +545,19 @@ def test_a_body_that_is_not_a_json_object_is_a_400(client, body):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("content_type, status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+                                                  ("multipart/form-data; boundary=x", 415), ("", 415),
+                                                  ("application/json; charset=utf-8", 200), (None, 200)])
+def test_a_body_declared_as_anything_but_json_is_a_415(client, content_type, status):
+    """A web page of another site can make the user's browser POST text/plain or a form to a local server
+    without asking (no CORS preflight), and made it compute; application/json needs the server's consent."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = client.post("/v1/completions", content=b'{"prompt": "a", "max_tokens": 2}', headers=headers)
+    assert r.status_code == status, r.text
+    if status == 415:
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
+
+
 def test_a_body_over_the_limit_is_a_413_declared_or_not(client):
     big = json.dumps({"prompt": "a" * 5000}).encode()
     assert client.post("/v1/completions", content=big).status_code == 413

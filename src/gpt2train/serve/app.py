@@ -221,6 +221,7 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
     async def completions(request: Request):
         started = time.perf_counter()
         authorize(request)
+        check_json_body(request)
         body = await read_body(request, max_body_bytes)
         engine = served.ready()
         try:
@@ -250,6 +251,17 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
         return await answer.whole(request)
 
     return app
+
+
+def check_json_body(request: Request) -> None:
+    """A body declared as anything but JSON is refused (no header is taken as JSON, as FastAPI does): a page of
+    another site can make a browser POST text/plain or a form here without asking, but not application/json."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"send the body as JSON, with `Content-Type: application/json` (not {media or 'empty'!r})")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
