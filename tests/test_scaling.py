@@ -244,6 +244,15 @@ def test_prepare_markov_twice_finds_its_corpus_prepared(tmp_path, capsys):
     assert other["fingerprint"] != first["fingerprint"]
 
 
+def test_prepare_markov_as_the_readme_writes_it(tmp_path):
+    """Without --val-tokens (--val-fraction's count of documents ahead) it failed on every call: the reader's
+    iterator had no close()."""
+    r = run_cli("prepare", "markov", "--chars", "40000", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "m" / "meta.json").read_text())
+    assert meta["documents"] == {"train": 18, "val": 2} and meta["loss_floor"] > 0
+
+
 def test_prepare_markov_refuses_a_tokenizer_it_would_not_use(tmp_path):
     """Its text is char-tokenized: --tokenizer gpt2 (or a --text-field) was taken and ignored before."""
     for option in (["--tokenizer", "gpt2"], ["--text-field", "body"]):

@@ -84,7 +84,7 @@ class MarkovReader:
         self.documents = chain.sample(chars, seed=seed)
 
     def __iter__(self):
-        return iter(self.documents)
+        yield from self.documents  # a generator, as every reader's: prepare may close it after reading a few
 
     def input_fingerprint(self) -> list:
         return [self.recipe]
