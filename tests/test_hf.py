@@ -209,6 +209,17 @@ def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_d
 # ---------------------------------------------------------------- run directories and the CLI
 
 
+def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_data, tmp_path):
+    """It made the import's step 0 `latest`, and the ring's cleanup deleted the run's own checkpoints (exit 0)."""
+    random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
+    train(tiny_config(gpt2_data, max_steps=2), tmp_path / "run")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    r = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: {tmp_path / 'run'} already holds a run (checkpoints up "
+                                                      "to step_00000002); import into another --out")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+
+
 def test_import_to_run_directory_then_sample_and_export(tmp_path):
     random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
     import_hf_to_run(tmp_path / "hf", tmp_path / "run")

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.ranges import UsageError
 from gpt2train.runtime import DTYPES
 from gpt2train.tokenizer import (
     DATA_PACKAGE_HINT,
@@ -169,10 +170,14 @@ def gpt_state_from_hf(hf_state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict
 def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
     """Import a HF GPT-2 into a run directory (a step-0 checkpoint) that `gpt2train sample` and
     `export-hf` read, recording the folder's tokenizer (GPT-2's when it holds none); returns the checkpoint
-    folder. A model whose vocabulary does not fit that tokenizer is refused before anything is written."""
-    from gpt2train.checkpoint import model_state, save_checkpoint
+    folder. A model whose vocabulary does not fit that tokenizer, or a run_dir that holds a run, is refused before
+    anything is written."""
+    from gpt2train.checkpoint import model_state, run_on_disk, save_checkpoint
     from gpt2train.config import Config, to_dict
 
+    held = run_on_disk(Path(run_dir))
+    if held:  # the import's step 0 would become `latest` and the ring's cleanup would delete the run's checkpoints
+        raise UsageError(f"{run_dir} already holds a run ({held}); import into another --out")
     folder = resolve_hf_folder(hf_dir_or_name)
     tokenizer_spec = hf_tokenizer_spec(folder)
     model, cfg = import_hf(folder)

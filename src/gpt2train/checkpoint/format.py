@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 import gpt2train
 from gpt2train.config import Config, config_from_resolved
 from gpt2train.model import GPT
+from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -386,3 +387,15 @@ def short_reason(e: Exception) -> str:
     return f"{type(e).__name__}: {text}"[:200]
 
 
+def run_on_disk(run_dir: Path) -> str | None:
+    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
+    logged a trained step. None for a missing or empty folder, or one holding only other files."""
+    root = run_dir / "checkpoints"
+    ring = ring_entries(root)
+    if ring:
+        return f"checkpoints up to {ring[0][1].name}"
+    if (root / "best").is_dir():
+        return "a best/ checkpoint"
+    if logs_a_trained_step(run_dir):
+        return f"trained steps in {METRICS_FILE}"
+    return None

@@ -30,12 +30,12 @@ from gpt2train.checkpoint import (
     recover,
     resolve_checkpoint,
     ring_entries,
+    run_on_disk,
     save_training_checkpoint,
     set_aside_newer,
 )
 from gpt2train.config import Config, to_dict
 from gpt2train.ranges import UsageError
-from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 from gpt2train.training.guard import GuardError
 
 
@@ -98,20 +98,6 @@ class RunPosition:
 
 class RunExists(UsageError):
     """The run directory already holds a run, and the launch did not ask to resume it."""
-
-
-def run_on_disk(run_dir: Path) -> str | None:
-    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
-    logged a trained step. None for a missing or empty folder, or one holding only other files."""
-    root = run_dir / "checkpoints"
-    ring = ring_entries(root)
-    if ring:
-        return f"checkpoints up to {ring[0][1].name}"
-    if (root / "best").is_dir():
-        return "a best/ checkpoint"
-    if logs_a_trained_step(run_dir):
-        return f"trained steps in {METRICS_FILE}"
-    return None
 
 
 def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:

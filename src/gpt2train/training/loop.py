@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpt2train import distributed as D
-from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint
+from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint, run_on_disk
 from gpt2train.config import Config, save_config, validate
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.mixture import data_meta, open_loader
@@ -26,7 +26,7 @@ from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT
 from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
 from gpt2train.training import init_from, runlock
-from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_start_over, run_on_disk
+from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_start_over
 from gpt2train.training.console import Console, LogContinuity, say_already_finished
 from gpt2train.training.guard import TrainingGuard
 from gpt2train.training.optim import make_optimizer, set_lr
