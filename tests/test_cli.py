@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,15 @@ def test_bad_input_is_one_line_error_with_exit_2_for_usage_and_1_for_failures(tm
     (["prepare", "shakespeare", "--out", "d", "--val-fraction", "1"], "it must be in (0, 1)"),
     (["prepare", "files", "p", "--out", "d", "--shard-tokens", "0"], "argument --shard-tokens: 0 is out of range"),
     (["prepare", "files", "p", "--out", "d", "--workers", "two"], "argument --workers: 'two' is not an integer"),
+    # found by a probe of bad input: thousands of processes for two documents; a Rust abort (exit 134)
+    (["prepare", "files", "p", "--out", "d", "--workers", "100000"], "argument --workers: 100000 is out of range"),
+    (["tokenizer", "train", "p", "--out", "t.json", "--vocab-size", "2147483648"], "it must be in [258, 16777216]"),
+    # an empty --out wrote into the current folder
+    (["prepare", "shakespeare", "--out", ""], "argument --out: give a path: an empty one would write into the current"),
+    (["export-hf", "--ckpt", "x", "--out", " "], "argument --out: give a path"),
+    (["report", "x", "--out", ""], "argument --out: give a path"),
+    (["import-hf", "x", "--out", ""], "argument --out: give a path"),
+    (["tokenizer", "train", "p", "--vocab-size", "300", "--out", ""], "argument --out: give a path"),
 ])
 def test_arguments_are_checked_against_their_range_before_any_work(args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -95,6 +105,21 @@ def test_arguments_are_checked_against_their_range_before_any_work(args, message
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_of_the_wrong_kind_is_refused_before_any_work_and_kept(tmp_path, monkeypatch, capsys):
+    """A file where a folder is written ([Errno 17] File exists, after the work), a folder where a file is."""
+    monkeypatch.chdir(tmp_path)
+    Path("notes.txt").write_text("mine\n")
+    Path("folder").mkdir()
+    for args, message in [(["prepare", "shakespeare", "--out", "notes.txt"], "notes.txt is a file; give a folder"),
+                          (["train", "--out", "notes.txt"], "notes.txt is a file; give a folder"),
+                          (["export-gguf", "--ckpt", "x", "--out", "folder"], "folder is a folder; give the file"),
+                          (["bench", "generate", "--out", "folder"], "folder is a folder; give the file")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2 and message in capsys.readouterr().err, args
+    assert Path("notes.txt").read_text() == "mine\n" and list(Path("folder").iterdir()) == []
 
 
 def _all_arguments(parser, command=()):

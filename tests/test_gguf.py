@@ -359,10 +359,10 @@ def test_import_hf_of_gpt2_124m_then_export_gguf_gives_llama_cpp_the_greedy_text
 def test_what_llama_cpps_gpt2_cannot_compute_is_refused_in_one_line_before_writing(tmp_path, option, named):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, **option))
     out = tmp_path / "m.gguf"
-    out.write_bytes(b"an earlier export")
+    out.write_bytes(b"GGUF, an earlier export")
     message = one_line(GGUFExportError, export_gguf, model, out)
     assert named in message and "cannot be exported to GGUF" in message
-    assert out.read_bytes() == b"an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert out.read_bytes() == b"GGUF, an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
 def test_a_char_run_and_bad_outputs_are_refused_by_the_cli_in_one_line(char_data, tmp_path):
@@ -371,7 +371,7 @@ def test_a_char_run_and_bad_outputs_are_refused_by_the_cli_in_one_line(char_data
     assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("error: a run with the char tokenizer cannot be exported to GGUF") and "bpe:" in r.stderr
     assert not (tmp_path / "m.gguf").exists()
-    r = run_cli("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path), "--dtype", "q4_0")
+    r = run_cli("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf"), "--dtype", "q4_0")
     assert r.returncode == 2 and "invalid choice: 'q4_0'" in r.stderr
 
 
@@ -382,3 +382,15 @@ def test_an_out_that_is_a_folder_or_a_wrong_tokenizer_is_refused_in_one_line(tmp
                                                     {"kind": "gpt2"})
     assert "vocab_size 300 is not GPT-2's" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_file_is_replaced_only_when_it_is_a_gguf_file(tmp_path):
+    """Found by a probe of bad input: any file given as --out was overwritten (a checkpoint's model.safetensors)."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).eval()
+    (tmp_path / "model.safetensors").write_bytes(b"not a gguf file")
+    assert one_line(GGUFExportError, export_gguf, model, tmp_path / "model.safetensors", {"kind": "gpt2"}) == (
+        f"{tmp_path / 'model.safetensors'} exists and is not a GGUF file; give another --out (nothing was written)")
+    assert (tmp_path / "model.safetensors").read_bytes() == b"not a gguf file"
+    export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"})
+    export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"}, dtype="f16")  # an earlier export is replaced
+    assert gguf.GGUFReader(tmp_path / "m.gguf").fields["general.file_type"].contents() == 1

@@ -218,6 +218,10 @@ def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_
     assert r.returncode == 2 and r.stderr.strip() == (f"error: {tmp_path / 'run'} already holds a run (checkpoints up "
                                                       "to step_00000002); import into another --out")
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+    for out in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000002"):  # export's files over ours
+        r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out))
+        assert r.returncode == 1 and "export into another folder" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 
 def test_import_to_run_directory_then_sample_and_export(tmp_path):

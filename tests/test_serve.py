@@ -620,6 +620,16 @@ def test_shutdown_waits_for_a_model_still_loading():
     assert not stopped[0].thread.is_alive()  # and stopped the engine the load made
 
 
+def test_a_kv_cache_too_large_for_the_device_says_to_lower_max_batch():
+    """It was an internal error naming the bytes torch could not allocate."""
+    from gpt2train.ranges import UsageError
+
+    with pytest.raises(UsageError) as e:
+        Engine(tiny_model(), TOKENIZER, max_batch=10**12, compile=False)
+    assert str(e.value) == ("the KV cache of --max-batch 1000000000000 rows of 48 tokens needs 22,888,183.6 GiB, "
+                            "which cpu cannot hold; lower --max-batch")  # 2 (k, v) x 2 layers x 10^12 x 48 x 32 x 4 B
+
+
 def test_a_model_that_fails_to_load_is_reported_by_health():
     def broken():
         raise FileNotFoundError("no weights here")

@@ -290,3 +290,14 @@ def test_tokenizer_train_refuses_a_corpus_without_text_and_writes_nothing(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
     assert "no text" in one_line(ValueError, train_bpe, ["", "  \n"], 300, tmp_path / "lib.json")
     assert not (tmp_path / "lib.json").exists()
+
+
+def test_tokenizer_train_replaces_a_tokenizer_but_no_other_file(tmp_path):
+    """Found by a probe of bad input: `--out README.md` overwrote the file."""
+    (tmp_path / "notes.md").write_text("mine\n")
+    message = one_line(ValueError, train_bpe, ["abc abd"], 300, tmp_path / "notes.md")
+    assert message == f"{tmp_path / 'notes.md'} exists and is not a tokenizer.json; give another --out (nothing was written)"
+    assert (tmp_path / "notes.md").read_text() == "mine\n"
+    train_bpe(["abc abd"], 300, tmp_path / "tok.json")
+    assert train_bpe(["xyz xyw"], 300, tmp_path / "tok.json").encode("xyz") != []  # a tokenizer is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md", "tok.json"]  # no temporary file left

