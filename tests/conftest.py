@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,18 @@ def gpt2_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpt2_data")
     prepare_shakespeare(out, tokenizer="gpt2")
     return out
+
+
+@pytest.fixture(scope="session")
+def other_char_data(tmp_path_factory) -> Path:
+    """Char-tokenized text of a few lowercase words: an alphabet smaller than char_data's, and another one."""
+    from gpt2train.data.prepare import prepare_files
+
+    root = tmp_path_factory.mktemp("other_char_data")
+    docs = ["the quick brown fox jumps over a lazy dog while seven wizards judge " * 40] * 10
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare_files([root / "docs.jsonl"], root / "data", tokenizer="char", val_fraction=0.2, workers=1, progress=False)
+    return root / "data"
 
 
 def tiny_config(data_dir: Path, **train) -> Config:

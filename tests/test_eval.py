@@ -331,6 +331,21 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     assert not (ckpt / "eval.json.tmp").exists()
 
 
+def test_val_data_of_another_tokenizer_is_named_by_how_it_differs(char_data, gpt2_data, other_char_data, tmp_path,
+                                                                   capsys):
+    """Bug: two char alphabets read "tokenized with 'char' but the checkpoint uses 'char'"."""
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")
+    capsys.readouterr()
+    cases = {gpt2_data: "different tokenizers (gpt2 and char)",
+             other_char_data: "different tokenizers (char tokenizers whose alphabets differ, of 27 and 65 characters)"}
+    for data, expected in cases.items():
+        assert cli.main(["eval", "--ckpt", str(tmp_path / "run"), "--tasks", "val", "--data", str(data),
+                         "--device", "cpu", "--limit", "2"]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {data} and the checkpoint have {expected}; pass --data with data prepared by the " \
+                      "checkpoint's tokenizer\n", err
+
+
 def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError, load_for_inference
 from gpt2train.config import ConfigError, dump_toml
-from gpt2train.hf import import_hf_to_run
+from gpt2train.hf import HFConversionError, import_hf_to_run
 from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
@@ -117,6 +118,38 @@ def test_init_from_a_run_of_ours_then_resume_auto_continues_the_finetune(char_da
             assert torch.equal(a, b), name
     finally:
         trainer.close()
+
+
+def test_weights_of_another_tokenizer_than_the_datas_are_refused_before_training(char_data, gpt2_data, other_char_data,
+                                                                                hf_dir, tmp_path, capsys):
+    """Bug: train.init_from never compared the weights' tokenizer with the data's, so GPT-2's weights trained on char
+    ids (and a char run on another alphabet's) into a model that samples nothing. Refused in one line that names
+    both tokenizers and the `prepare` option of the weights' one, before the run directory is made."""
+    train(tiny_config(char_data, max_steps=1), tmp_path / "char_run")
+    import_hf_to_run(hf_dir, tmp_path / "imported")
+    cases = [(char_data, hf_dir, "(char and gpt2)", "--tokenizer gpt2"),  # no tokenizer files: GPT-2's, as import-hf
+             (char_data, tmp_path / "imported", "(char and gpt2)", "--tokenizer gpt2"),
+             (gpt2_data, tmp_path / "char_run", "(gpt2 and char)", "--tokenizer char"),
+             (other_char_data, tmp_path / "char_run", "(char tokenizers whose alphabets differ, of 27 and 65 characters)",
+              "--tokenizer char")]
+    for data, source, difference, option in cases:
+        message = one_line(ConfigError, train, finetune_config(data, source), tmp_path / "run")
+        assert message.startswith(f"data.dir {data} and train.init_from = '{source}' have different tokenizers "
+                                  f"{difference}; prepare the data with the weights' tokenizer ({option}"), message
+        assert not (tmp_path / "run").exists()
+
+    config = tmp_path / "ft.toml"
+    config.write_text(dump_toml(finetune_config(char_data, hf_dir)))
+    assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2  # the user's to fix
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.dir") and err.count("\n") == 1, err
+
+
+def test_a_hf_folder_without_a_tokenizer_and_not_gpt2s_vocabulary_is_refused_as_import_hf_refuses_it(char_data, tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=66)).save_pretrained(
+        tmp_path / "hf")
+    message = one_line(HFConversionError, train, finetune_config(char_data, tmp_path / "hf"), tmp_path / "run")
+    assert "holds no tokenizer" in message and "vocab_size 66 is not GPT-2's" in message
 
 
 def test_the_banner_names_the_weights_a_finetune_starts_from(char_data, gpt2_data, hf_dir, tmp_path, capsys):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import one_line, run_cli, tiny_config
 from gpt2train.checkpoint import load_for_inference, read_meta, resolve_checkpoint
+from gpt2train.config import ConfigError
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.generation import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
@@ -366,6 +367,19 @@ def test_a_run_with_our_own_bpe_exports_its_tokenizer_and_imports_back_sampling_
     assert samples[0] == samples[1] and len(samples[0]) > len("ROMEO:") + 10
     r = run_cli("ckpt", "inspect", str(tmp_path / "imported"))
     assert r.returncode == 0 and "tokenizer   bpe" in r.stdout and "vocab 400" in r.stdout
+
+
+def test_init_from_an_exported_bpe_folder_trains_on_the_data_of_its_tokenizer_only(bpe_run, gpt2_data, tmp_path):
+    """The folder's tokenizer.json is the data's tokenizer read from another path: the same one. GPT-2's data is
+    refused, with the folder's tokenizer.json to prepare with."""
+    model, _, meta = load_for_inference(bpe_run / "run")
+    export_hf(model, tmp_path / "hf", tokenizer_spec=meta["tokenizer"])
+    cfg = tiny_config(bpe_run / "data", max_steps=1)
+    cfg.train.init_from = str(tmp_path / "hf")
+    assert train(cfg, tmp_path / "run")["step"] == 1
+    cfg.data.dir = str(gpt2_data)
+    message = one_line(ConfigError, train, cfg, tmp_path / "run2")
+    assert "different tokenizers (gpt2 and bpe)" in message and f"--tokenizer bpe:{tmp_path / 'hf' / 'tokenizer.json'}" in message
 
 
 def test_a_char_run_is_refused_by_export_hf_before_anything_is_written(char_data, tmp_path):

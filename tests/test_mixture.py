@@ -27,6 +27,7 @@ from gpt2train.data.prepare import prepare_files
 from gpt2train.eval.val import mixture_validation, validation_loss
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runlog import load_metrics
+from gpt2train.tokenizer import train_bpe
 from gpt2train.training.loop import Trainer, train
 from test_resume import stop_with_sigterm_at, train_losses
 
@@ -179,6 +180,19 @@ def test_sources_of_another_tokenizer_are_refused_in_one_line(sources, char_data
     with pytest.raises(DataError, match="same tokenizer"):
         Trainer(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_sources_of_one_bpe_read_from_two_paths_are_one_tokenizer(tmp_path):
+    """A BPE's spec records the path it was read from; the same tokenizer.json copied elsewhere is the same one."""
+    train_bpe([" ".join(WORDS)] * 20, 300, tmp_path / "tokenizer.json")
+    shutil.copy(tmp_path / "tokenizer.json", tmp_path / "copy.json")
+    folders = []
+    for name, tokenizer in (("a", "tokenizer.json"), ("b", "copy.json")):
+        corpus = write_corpus(tmp_path / f"{name}-text", [" ".join(WORDS)] * 10)
+        prepare_files([corpus], tmp_path / name, tokenizer=f"bpe:{tmp_path / tokenizer}", val_fraction=0.2, workers=1,
+                      progress=False)
+        folders.append(f"{tmp_path / name}=1")
+    assert data_meta(DataConfig(sources=folders))["tokenizer"]["kind"] == "bpe"
 
 
 def test_a_model_vocabulary_too_small_for_a_source_is_refused(char_data, tmp_path):

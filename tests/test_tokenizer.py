@@ -16,6 +16,8 @@ from gpt2train.tokenizer import (
     CharTokenizer,
     GPT2Tokenizer,
     package_file,
+    same_tokenizer,
+    tokenizer_difference,
     tokenizer_from_name,
     tokenizer_from_spec,
     train_bpe,
@@ -239,6 +241,21 @@ def test_bpe_spec_is_self_contained(bpe_file, tmp_path):
     again = tokenizer_from_spec(spec)
     assert again.encode("the cat 🙂") == tok.encode("the cat 🙂") and again.eot_id == tok.eot_id
     assert tokenizer_from_spec({"kind": "bpe", "path": str(bpe_file)}).vocab_size == tok.vocab_size
+
+
+def test_specs_are_the_same_tokenizer_by_their_ids_not_by_where_a_bpe_was_read(bpe_file, tmp_path):
+    moved = tmp_path / "tok.json"
+    moved.write_text(bpe_file.read_text())
+    here, there = BPETokenizer(bpe_file).spec(), BPETokenizer(moved).spec()
+    assert here["path"] != there["path"] and same_tokenizer(here, there) and tokenizer_difference(here, there) is None
+    retrained = tmp_path / "retrained.json"
+    train_bpe(["some other text entirely"] * 20, 300, retrained)
+    assert tokenizer_difference(here, BPETokenizer(retrained).spec()) == "bpe tokenizers whose vocabularies differ"
+
+    shakespeare, words = CharTokenizer("ROMEO: ay").spec(), CharTokenizer("the cat").spec()
+    assert tokenizer_difference(shakespeare, words) == "char tokenizers whose alphabets differ, of 8 and 6 characters"
+    assert tokenizer_difference(words, {"kind": "gpt2"}) == "char and gpt2"
+    assert tokenizer_difference({"kind": "gpt2"}, {"kind": "gpt2"}) is None
 
 
 def test_tokenizer_errors(tmp_path):

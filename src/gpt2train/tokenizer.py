@@ -7,7 +7,8 @@
   (`gpt2train tokenizer train`), saved as a tokenizer.json with `<|endoftext|>` as its end-of-text token.
 
 A prepared dataset records its tokenizer in meta.json (`spec()`), and `tokenizer_from_spec` rebuilds it.
-A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never depend on the file staying put.
+A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never depend on the file staying put;
+`same_tokenizer` compares two specs (a BPE by that JSON, not by its path).
 """
 
 from __future__ import annotations
@@ -285,3 +286,38 @@ def tokenizer_from_spec(spec: dict):
             return BPETokenizer(json_str=spec["json"])._with_path(spec.get("path"))
         return BPETokenizer(spec.get("path"))
     raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected gpt2, char or bpe")
+
+
+def same_tokenizer(spec: dict, other: dict) -> bool:
+    """Whether two specs give the same ids for the same text. A BPE is its embedded JSON wherever it was read
+    from: the tokenizer.json export-hf writes beside the weights is the data's own."""
+    return _identity(spec) == _identity(other)
+
+
+def _identity(spec: dict) -> dict:
+    if spec.get("kind") == "bpe" and spec.get("json"):
+        return {"kind": "bpe", "json": json.loads(spec["json"])}
+    return spec
+
+
+def tokenizer_difference(spec: dict, other: dict) -> str | None:
+    """None for the same tokenizer, else both named, in order: their kinds, or how two of one kind differ."""
+    if same_tokenizer(spec, other):
+        return None
+    kind, other_kind = spec.get("kind"), other.get("kind")
+    if kind != other_kind:
+        return f"{kind} and {other_kind}"
+    if kind == "char":  # both are "char": only the alphabets tell them apart
+        return f"char tokenizers whose alphabets differ, of {len(spec['chars'])} and {len(other['chars'])} characters"
+    return f"{kind} tokenizers whose vocabularies differ"
+
+
+def prepare_option(spec: dict) -> str:
+    """The `gpt2train prepare` option that tokenizes new data as `spec` does."""
+    kind = spec.get("kind")
+    if kind == "char":  # the alphabet is the corpus's own
+        return "--tokenizer char, on text with the same characters"
+    if kind == "bpe":  # a path to vocab.json is a slow tokenizer's pair of files, which prepare does not read
+        path = spec.get("path")
+        return f"--tokenizer bpe:{path if path and not path.endswith('vocab.json') else 'ITS/tokenizer.json'}"
+    return f"--tokenizer {kind}"

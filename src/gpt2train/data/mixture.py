@@ -27,6 +27,7 @@ import torch
 from gpt2train.config import DataConfig, data_sources
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta
+from gpt2train.tokenizer import same_tokenizer
 
 
 def data_meta(data: DataConfig) -> dict:
@@ -36,7 +37,7 @@ def data_meta(data: DataConfig) -> dict:
     metas = [load_meta(folder) for folder, _ in pairs]
     first_dir, first = pairs[0][0], metas[0]
     for (folder, _), meta in zip(pairs[1:], metas[1:]):
-        if meta["tokenizer"] != first["tokenizer"]:
+        if not same_tokenizer(meta["tokenizer"], first["tokenizer"]):
             kind, first_kind = meta["tokenizer"].get("kind"), first["tokenizer"].get("kind")
             what = f"{kind!r} and {first_dir} with {first_kind!r}" if kind != first_kind else \
                 f"another {kind!r} tokenizer than {first_dir}"

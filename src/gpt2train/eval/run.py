@@ -20,7 +20,7 @@ from gpt2train.config import data_sources
 from gpt2train.data.prepare import load_meta
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
-from gpt2train.tokenizer import tokenizer_from_spec
+from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec
 
 TASKS = ("val", "hellaswag")
 HARNESS_PREFIX = "lm-eval:"  # --tasks lm-eval:arc_easy,piqa: tasks of EleutherAI's lm-evaluation-harness
@@ -139,10 +139,10 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
         if not (Path(folder) / "meta.json").is_file():
             raise FileNotFoundError(f"val data {folder} (from {'--data' if data_dir else 'the checkpoint config'}) "
                                     "has no meta.json; pass --data DIR with prepared data")
-        data_tokenizer = load_meta(folder)["tokenizer"]
-        if data_tokenizer != meta["tokenizer"]:
-            raise ValueError(f"{folder} was tokenized with {data_tokenizer.get('kind')!r} but the checkpoint uses "
-                             f"{meta['tokenizer'].get('kind')!r}; pass --data with data prepared by the same tokenizer")
+        difference = tokenizer_difference(load_meta(folder)["tokenizer"], meta["tokenizer"])
+        if difference:
+            raise ValueError(f"{folder} and the checkpoint have different tokenizers ({difference}); pass --data with "
+                             "data prepared by the checkpoint's tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
     token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
 

@@ -2,7 +2,8 @@
 
 Weights only: the run still starts at step 0 with a fresh optimizer and schedule. The model's shape comes
 from the source, so an explicit conflicting [model] setting is an error; settings that do not change the
-weights (dropout, attention, grad_checkpointing, loss_chunk, pad_vocab_multiple) are the run's own.
+weights (dropout, attention, grad_checkpointing, loss_chunk, pad_vocab_multiple) are the run's own. The data
+must be tokenized as the source was: a HF folder without a tokenizer has GPT-2's, as import-hf assumes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ import torch
 
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint, read_meta, resolve_checkpoint, weights_mismatch
 from gpt2train.config import Config, ConfigError, config_from_resolved
-from gpt2train.hf import gpt_config_from_hf, gpt_state_from_hf, read_hf_weights, resolve_hf_folder
+from gpt2train.hf import (
+    check_vocab_fits_tokenizer,
+    gpt_config_from_hf,
+    gpt_state_from_hf,
+    hf_tokenizer_spec,
+    read_hf_weights,
+    resolve_hf_folder,
+)
 from gpt2train.model import GPTConfig
+from gpt2train.tokenizer import prepare_option, tokenizer_difference
 
 SOURCE_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
 
@@ -29,15 +38,18 @@ def is_ours(path: Path) -> bool:
     return (path / "meta.json").is_file() or (path / "checkpoints").is_dir() or path.name == "checkpoints"
 
 
-def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
+def load_source(init_from: str, data_tokenizer: dict, data_name: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
     """The source's model shape, its weights in our layout, with the token embedding cut to vocab_size rows
     (the source may have been padded to another multiple than this run's), and which weights those are: the
-    checkpoint folder of a run of ours, or the Hugging Face folder (and the Hub name it came from)."""
+    checkpoint folder of a run of ours, or the Hugging Face folder (and the Hub name it came from). A source of
+    another tokenizer than the data's is refused before its weights are read."""
     path = Path(init_from)
     if path.is_dir() and is_ours(path):
         ckpt = resolve_checkpoint(path)
-        weights, _, meta = load_checkpoint(ckpt, with_state=False)
+        meta = read_meta(ckpt)
         shape = config_from_resolved(meta["config"]).model
+        check_tokenizer(data_tokenizer, data_name, meta.get("tokenizer") or {"kind": "gpt2"}, init_from)
+        weights, _, _ = load_checkpoint(ckpt, with_state=False)
         loaded = str(ckpt)
     else:  # a HF folder or a Hub name; resolve_hf_folder fails in one line offline
         folder = resolve_hf_folder(init_from)
@@ -47,9 +59,21 @@ def load_source(init_from: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"train.init_from = {init_from!r}: {folder}/config.json is missing or unreadable "
                               f"({type(e).__name__})") from None
+        tokenizer = hf_tokenizer_spec(folder)
+        check_vocab_fits_tokenizer(shape.vocab_size, tokenizer, init_from)  # none: GPT-2's, for its vocabulary only
+        check_tokenizer(data_tokenizer, data_name, tokenizer or {"kind": "gpt2"}, init_from)
         weights = gpt_state_from_hf(read_hf_weights(folder), shape)  # a multiple of 1 pads nothing
     weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:shape.vocab_size]
     return shape, weights, loaded
+
+
+def check_tokenizer(data_tokenizer: dict, data_name: str, source_tokenizer: dict, source: str) -> None:
+    """The weights' ids must mean the data's text: a GPT-2 trained on char ids would learn another model."""
+    difference = tokenizer_difference(data_tokenizer, source_tokenizer)
+    if difference:
+        raise ConfigError(f"{data_name} and train.init_from = {source!r} have different tokenizers ({difference}); "
+                          f"prepare the data with the weights' tokenizer ({prepare_option(source_tokenizer)}) "
+                          "or train from scratch")
 
 
 def adopt_shape(cfg: Config, shape: GPTConfig, source: str) -> None:
@@ -76,10 +100,11 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: 
     model.load_state_dict(weights, strict=False)
 
 
-def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+def prepare(cfg: Config, run_dir: Path | None, resume: str | None,
+            data_tokenizer: dict) -> tuple[dict[str, torch.Tensor] | None, str | None]:
     """Apply train.init_from to cfg.model's shape; return the weights to load and which they are (the start
     banner names them), or (None, None). A run that resumes a checkpoint continues from it, not from the source
-    again: the shape is then the checkpoint's."""
+    again: the shape is then the checkpoint's. `data_tokenizer`: the data's spec, which the source's must equal."""
     source = cfg.train.init_from
     if is_scratch(source):
         return None, None
@@ -87,7 +112,8 @@ def prepare(cfg: Config, run_dir: Path | None, resume: str | None) -> tuple[dict
     if resumed is not None:
         adopt_shape(cfg, config_from_resolved(read_meta(resumed)["config"]).model, str(resumed))
         return None, None
-    shape, weights, loaded = load_source(source)
+    data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
+    shape, weights, loaded = load_source(source, data_tokenizer, data_name)
     adopt_shape(cfg, shape, source)
     return weights, loaded
 

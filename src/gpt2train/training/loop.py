@@ -62,7 +62,8 @@ class Trainer:
     def _build(self, cfg: Config, resume: str | None):
         # The weights' source may set the model's shape; then what the config means on this device.
         cfg = copy.deepcopy(cfg)
-        init_weights, self.init_source = init_from.prepare(cfg, self.run_dir, resume)  # the source's shape: cfg.model
+        init_weights, self.init_source = init_from.prepare(cfg, self.run_dir, resume,  # the source's shape: cfg.model
+                                                           self.data_meta["tokenizer"])
         self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))
         self.runtime = runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
         runtime.apply()  # TF32
