@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.checkpoint import load_for_inference, read_meta, resolve_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
@@ -318,6 +319,33 @@ def test_import_and_init_from_read_sharded_safetensors(tmp_path, gpt2_data):
             assert torch.equal(a, b), name
     finally:
         trainer.close()
+
+
+def test_a_truncated_or_damaged_weights_file_is_named_in_one_line(tmp_path, gpt2_data, capsys):
+    """Bug: a model.safetensors cut short gave safetensors' own error as an internal one (import-hf, init_from,
+    serve). The file is named as truncated or damaged, a pickle's or a shard index's too, and nothing is made."""
+    random_hf_model(n_positions=32).save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    capsys.readouterr()  # transformers' bar of the save
+    assert cli.main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights} is truncated or damaged (") and err.count("\n") == 1, err
+    assert "internal" not in err and not (tmp_path / "imported").exists()
+
+    cfg = tiny_config(gpt2_data, max_steps=1)
+    cfg.train.init_from = str(tmp_path / "hf")
+    assert f"{weights} is truncated or damaged" in one_line(HFConversionError, train, cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+    weights.unlink()
+    pickle = tmp_path / "hf" / "pytorch_model.bin"
+    torch.save(random_hf_model(n_positions=32).state_dict(), pickle)
+    pickle.write_bytes(pickle.read_bytes()[:5000])
+    assert f"{pickle} is truncated or damaged" in one_line(HFConversionError, import_hf, tmp_path / "hf")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    index.write_text('{"metadata": {}, "weight_')
+    assert f"{index} is truncated or damaged" in one_line(HFConversionError, import_hf, tmp_path / "hf")
 
 
 # ---------------------------------------------------------------- tokenizers through export and import

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from gpt2train.checkpoint.format import short_reason
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import DTYPES
@@ -98,7 +99,10 @@ def resolve_hf_folder(hf_dir_or_name: str | Path) -> Path:
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # cut short, or not an index of shards
+            raise HFConversionError(f"{index} is truncated or damaged ({short_reason(e)}); download or copy it again") from None
         return [folder / shard for shard in shards]
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
@@ -113,11 +117,19 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise HFConversionError(f"{folder} holds no model.safetensors or pytorch_model.bin")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        if file.suffix == ".safetensors":
-            state.update(load_file(str(file)))
-        else:
-            state.update(torch.load(file, map_location="cpu", weights_only=True))
+        state.update(read_weight_file(file))
     return state
+
+
+def read_weight_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, PermissionError):
+        raise  # not there or not ours to read: the message names the file already (torch's OSError for a cut zip is not)
+    except Exception as e:  # noqa: BLE001 - safetensors and torch raise unrelated classes for a cut or overwritten file
+        raise HFConversionError(f"{file} is truncated or damaged ({short_reason(e)}); download or copy it again") from None
 
 
 def gpt_config_from_hf(hf: dict, pad_vocab_multiple: int = 64) -> GPTConfig:
