@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,7 @@ def test_checkpoint_holds_the_whole_training_state(trained_run, char_data):
     assert meta["tokenizer"]["kind"] == "char" and meta["world_size"] == 1 and meta["sharded"] is False
     assert meta["files"] == {"model.safetensors": (ckpt / "model.safetensors").stat().st_size,
                              "state.pt": (ckpt / "state.pt").stat().st_size}
+    assert meta["files_crc32"] == {name: zlib.crc32((ckpt / name).read_bytes()) for name in meta["files"]}
     assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_00000010"
 
 
@@ -178,6 +180,12 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     assert r.stderr.count("\n") == 1 and "model.safetensors is" in r.stderr and "truncated" in r.stderr
 
     (damaged / "model.safetensors").write_bytes(data)
+    flip_a_byte(damaged / "model.safetensors")  # the size intact: only the checksum sees it
+    r = run_cli("ckpt", "inspect", str(damaged), env=env)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "model.safetensors changed after it was saved" in r.stderr
+
+    (damaged / "model.safetensors").write_bytes(data)
     (damaged / "meta.json").write_text('{"step": 10, "conf')
     r = run_cli("ckpt", "inspect", str(damaged), env=env)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
@@ -251,6 +259,7 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, op
     step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
     meta = C.verify(step2)
     assert meta["sharded"] is True and meta["world_size"] == 2
+    assert meta["files_crc32"].keys() == meta["files"].keys() >= {"dcp/.metadata", "model.safetensors", "state.pt"}
     assert (step2 / "dcp" / ".metadata").is_file() and len(list((step2 / "dcp").glob("*.distcp"))) == 2
     assert "optimizer" not in torch.load(step2 / "state.pt", weights_only=True)
     assert len(torch.load(step2 / "state.pt", weights_only=True)["ranks"]) == 2
@@ -289,11 +298,13 @@ def copy_checkpoint(trained_run, tmp_path) -> Path:
 
 
 def rewrite(ckpt, state=None, **meta_changes):
-    """Replace state.pt and/or meta.json keys, keeping the recorded file sizes right (damage verify() misses)."""
+    """Replace state.pt and/or meta.json keys, keeping the recorded file sizes and checksums right (damage
+    verify() misses)."""
     meta = json.loads((ckpt / "meta.json").read_text())
     if state is not None:
         torch.save(state, ckpt / "state.pt")
         meta["files"]["state.pt"] = (ckpt / "state.pt").stat().st_size
+        meta["files_crc32"]["state.pt"] = zlib.crc32((ckpt / "state.pt").read_bytes())
     meta.update(meta_changes)
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
@@ -304,9 +315,50 @@ def live_model_and_optimizer(ckpt):
     return model, torch.optim.AdamW(model.parameters())
 
 
+def flip_a_byte(path: Path) -> None:
+    """Change one byte in the middle of a file, keeping its size, as a failing disk or a bad copy does."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 64)
     assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_for_inference, tmp_path / "weights.bin")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.pt"])
+def test_a_changed_byte_is_one_line_naming_the_file(trained_run, tmp_path, name):
+    ckpt = copy_checkpoint(trained_run, tmp_path)
+    flip_a_byte(ckpt / name)
+    expected = f"{ckpt} is damaged: {name} changed after it was saved"
+    assert expected in one_line(C.CheckpointError, C.load_for_inference, ckpt)
+    assert expected in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt, *live_model_and_optimizer(ckpt),
+                                sharded=False)
+
+
+def test_a_changed_byte_in_the_newest_checkpoint_falls_back_to_the_one_before(trained_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    flip_a_byte(run / "checkpoints" / "step_00000010" / "model.safetensors")
+    env = {"OMP_NUM_THREADS": "1"}
+    r = run_cli("sample", "--ckpt", str(run), "--max-new-tokens", "4", env=env)
+    assert r.returncode == 0, r.stderr
+    (warning,) = [line for line in r.stderr.splitlines() if line.startswith("warning")]
+    assert "skipping step_00000010" in warning and "model.safetensors changed after it was saved" in warning
+    r = run_cli("sample", "--ckpt", str(run / "checkpoints" / "step_00000010"), env=env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "model.safetensors changed" in r.stderr
+
+
+def test_a_checkpoint_saved_before_checksums_has_its_sizes_checked(trained_run, tmp_path):
+    ckpt = copy_checkpoint(trained_run, tmp_path)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["files_crc32"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert C.load_checkpoint(ckpt)[2]["step"] == 10
+    data = (ckpt / "state.pt").read_bytes()
+    (ckpt / "state.pt").write_bytes(data[:-10])
+    assert "state.pt is" in one_line(C.CheckpointError, C.load_checkpoint, ckpt)
 
 
 def test_weights_that_do_not_match_the_config_are_one_line(trained_run, tmp_path):

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -288,9 +289,10 @@ def test_damaged_checkpoints_load_or_are_refused_in_one_line(checkpoint, data, t
         ckpt = Path(tmp) / "step_00000001"
         shutil.copytree(checkpoint, ckpt)
         (ckpt / target).write_bytes(data.draw(damaged_file((checkpoint / target).read_bytes())))
-        if sizes_fixed and target != "meta.json":  # past the size check, into the parsers
+        if sizes_fixed and target != "meta.json":  # past the size and checksum checks, into the parsers
             meta = json.loads((ckpt / "meta.json").read_text())
             meta["files"][target] = (ckpt / target).stat().st_size
+            meta["files_crc32"][target] = zlib.crc32((ckpt / target).read_bytes())
             (ckpt / "meta.json").write_text(json.dumps(meta))
         loaded = assert_one_line_or_none(C.load_for_inference, ckpt)
         event("loaded" if loaded is not None else "refused")

@@ -148,13 +148,19 @@ def test_resume_from_path_and_auto_without_checkpoint(char_data, tmp_path):
         Trainer(tiny_config(char_data), tmp_path / "c", resume=str(tmp_path / "nowhere"))
 
 
-def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys):
+@pytest.mark.parametrize("damage", ["truncated", "changed byte"])
+def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys, damage):
     run = tmp_path / "run"
     train(tiny_config(char_data, max_steps=10), run)
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert latest.name == "step_00000010"
     state = latest / "state.pt"
-    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # truncated, as by a failing disk
+    data = bytearray(state.read_bytes())
+    if damage == "truncated":  # as by a failing disk
+        del data[len(data) // 2:]
+    else:  # the size intact, as by a bad copy: only the checksum sees it
+        data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
     capsys.readouterr()
 
     trainer = Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")

@@ -10,16 +10,17 @@ Layout of a run directory:
                      state.pt           GradScaler, guard, the RNG and train-loader state of every rank, and the
                                         optimizer (plain runs)
                      dcp/               FSDP runs only: sharded model + optimizer (torch.distributed.checkpoint)
-                     meta.json          step, tokens, val losses, times, resolved config, tokenizer, file sizes
+                     meta.json          step, tokens, val losses, times, resolved config, tokenizer, the size
+                                        and CRC-32 of every other file
     step_00001000/   ...                the ring: the last `checkpoint.keep_last` regular saves
     latest           name of the newest checkpoint, moved last
     best/            the best by validation loss, kept apart from the ring
 
 How a save stays atomic: everything is written into a hidden `.tmp-NAME/` folder; meta.json goes in last and
-records the size of every other file; all files and folders are fsynced; one rename publishes the folder;
-only then does `latest` move (itself a temporary file renamed over the old one). Readers look only at folders
-named `step_*` or `best`, which exist only complete, and check the recorded sizes, so a truncated file is
-caught before it is loaded.
+records the size and CRC-32 of every other file; all files and folders are fsynced; one rename publishes the
+folder; only then does `latest` move (itself a temporary file renamed over the old one). Readers look only at
+folders named `step_*` or `best`, which exist only complete, and check the recorded sizes and checksums, so a
+truncated file or a changed byte is caught before it is loaded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -154,8 +156,18 @@ def stage(root: Path, name: str) -> Path:
     return staged
 
 
-def _file_sizes(folder: Path) -> dict[str, int]:
-    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+def _files(folder: Path) -> dict[str, Path]:
+    """Every file under `folder` (DCP shards included), by its path relative to it."""
+    return {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
+    """CRC-32 of a file's bytes, read a chunk at a time (a checkpoint's files may not fit in memory twice)."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def publish(root: Path, name: str, staged: Path, weights: dict | None, state: dict, meta: dict) -> Path:
@@ -163,7 +175,10 @@ def publish(root: Path, name: str, staged: Path, weights: dict | None, state: di
     if weights is not None:
         save_safetensors(weights, staged / "model.safetensors")
     torch.save(state, staged / "state.pt")
-    meta = {**meta, "files": _file_sizes(staged)}  # lets readers catch a truncated file without loading it
+    files = _files(staged)
+    # Sizes let readers catch a truncated file at once; checksums a changed byte, which loads without an error.
+    meta = {**meta, "files": {rel: path.stat().st_size for rel, path in files.items()},
+            "files_crc32": {rel: file_crc32(path) for rel, path in files.items()}}
     (staged / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _fsync_tree(staged)
     return _swap_into_place(root, name, staged)
@@ -300,20 +315,20 @@ def read_meta(ckpt: Path) -> dict:
         raise CheckpointError(f"{ckpt}/meta.json is unreadable ({short_reason(e)}); the checkpoint is corrupt") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{ckpt}/meta.json lacks step or config; the checkpoint is corrupt")
+    for key in ("files", "files_crc32"):  # absent from older checkpoints
+        if not isinstance(meta.get(key) or {}, dict):
+            raise CheckpointError(f"{ckpt}/meta.json: {key} is not an object of file names; the checkpoint is corrupt")
     return meta
 
 
 def verify(ckpt: Path) -> dict:
-    """The meta of a checkpoint whose files are all there at their recorded sizes and parse; else CheckpointError.
-    Cheap: tensors are not read. (A flipped bit inside a tensor is not caught: sizes and headers only.)"""
+    """The meta of a checkpoint whose files are all there at their recorded sizes and checksums, and parse; else
+    CheckpointError naming the damaged file. Reads every file once, for the checksums; a checkpoint saved
+    before they were recorded has its sizes checked only."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
-    for rel, size in (meta.get("files") or {}).items():
-        path = ckpt / rel
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
-            what = "missing" if actual is None else f"{actual} bytes, expected {size}"
-            raise CheckpointError(f"{ckpt} is damaged: {rel} is {what} (truncated or partly copied)")
+    check_sizes(ckpt, meta.get("files") or {})
+    check_checksums(ckpt, meta.get("files_crc32") or {})
     try:
         with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
             f.keys()
@@ -324,6 +339,29 @@ def verify(ckpt: Path) -> dict:
     if meta.get("sharded") and not (ckpt / "dcp" / ".metadata").is_file():
         raise CheckpointError(f"{ckpt} is damaged: dcp/.metadata is missing")
     return meta
+
+
+def check_sizes(ckpt: Path, sizes: dict[str, int]) -> None:
+    """Every recorded file is there at its recorded size: a stat each, before any file is read."""
+    for rel, size in sizes.items():
+        path = ckpt / rel
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            what = "missing" if actual is None else f"{actual} bytes, expected {size}"
+            raise CheckpointError(f"{ckpt} is damaged: {rel} is {what} (truncated or partly copied)")
+
+
+def check_checksums(ckpt: Path, crcs: dict[str, int]) -> None:
+    """Every file with a recorded CRC-32 still has it: a changed byte (a failing disk, a bad copy) would
+    otherwise load as wrong weights or a wrong optimizer state."""
+    for rel, crc in crcs.items():
+        try:
+            actual = file_crc32(ckpt / rel)
+        except OSError as e:
+            raise CheckpointError(f"{ckpt} is damaged: {rel} is unreadable ({short_reason(e)})") from None
+        if actual != crc:
+            raise CheckpointError(f"{ckpt} is damaged: {rel} changed after it was saved (its CRC-32 is not the one "
+                                  f"meta.json records); copy it again or use an earlier checkpoint")
 
 
 def newest_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
@@ -359,22 +397,33 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found
 
 
+def resolve_verified(path: str | Path) -> tuple[Path, dict]:
+    """The checkpoint folder `path` names (see resolve_checkpoint) and its meta, its files verified once."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path)
+    return ckpt, (verify(ckpt) if ckpt == path else read_meta(ckpt))  # newest_checkpoint verified what it found
+
+
 def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, dict | None, dict]:
     """(weights, state or None, meta) of a checkpoint; raises CheckpointError if it is damaged."""
-    ckpt = resolve_checkpoint(path)
-    meta = verify(ckpt)
+    ckpt, meta = resolve_verified(path)
+    weights, state = _read_tensors(ckpt, with_state)
+    return weights, state, meta
+
+
+def _read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True) if with_state else None
-    except Exception as e:  # damaged in a way the size check cannot see
+    except Exception as e:  # damaged in a way the checks cannot see (a checkpoint saved without checksums)
         raise CheckpointError(f"{ckpt} is damaged ({short_reason(e)}); resume from an earlier checkpoint") from None
-    return weights, state, meta
+    return weights, state
 
 
 def load_for_inference(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
     """A ready-to-use model (eval mode) from a run directory or checkpoint, with its config and meta."""
-    ckpt = resolve_checkpoint(path)
-    weights, _, meta = load_checkpoint(ckpt, with_state=False)
+    ckpt, meta = resolve_verified(path)
+    weights, _ = _read_tensors(ckpt, with_state=False)
     cfg = config_from_resolved(meta["config"])
     model = GPT(cfg.model)
     load_model_state(model, weights, ckpt / "model.safetensors")

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from gpt2train.checkpoint.format import resolve_checkpoint, ring_entries, verify
+from gpt2train.checkpoint.format import resolve_verified, ring_entries
 from gpt2train.runlog import RUNTIME_FIELDS, ran_and_asked, setting_text
 from gpt2train.units import format_bytes, format_count, format_duration, format_utc
 
@@ -15,9 +15,7 @@ from gpt2train.units import format_bytes, format_count, format_duration, format_
 def describe_checkpoint(path: str | Path) -> str:
     """A few lines a person reads: where, step, tokens, losses, when, model, tokenizer, config summary.
     Raises CheckpointError (one line) for a damaged checkpoint."""
-    path = Path(path)
-    ckpt = resolve_checkpoint(path)
-    meta = verify(ckpt)
+    ckpt, meta = resolve_verified(path)
     cfg = meta["config"]
     model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
     tok = meta.get("tokenizer") or {}
