@@ -327,6 +327,28 @@ def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
     assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_for_inference, tmp_path / "weights.bin")
 
 
+def test_a_data_folder_given_as_checkpoint_says_what_it_is(char_data):
+    expected = f"{char_data} is a prepared data folder, not a checkpoint; pass a run directory or a checkpoints/step_* folder"
+    for load in (C.load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
+        assert one_line(C.CheckpointError, load, char_data) == expected
+    r = run_cli("sample", "--ckpt", str(char_data), env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1 and r.stderr == f"error: {expected}\n"
+
+
+def test_a_hugging_face_folder_given_as_checkpoint_says_to_import_it(trained_run, tmp_path):
+    from gpt2train import load_model
+    from gpt2train.hf import export_hf
+
+    hf = tmp_path / "hf"
+    export_hf(C.load_for_inference(trained_run)[0], hf)  # config.json + model.safetensors, no meta.json
+    expected = f"{hf} is a Hugging Face model folder; import it first: gpt2train import-hf {hf} --out RUN_DIR"
+    for load in (C.load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
+        assert one_line(C.CheckpointError, load, hf) == expected
+    assert load_model(hf).config.n_layer == 2  # the library (and serve) read HF folders directly
+    (hf / "model.safetensors").unlink()  # weights in another file (pytorch_model.bin): still a HF folder
+    assert one_line(C.CheckpointError, C.resolve_checkpoint, hf) == expected
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "state.pt"])
 def test_a_changed_byte_is_one_line_naming_the_file(trained_run, tmp_path, name):
     ckpt = copy_checkpoint(trained_run, tmp_path)

@@ -384,6 +384,9 @@ def newest_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder from a run directory or checkpoints/ folder (its newest good one), or the folder itself."""
     path = Path(path)
+    problem = not_a_checkpoint(path)
+    if problem:
+        raise CheckpointError(problem)
     if (path / "meta.json").exists() or (path / "model.safetensors").exists() or (path / "state.pt").exists():
         return path
     if not path.exists():
@@ -395,6 +398,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if found is None:
         raise CheckpointError(f"no usable checkpoint found at {path}; pass a run directory or a checkpoints/step_* folder")
     return found
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """What a folder passed as a checkpoint is instead, and what to pass, for the folders of other kinds people
+    pass by mistake: a prepared data folder (its meta.json lists shards) and a Hugging Face model folder (its
+    config.json); None for any other path."""
+    if (path / "config.json").is_file() and not (path / "meta.json").exists():
+        return f"{path} is a Hugging Face model folder; import it first: gpt2train import-hf {path} --out RUN_DIR"
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):  # no meta.json, or a damaged one: read_meta says which
+        return None
+    if isinstance(meta, dict) and "shards" in meta and "step" not in meta:
+        return f"{path} is a prepared data folder, not a checkpoint; pass a run directory or a checkpoints/step_* folder"
+    return None
 
 
 def resolve_verified(path: str | Path) -> tuple[Path, dict]:
