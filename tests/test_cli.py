@@ -446,3 +446,19 @@ def test_a_warning_under_a_progress_bar_is_one_line_of_its_own(monkeypatch, caps
     assert warnings.showwarning is shown  # put back when the command ends
     lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert "warning: a message over two lines" in lines and not any("UserWarning" in line for line in lines)
+
+
+def test_usage_mistakes_found_by_a_probe_are_one_line_with_exit_2(tiny_run, tmp_path, monkeypatch, capsys):
+    """Each exited 1 with a message that did not say what to fix, or (--lm-eval-include) was ignored with exit 0."""
+    monkeypatch.chdir(tmp_path)
+    Path("latin1.toml").write_bytes(b"[train]\nlr = 3e-4 # caf\xe9\n")
+    for args, message in [
+        (["prepare", "shakespeare", "--out", "d", "--tokenizer", "foo"], "unknown tokenizer 'foo'; use gpt2, char or"),
+        (["config", "show", "--config", "latin1.toml"], "latin1.toml is not a TOML config: it is not UTF-8 text"),
+        (["eval", "--ckpt", str(tiny_run), "--tasks", "val", "--lm-eval-include", "."],
+         "--lm-eval-include is read only with --tasks lm-eval:TASK"),
+    ]:
+        assert cli.main(args) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.toml"]

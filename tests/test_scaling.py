@@ -397,7 +397,9 @@ def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
     r = run_cli(*["bench", "scaling", "--depths", "2,x"])
     assert r.returncode == 2 and "give depths as comma-separated whole numbers" in r.stderr
     r = run_cli(*["bench", "scaling", "--set", f"data.dir={tmp_path / 'none'}", "--out", str(tmp_path / "o")])
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert f"make the ladder's corpus first: gpt2train prepare markov --chars 20000000 --val-tokens 500000 --out " \
+        f"{tmp_path / 'none'}" in r.stderr  # it named prepare shakespeare, which is not the ladder's corpus
 
 
 def test_a_floor_no_data_can_have_is_refused_before_any_rung_trains(char_data, tmp_path):

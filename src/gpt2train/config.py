@@ -293,7 +293,10 @@ def derived_settings(cfg: Config) -> list[sizing.Derived]:
 def read_config_text(path: str | Path) -> tuple[str, str]:
     """(a name for messages, the TOML text) of a config file, else of the preset with that name."""
     if Path(path).is_file():
-        return str(path), Path(path).read_text()
+        try:
+            return str(path), Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not a TOML config: it is not UTF-8 text") from None
     presets = preset_files()
     if str(path) in presets:
         return f"preset {path}", presets[str(path)].read_text()

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2train.ranges import UsageError
+
 GPT2_EOT = "<|endoftext|>"
 GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE: 50,000 merges + 256 bytes + <|endoftext|>
 GPT2_EOT_ID = 50256  # <|endoftext|>, the last id
@@ -271,7 +273,7 @@ def tokenizer_from_name(name: str, corpus=None):
         return CharTokenizer.from_corpus(corpus)
     if name.startswith("bpe:") and len(name) > 4:
         return BPETokenizer(name[4:])
-    raise ValueError(f"unknown tokenizer {name!r}; use gpt2, char or bpe:PATH/TO/tokenizer.json")
+    raise UsageError(f"unknown tokenizer {name!r}; use gpt2, char or bpe:PATH/TO/tokenizer.json")
 
 
 def tokenizer_from_spec(spec: dict):

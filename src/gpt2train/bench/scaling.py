@@ -189,6 +189,9 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
         raise UsageError(f"--seeds {seeds}: seeds must be distinct and {SEEDS}")
     every = depths + ([options.predict] if options.predict else [])
     configs = {(d, s): rung_config(options, d, s) for d in every for s in seeds}
+    if not (Path(base.data.dir) / "meta.json").is_file():  # the ladder's corpus, not the general hint of load_meta
+        raise UsageError(f"{base.data.dir} holds no prepared data; make the ladder's corpus first: gpt2train prepare "
+                         f"markov --chars 20000000 --val-tokens 500000 --out {base.data.dir}")
     meta = load_meta(base.data.dir)
     planned = {key: describe_rung(cfg, key[1], int(meta["vocab_size"])) for key, cfg in configs.items()}
     floor = fit_floor(options, meta, base.data.dir)

@@ -78,6 +78,8 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
         harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
+        if lm_eval_include and not harness_tasks:  # it was ignored: a user would think their tasks ran
+            raise UsageError("--lm-eval-include is read only with --tasks lm-eval:TASK; add one, or leave it out")
         if harness_tasks:
             jobs["lm-eval"] = _harness_job(model, meta, harness_tasks, lm_eval_include, limit, batch_size, autocast)
         if progress and info.rank == 0:
