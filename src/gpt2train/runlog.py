@@ -13,18 +13,16 @@ imports it, so it imports nothing from training/, report, doctor, plan or bench.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 import secrets
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2train.spikes import SPIKE_RULE
-
-log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # Schema (docs/metrics.md)
@@ -262,7 +260,8 @@ def read_run(text: str, run_dir: str | Path, name: str | None = None) -> Run:
             f"{path} has no readable records: it is not a gpt2train metrics file, or every line is damaged"
         )
     if malformed:
-        log.warning("%s: skipped %d malformed line%s", path, malformed, "" if malformed == 1 else "s")
+        # a warning, so that the CLI prints it as its other warnings (`warning: ...`, one line)
+        warnings.warn(f"{path}: skipped {malformed} malformed line{'' if malformed == 1 else 's'}", stacklevel=2)
     return Run(
         name=name or run_dir.resolve().name,
         path=run_dir,
