@@ -340,7 +340,7 @@ def test_val_data_of_another_tokenizer_is_named_by_how_it_differs(char_data, gpt
              other_char_data: "different tokenizers (char tokenizers whose alphabets differ, of 27 and 65 characters)"}
     for data, expected in cases.items():
         assert cli.main(["eval", "--ckpt", str(tmp_path / "run"), "--tasks", "val", "--data", str(data),
-                         "--device", "cpu", "--limit", "2"]) == 1
+                         "--device", "cpu", "--limit", "2"]) == 2  # the user's choice of --data: a usage error
         err = capsys.readouterr().err
         assert err == f"error: {data} and the checkpoint have {expected}; pass --data with data prepared by the " \
                       "checkpoint's tokenizer\n", err

@@ -143,7 +143,7 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
                                     "has no meta.json; pass --data DIR with prepared data")
         difference = tokenizer_difference(load_meta(folder)["tokenizer"], meta["tokenizer"])
         if difference:
-            raise ValueError(f"{folder} and the checkpoint have different tokenizers ({difference}); pass --data with "
+            raise UsageError(f"{folder} and the checkpoint have different tokenizers ({difference}); pass --data with "
                              "data prepared by the checkpoint's tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
     token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
