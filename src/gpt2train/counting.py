@@ -53,6 +53,11 @@ def matmul_parameter_count(cfg: GPTConfig) -> int:
     return cfg.n_layer * _layer_matmul_count(cfg) + cfg.padded_vocab_size * cfg.n_embd
 
 
+def kv_cache_elements(cfg: GPTConfig, rows: float, slots: float) -> float:
+    """Keys and values a KV cache holds: per layer, `slots` of n_embd each for every row, twice (model.KVCache)."""
+    return 2 * cfg.n_layer * rows * slots * cfg.n_embd
+
+
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 * N + 12 * n_layer * n_embd * seq_len.
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2train.counting import matmul_parameter_count
+from gpt2train.counting import kv_cache_elements, matmul_parameter_count
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
 from gpt2train.generation import Decoder, generate_ids
@@ -122,7 +122,7 @@ def decode_bytes_per_step(model: GPT, batch: int, cache_slots: float, element: i
     row and layer, `element` bytes each."""
     cfg = model.config
     weights = matmul_parameter_count(cfg) * element
-    kv = 2 * cfg.n_layer * batch * cache_slots * cfg.n_embd * element
+    kv = kv_cache_elements(cfg, batch, cache_slots) * element
     return weights + kv
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpt2train.counting import kv_cache_elements
 from gpt2train.generation import Decoder, TextStream, left_padded, sample_next
 from gpt2train.model import GPT, KVCache
 from gpt2train.ranges import UsageError
@@ -204,7 +205,7 @@ class Engine:
         try:
             self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
         except (RuntimeError, MemoryError):  # torch's out-of-memory errors are RuntimeErrors
-            size = 2 * model.config.n_layer * max_batch * self.block_size * model.config.n_embd * param.element_size()
+            size = kv_cache_elements(model.config, max_batch, self.block_size) * param.element_size()
             raise UsageError(f"the KV cache of --max-batch {max_batch} rows of {self.block_size} tokens needs "
                              f"{size / 2**30:,.1f} GiB, which {param.device} cannot hold; lower --max-batch") from None
         self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
