@@ -170,15 +170,19 @@ def test_bad_sources_are_refused_in_one_line():
 def test_sources_of_another_tokenizer_are_refused_in_one_line(sources, char_data, tmp_path):
     chars = write_corpus(tmp_path / "chars-text", [" ".join(WORDS)] * 10)
     prepare_files([chars], tmp_path / "chars", tokenizer="char", val_fraction=0.2, workers=1, progress=False)
-    message = one_line(DataError, data_meta, DataConfig(sources=[f"{sources['words']}=1", f"{tmp_path / 'chars'}=1"]))
-    assert "'char'" in message and "'gpt2'" in message and "same tokenizer" in message
-    # both char, but of other texts: another vocabulary
-    message = one_line(DataError, data_meta, DataConfig(sources=[f"{char_data}=1", f"{tmp_path / 'chars'}=1"]))
-    assert "another 'char' tokenizer" in message
+    message = one_line(ConfigError, data_meta, DataConfig(sources=[f"{sources['words']}=1", f"{tmp_path / 'chars'}=1"]))
+    assert "different tokenizers (gpt2 and char)" in message and "--tokenizer gpt2" in message
+    # both char, but of other texts: another alphabet
+    message = one_line(ConfigError, data_meta, DataConfig(sources=[f"{char_data}=1", f"{tmp_path / 'chars'}=1"]))
+    assert "char tokenizers whose alphabets differ" in message
     cfg = tiny_config(char_data)
     cfg.data.sources = [f"{char_data}=1", f"{tmp_path / 'chars'}=1"]
-    with pytest.raises(DataError, match="same tokenizer"):
+    with pytest.raises(ConfigError, match="different tokenizers"):
         Trainer(cfg, tmp_path / "run")
+    # the user's choice of folders: a usage error (exit 2), as train.init_from's mismatch is
+    r = run_cli("train", "--set", f"data.dir={char_data}", "--set", f'data.sources=["{char_data}=1", '
+                f'"{tmp_path / "chars"}=1"]', "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "different tokenizers" in r.stderr.strip().splitlines()[-1], r.stderr
     assert not (tmp_path / "run").exists()
 
 

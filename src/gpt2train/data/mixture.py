@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2train.config import DataConfig, data_sources
+from gpt2train.config import ConfigError, DataConfig, data_sources
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepare import load_meta
-from gpt2train.tokenizer import same_tokenizer
+from gpt2train.tokenizer import prepare_option, tokenizer_difference
 
 
 def data_meta(data: DataConfig) -> dict:
@@ -37,12 +37,10 @@ def data_meta(data: DataConfig) -> dict:
     metas = [load_meta(folder) for folder, _ in pairs]
     first_dir, first = pairs[0][0], metas[0]
     for (folder, _), meta in zip(pairs[1:], metas[1:]):
-        if not same_tokenizer(meta["tokenizer"], first["tokenizer"]):
-            kind, first_kind = meta["tokenizer"].get("kind"), first["tokenizer"].get("kind")
-            what = f"{kind!r} and {first_dir} with {first_kind!r}" if kind != first_kind else \
-                f"another {kind!r} tokenizer than {first_dir}"
-            raise DataError(f"data.sources: {folder} was tokenized with {what}; prepare every source with "
-                            f"the same tokenizer")
+        difference = tokenizer_difference(first["tokenizer"], meta["tokenizer"])
+        if difference:  # the user's choice of folders: a config error, as train.init_from's mismatch is
+            raise ConfigError(f"data.sources {first_dir} and {folder} have different tokenizers ({difference}); "
+                              f"prepare {folder} again with {prepare_option(first['tokenizer'])}")
     return {**first, "vocab_size": max(int(m["vocab_size"]) for m in metas)}
 
 
