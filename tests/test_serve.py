@@ -386,6 +386,7 @@ def test_stream_sends_openai_events_ending_with_done(client):
 
 def test_models_health_metrics_and_the_page(client):
     assert client.get("/health").json() == {"status": "ok", "model": "tiny"}
+    assert client.head("/health").status_code == 200  # was 405: uptime checks that send HEAD saw it down
     model = client.get("/v1/models").json()["data"][0]
     assert model["id"] == "tiny" and model["context_length"] == CONTEXT
     page = client.get("/")

@@ -182,7 +182,7 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
     async def page():
         return HTMLResponse(playground)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and uptime checks often send HEAD
     async def health():
         if served.failure() is not None:
             return JSONResponse({"status": "failed", "error": served.failure()}, 503)
