@@ -22,6 +22,7 @@ from pathlib import Path
 import tomli_w
 
 from gpt2train import sizing
+from gpt2train.files import write_text_atomic
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import COMPILE_SETTINGS, DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
 from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
@@ -376,7 +377,7 @@ def dump_toml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(dump_toml(cfg))
+    write_text_atomic(path, dump_toml(cfg))
 
 
 def _sections() -> list[str]:

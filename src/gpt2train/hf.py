@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2train.checkpoint.format import short_reason
+from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import DTYPES
@@ -321,13 +322,13 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_from_gpt(cfg, eot_id, dtype), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}) + "\n")
+    write_json_atomic(out / "config.json", hf_config_from_gpt(cfg, eot_id, dtype))
+    write_json_atomic(out / "generation_config.json", {"bos_token_id": eot_id, "eos_token_id": eot_id})
     for name, text in tokenizer_files.items():
-        (out / name).write_text(text, encoding="utf-8")
+        write_text_atomic(out / name, text)
     readme = out / "README.md"
     if card is not None and (not readme.is_file() or CARD_MARKER in readme.read_text(encoding="utf-8", errors="replace")):
-        readme.write_text(card, encoding="utf-8")
+        write_text_atomic(readme, card)
     return out
 
 

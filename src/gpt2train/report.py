@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 import time
 import types
@@ -22,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from gpt2train import runlog
+from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.runlog import Run
 from gpt2train.spikes import SPIKE_RULE
 from gpt2train.units import format_bytes, format_duration, format_utc
@@ -309,9 +309,9 @@ def build_report(run_dirs: list[Path], out_dir: Path | None = None, *, log_y: bo
         png_path.write_bytes(images[chart.name])
 
     summaries = [runlog.summarize(run) for run in runs]
-    (out_dir / "metrics.json").write_text(json.dumps({"runs": [_json_safe(s) for s in summaries]}, indent=2) + "\n")
+    write_json_atomic(out_dir / "metrics.json", {"runs": [_json_safe(s) for s in summaries]})
     html_path = out_dir / "report.html"
-    html_path.write_text(_page(runs, summaries, charts, images))
+    write_text_atomic(html_path, _page(runs, summaries, charts, images))  # a reload mid-run sees a whole page
     return html_path
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from gpt2train.files import write_text_atomic
 from gpt2train.ranges import UsageError
 
 GPT2_EOT = "<|endoftext|>"
@@ -292,10 +291,7 @@ def train_bpe(texts, vocab_size: int, out: str | Path) -> BPETokenizer:
     if not has_text:
         raise ValueError("the corpus has no text (its documents are empty or whitespace only), so there is no "
                          "tokenizer to learn; check the paths (and --text-field for .jsonl or Parquet input)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=out.parent, prefix=f".{out.name}.", delete=False) as f:
-        f.write(tok.to_str())
-    os.replace(f.name, out)  # atomic: a failed training never leaves half a tokenizer.json
+    write_text_atomic(out, tok.to_str())  # a failed write never leaves half a tokenizer.json
     return BPETokenizer(out)
 
 

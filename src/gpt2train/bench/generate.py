@@ -18,7 +18,6 @@ With `compare_llama_cpp`, llama.cpp (through llama-cpp-python) decodes the same 
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import tempfile
@@ -31,6 +30,7 @@ import torch
 from gpt2train.counting import kv_cache_elements, matmul_parameter_count
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
+from gpt2train.files import write_json_atomic
 from gpt2train.generation import Decoder, generate_ids
 from gpt2train.gguf_export import export_gguf
 from gpt2train.hf import export_hf
@@ -254,9 +254,7 @@ def version_of(distribution: str) -> str | None:
 def write_result(result: dict, out: str | Path | None) -> None:
     """A bench's result as JSON at `out` (its folder made), when one is given."""
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_atomic(out, result)
 
 
 def summarize(impl: str, batch: int, timings: list[tuple[float, float]], options: GenerateOptions, model: GPT,

@@ -38,6 +38,7 @@ from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
+from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.model import GPT, PRESETS, preset_config
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
@@ -441,8 +442,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
                            stages=stages, ablation=ablation)
     result.markdown = to_markdown(result)
-    (out / "journey.md").write_text(result.markdown)
-    (out / "journey.json").write_text(json.dumps(dataclasses.asdict(result) | {"markdown": None}, indent=2) + "\n")
+    write_text_atomic(out / "journey.md", result.markdown)
+    write_json_atomic(out / "journey.json", dataclasses.asdict(result) | {"markdown": None})
     plot_journey(result, out / "journey.png")
     return result
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gpt2train.files import write_json_atomic
 from gpt2train.units import format_utc
 
 SYNTHETIC_FILES = 4
@@ -242,8 +243,7 @@ def run_prepare_bench(options: PrepareBenchOptions, out_path: str | Path) -> dic
               "repeats": options.repeats, "date": format_utc(time.time()), "runs": [asdict(r) for r in runs],
               "summary": summary(runs)}
     result["markdown"] = to_markdown(result)
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_atomic(out_path, result)
     return result
 
 

@@ -29,6 +29,7 @@ import torch
 from gpt2train import runlog
 from gpt2train.config import Config, load_config, to_dict, validate
 from gpt2train.data.prepare import load_meta
+from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import SEEDS, UsageError
 from gpt2train.training.loop import train
 from gpt2train.units import format_count, format_duration, format_utc
@@ -314,9 +315,8 @@ def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = T
                            recipe_changes(base, modern), command_line(options, out))
     result.table = table(result)
     result.markdown = to_markdown(result)
-    (out / "quality.md").write_text(result.markdown)
-    (out / "quality.json").write_text(json.dumps(dataclasses.asdict(result) | {"markdown": None, "table": None},
-                                                 indent=2) + "\n")
+    write_text_atomic(out / "quality.md", result.markdown)
+    write_json_atomic(out / "quality.json", dataclasses.asdict(result) | {"markdown": None, "table": None})
     plot_quality(result, out / "quality.png")
     return result
 

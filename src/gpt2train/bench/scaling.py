@@ -29,6 +29,7 @@ from gpt2train import runlog
 from gpt2train.config import Config, derived_settings, load_config
 from gpt2train.counting import flops_per_token
 from gpt2train.data.prepare import load_meta
+from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import SEEDS, UsageError
 from gpt2train.runtime import resolve_config
 from gpt2train.sizing import scaling_parameters
@@ -156,7 +157,7 @@ def train_rung(cfg: Config, rung: Rung, run_dir: Path) -> Rung:
         raise UsageError(f"rung depth {rung.depth} ended without a validation loss at step {cfg.train.max_steps}; "
                          f"see {run_dir}/console.log")
     rung.val_loss, rung.wall_s, rung.run_dir = float(vals[-1]["val_loss"]), time.perf_counter() - start, str(run_dir)
-    (run_dir / "rung.json").write_text(json.dumps(dataclasses.asdict(rung), indent=2) + "\n")
+    write_json_atomic(run_dir / "rung.json", dataclasses.asdict(rung))  # it marks the rung finished
     return rung
 
 
@@ -234,8 +235,8 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
               "floor": floor, "target_error": TARGET_ERROR, "ladders": ladders}
     result["markdown"] = to_markdown(result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "scaling.md").write_text(result["markdown"])
+    write_json_atomic(out / "scaling.json", result)
+    write_text_atomic(out / "scaling.md", result["markdown"])
     plot_ladders(result, out / "scaling.png")
     return result
 

@@ -105,8 +105,9 @@ def loss_floor(chain: Chain, tokens: np.ndarray, token_chars: str) -> float:
 def prepare_markov(out_dir: str | Path, chars: int, order: int = 5, seed: int = 0, **options) -> dict:
     """`gpt2train prepare markov`: the corpus, tokenized by characters into out_dir like any other, and its
     loss floor on the validation split (meta.json's loss_floor, which `bench scaling` fits above)."""
-    from gpt2train.data.prepare import prepare_documents, shakespeare_text, write_json_atomic
+    from gpt2train.data.prepare import prepare_documents, shakespeare_text
     from gpt2train.data.shards import open_tokens
+    from gpt2train.files import write_json_atomic
 
     chain = Chain(shakespeare_text(), order)
     source = f"tiny-shakespeare order-{order} markov chain, {chars:,} characters, seed {seed}"

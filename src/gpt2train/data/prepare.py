@@ -38,6 +38,7 @@ from gpt2train.data.shards import (
     write_shard,
 )
 from gpt2train.data.sources import DedupReader, DocumentReader, HFStreamReader, SourceError
+from gpt2train.files import write_json_atomic
 from gpt2train.progress import show_progress
 from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
 
@@ -76,15 +77,6 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())  # a power loss must not leave an empty file under the final name
-    os.replace(tmp, path)
 
 
 def max_token_id(tokens: np.ndarray) -> int:

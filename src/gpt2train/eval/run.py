@@ -18,6 +18,7 @@ from gpt2train import distributed as D
 from gpt2train.checkpoint import load_for_inference, resolve_checkpoint
 from gpt2train.config import data_sources
 from gpt2train.data.prepare import load_meta
+from gpt2train.files import write_json_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec
@@ -204,9 +205,7 @@ def write_eval_json(path: Path, record: dict) -> None:
         except (json.JSONDecodeError, AttributeError):
             earlier = {}
     merged = {**record, "tasks": {**earlier, **record["tasks"]}}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(merged, indent=2) + "\n")
-    tmp.replace(path)
+    write_json_atomic(path, merged)
 
 
 def format_table(record: dict) -> str:
