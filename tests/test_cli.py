@@ -50,6 +50,22 @@ def test_help_lists_commands():
         assert command in r.stdout
 
 
+def test_version_names_gpt2train_torch_and_python_and_pyproject_takes_it_from_the_package():
+    from importlib.metadata import version
+
+    import tomllib
+
+    import gpt2train
+
+    r = run_cli("--version")
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"gpt2train {gpt2train.__version__} (torch {version('torch')}, Python " \
+                               f"{sys.version.split()[0]})"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" in project["project"]["dynamic"]  # one owner: gpt2train.__version__
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gpt2train.__version__"}
+
+
 def test_bad_input_is_one_line_error_with_exit_2_for_usage_and_1_for_failures(tmp_path):
     usage = [  # exit 2: the command line or the config is wrong, found before any work
         ("train", "--config", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "r")),

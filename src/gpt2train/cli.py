@@ -570,10 +570,25 @@ def decoding_options() -> argparse.ArgumentParser:
     return options
 
 
+def version_line() -> str:
+    """`gpt2train --version`: torch's version from its package metadata, since importing torch takes seconds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import gpt2train
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:  # a torch built from source may carry no metadata
+        torch_version = "unknown"
+    return f"gpt2train {gpt2train.__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="gpt2train", description="Pretrain GPT-2-family models from scratch. Exit status: "
                            "0 done, 1 a failure while working, 2 a usage error (bad argument or config).",
                            debug_default=False)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="the versions of gpt2train and torch (for a bug report), and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # one builder per command or group of commands, in the order `gpt2train --help` lists them
     for add_commands in (add_prepare, add_tokenizer, add_train, add_sample, add_serve, add_hf_conversion, add_report,
