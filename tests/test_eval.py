@@ -346,6 +346,23 @@ def test_val_data_of_another_tokenizer_is_named_by_how_it_differs(char_data, gpt
                       "checkpoint's tokenizer\n", err
 
 
+def test_eval_without_tasks_skips_hellaswag_for_a_run_without_gpt2s_tokenizer(char_data, tmp_path, capsys):
+    """Found by a probe: `gpt2train eval --ckpt RUN` of a char (or own-BPE) run exited 1 with "hellaswag needs a
+    model with the GPT-2 tokenizer": the default tasks held one that such a run can never do. Now the default is
+    val alone for it, said in one warning; asking for hellaswag by name is the user's choice: exit 2."""
+    train(tiny_config(char_data, max_steps=1), tmp_path / "run")
+    capsys.readouterr()
+    args = ["eval", "--ckpt", str(tmp_path / "run"), "--device", "cpu", "--limit", "2"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert "warning: skipping hellaswag: it needs GPT-2's tokenizer, this checkpoint uses 'char'" in err
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "eval.json").read_text())
+    assert list(saved["tasks"]) == ["val"] and saved["tasks"]["val"]["windows"] == 2
+    assert cli.main([*args, "--tasks", "val,hellaswag"]) == 2
+    assert capsys.readouterr().err == ("error: hellaswag needs a model with the GPT-2 tokenizer, this checkpoint "
+                                       "uses 'char'; run with --tasks val\n")
+
+
 def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)

@@ -730,8 +730,9 @@ def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="validation loss, HellaSwag and lm-evaluation-harness tasks of a checkpoint "
                        "(works under torchrun)")
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
-    p.add_argument("--tasks", default="val,hellaswag", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] "
-                   "(harness tasks; pip install 'gpt2train[eval]') (default %(default)s)")
+    p.add_argument("--tasks", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] (harness tasks; pip "
+                   "install 'gpt2train[eval]') (default: val,hellaswag; val alone for a checkpoint without GPT-2's "
+                   "tokenizer, which HellaSwag needs)")
     p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows and N examples "
                    "of each lm-eval task, 0: all (default %(default)s)")
     p.add_argument("--batch-size", type=COUNT, default=0, help="sequences per forward (HellaSwag: 4 per example); 0: "

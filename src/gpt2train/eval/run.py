@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,10 +49,12 @@ def parse_tasks(text: str | list[str]) -> list[str]:
     return list(dict.fromkeys(tasks))
 
 
-def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int = 0, batch_size: int = 0,
+def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, *, limit: int = 0, batch_size: int = 0,
                         data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
                         dtype: str = "auto", lm_eval_include: list[str] | None = None, progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
+
+    tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer.
 
     limit caps HellaSwag examples and val windows (spread evenly over the split); 0 means all.
     batch_size counts sequences per forward: val windows, or 4 HellaSwag rows per example; 0 picks one that
@@ -61,7 +64,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
     Returns {"checkpoint", "step", "tasks": {task: results}, ...}; eval.json keeps earlier tasks' results.
     """
-    tasks = parse_tasks(tasks)
+    tasks = None if tasks is None else parse_tasks(tasks)  # an unknown name fails before the model loads
     if batch_size < 0 or limit < 0:
         raise ValueError("--batch-size must be >= 0 (0: auto) and --limit >= 0")
     ckpt_dir = resolve_checkpoint(ckpt)
@@ -69,6 +72,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks="val,hellaswag", *, limit: int =
     info = D.init_distributed(device)
     try:
         model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
+        tasks = tasks or default_tasks(meta, warn=info.rank == 0)
         resolved = resolve_dtype(dtype, info.device.type)  # the trainer's own resolution of --dtype auto
         batch_size = batch_size or auto_batch_size(model, info.device, resolved)
         autocast = autocast_for(info.device.type, resolved)
@@ -163,12 +167,23 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
     return run
 
 
+def default_tasks(meta: dict, warn: bool = True) -> list[str]:
+    """The tasks of `gpt2train eval` without --tasks: val and hellaswag, which needs GPT-2's tokenizer; for a
+    checkpoint of another, val alone, saying so (as training skips its HellaSwag runs)."""
+    kind = meta["tokenizer"].get("kind")
+    if kind == "gpt2":
+        return list(TASKS)
+    if warn:
+        warnings.warn(f"skipping hellaswag: it needs GPT-2's tokenizer, this checkpoint uses {kind!r}", stacklevel=3)
+    return ["val"]
+
+
 def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     from gpt2train.eval.hellaswag import default_source, evaluate_hellaswag, load_examples
 
     kind = meta["tokenizer"].get("kind")
-    if kind != "gpt2":
-        raise ValueError(f"hellaswag needs a model with the GPT-2 tokenizer, this checkpoint uses {kind!r}; "
+    if kind != "gpt2":  # asked for by name: the user's choice of --tasks
+        raise UsageError(f"hellaswag needs a model with the GPT-2 tokenizer, this checkpoint uses {kind!r}; "
                          "run with --tasks val")
     source = source or default_source()
     examples = load_examples(source, limit)
