@@ -132,7 +132,9 @@ def test_serve_refuses_a_bad_checkpoint_and_a_port_in_use(tmp_path):
         taken.listen()
         busy = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--port", str(taken.getsockname()[1]))
     assert busy.returncode == 1
-    assert busy.stderr.strip().splitlines()[-1].startswith("error: could not listen on 127.0.0.1:"), busy.stderr
+    # one line, before any loading: it was the last of uvicorn's log lines, after "serving ..."
+    assert busy.stderr.strip().startswith("error: could not listen on 127.0.0.1:"), busy.stderr
+    assert len(busy.stderr.strip().splitlines()) == 1 and "port in use" in busy.stderr, busy.stderr
     bad = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--max-batch", "0")
     assert bad.returncode == 2 and "--max-batch" in bad.stderr
 

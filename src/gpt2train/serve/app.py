@@ -9,11 +9,13 @@ engine unless it is good, and never gets a 500 for its own fault.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import importlib.resources
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -457,6 +459,23 @@ def engine_loader(ckpt: str | Path, device: torch.device, dtype: torch.dtype, **
     return load
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on, or a one-line OSError saying why it cannot be."""
+    try:
+        address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(address[0], socket.SOCK_STREAM)
+    except OSError as e:
+        raise OSError(f"could not listen on {host}:{port} ({e.strerror or e}); pass another --host") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address[4])
+    except OSError as e:
+        sock.close()
+        hint = "is the port in use? pass another --port" if e.errno == errno.EADDRINUSE else "pass another --host/--port"
+        raise OSError(f"could not listen on {host}:{port} ({e.strerror}); {hint}") from None
+    return sock
+
+
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
@@ -480,13 +499,11 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
     app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None,
                      on_load_error=stop_on_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    listening = listen(host, port)  # a port in use fails here in one line, before uvicorn logs anything
     key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
     print(f"serving {Path(ckpt)} on http://{host}:{port}/ ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
           f"up to {max_batch} rows){key}; /health answers 200 once the model is loaded", file=sys.stderr, flush=True)
-    try:
-        server.run()
-    except SystemExit:  # uvicorn exits when it cannot listen, after logging why
-        raise OSError(f"could not listen on {host}:{port} (uvicorn's message above says why); is the port in use? "
-                      f"pass another --port") from None
+    with listening:
+        server.run(sockets=[listening])
     if failures:
         raise failures[0]
