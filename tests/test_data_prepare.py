@@ -487,6 +487,34 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
     assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, [replaced])
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
+def test_a_lone_surrogate_from_a_json_escape_is_replaced_and_counted(tmp_path, monkeypatch, tokenizer):
+    """"\\ud800" is valid JSON and parses to a lone surrogate, which has no UTF-8 form: GPT-2 stopped with
+    Python's "surrogates not allowed", a BPE with an internal TypeError. It is replaced by U+FFFD and counted,
+    as invalid UTF-8 bytes are; a valid pair of escapes is one character and stays."""
+    corpus = tmp_path / "a.jsonl"
+    corpus.write_text('{"text": "lone \\ud800 and \\udfff here"}\n{"text": "pair \\ud83d\\ude00 ok"}\n')
+    texts = ["lone \ufffd and \ufffd here", "pair \U0001F600 ok"]
+    spec = tokenizer
+    if tokenizer == "bpe":
+        reader = DocumentReader([corpus])
+        train_bpe(reader, 300, tmp_path / "tok.json")  # `gpt2train tokenizer train` reads the same way
+        assert reader.replacements == 2
+        spec = f"bpe:{tmp_path / 'tok.json'}"
+    meta = prepare_files([corpus], tmp_path / "out", tokenizer=spec, val_fraction=0.5, workers=1, progress=False)
+    assert meta["invalid_utf8_replacements"] == 2
+    tok = tokenizer_from_spec(meta["tokenizer"])
+    assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(tok, texts[:1])
+    assert shard_tokens_of(tmp_path / "out", meta, "val").tolist() == expected_stream(tok, texts[1:])
+    if tokenizer == "gpt2":  # the rows of a streamed dataset are read the same way
+        rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+        monkeypatch.setitem(sys.modules, "datasets", fake_datasets(rows, []))
+        streamed = prepare_hf("someone/corpus", tmp_path / "hf", val_fraction=0.5, workers=1, progress=False)
+        assert streamed["invalid_utf8_replacements"] == 2
+        for name in ("train_000000.bin", "val_000000.bin"):
+            assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "out" / name).read_bytes()
+
+
 def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
     out = tmp_path / "out"
     good = prepare_files([txt_folder / "part1"], out, workers=1, progress=False)

@@ -469,7 +469,7 @@ def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, worker
         meta["dedup"] = reader.describe()
     install(staging, out, meta)
     if reader.replacements and progress:
-        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences were replaced by U+FFFD "
+        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences or lone surrogates were replaced by U+FFFD "
               f"(counted in meta.json); re-encode the inputs as UTF-8 to keep them", file=sys.stderr)
     return meta
 

@@ -3,7 +3,8 @@ Hugging Face dataset streamed by name.
 
 One document is one .txt file, one JSON line or one Parquet/Arrow row. Documents come out as `str`, in a
 fixed order (folders are walked recursively in sorted order), so a corpus always tokenizes the same way.
-Bytes that are not valid UTF-8 become U+FFFD and are counted in `DocumentReader.replacements`.
+Bytes that are not valid UTF-8, and lone surrogates (from JSON escapes), become U+FFFD and are counted in
+`DocumentReader.replacements`.
 `DedupReader` drops exact duplicates from any of these readers.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -30,6 +32,22 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
         text = data.decode("utf-8", errors="replace")
         genuine = data.decode("utf-8", errors="ignore").count("\ufffd")  # U+FFFD already in the file
         return text, text.count("\ufffd") - genuine
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_lone_surrogates(text: str) -> tuple[str, int]:
+    """Text with each lone surrogate replaced by U+FFFD, and their number. A JSON escape such as "\\ud800"
+    (broken text that JavaScript and scrapers write) parses to one; it has no UTF-8 form, so no tokenizer
+    takes it: it is invalid text as invalid UTF-8 bytes are, and is replaced and counted the same way."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return text, 0
+    try:
+        text.encode("utf-8")
+        return text, 0
+    except UnicodeEncodeError:
+        return LONE_SURROGATE.subn("\ufffd", text)
 
 
 def is_hf_dataset_folder(path: Path) -> bool:
@@ -128,6 +146,8 @@ class DocumentReader:
         if not isinstance(text, str):
             raise SourceError(f"{path}:{where}: field {self.text_field!r} is {type(text).__name__}, not text; "
                               f"pass the --text-field that holds the text")
+        text, bad = replace_lone_surrogates(text)
+        self.replacements += bad
         return text
 
     def _check_column(self, schema_names, path: Path) -> None:
@@ -201,6 +221,7 @@ class HFStreamReader:
         except ImportError:
             raise ImportError("`prepare hf` needs the datasets library: pip install 'gpt2train[data]' "
                               "(or pip install datasets)") from None
+        self.replacements = 0
         stream = datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
         for i, row in enumerate(stream):
             if self.text_field not in row:
@@ -210,7 +231,9 @@ class HFStreamReader:
             if not isinstance(text, (str, type(None))):
                 raise SourceError(f"{self.name} row {i}: field {self.text_field!r} holds {type(text).__name__}, "
                                   f"not text; pass --text-field with a text column")
-            yield text or ""
+            text, bad = replace_lone_surrogates(text or "")
+            self.replacements += bad
+            yield text
 
     def input_fingerprint(self) -> list:
         return [["hf", self.name, self.config, self.split, self.text_field]]
