@@ -156,9 +156,11 @@ def test_ranks_read_disjoint_rows_that_together_are_one_rank_of_twice_the_batch(
 
 
 def test_bad_sources_are_refused_in_one_line():
+    """Weights of 1e308 each made every share weight / inf = 0: all rows came from the first source, then
+    validation divided by zero (an internal error); they are refused when the config loads."""
     bad = {'["data/a"]': "DIR=WEIGHT", '["data/a=0"]': "positive weight", '["data/a=-2"]': "positive weight",
            '["data/a=x"]': "positive weight", '["=1"]': "DIR=WEIGHT", '["data/a=1", "data/./a=2"]': "twice",
-           '"data/a=1"': "list of strings"}
+           '"data/a=1"': "list of strings", '["data/a=1e308", "data/b=1e308"]': "only their ratios matter"}
     for value, says in bad.items():
         assert says in one_line(ConfigError, load_config, None, [f"data.sources={value}"])
     cfg = load_config(None, ['data.sources=["data/web=3", "data/code=0.5"]'])

@@ -238,7 +238,8 @@ def validate(cfg: Config) -> Config:
 
 def data_sources(data: DataConfig) -> list[tuple[str, float]]:
     """The (folder, weight) pairs a run reads: data.sources parsed ("DIR=WEIGHT" each), else data.dir with weight 1.
-    One-line ConfigError for an entry without a positive weight or a folder named twice."""
+    One-line ConfigError for an entry without a positive weight, a folder named twice, or weights whose sum
+    overflows."""
     if not data.sources:
         return [(data.dir, 1.0)]
     pairs, seen = [], {}
@@ -258,6 +259,9 @@ def data_sources(data: DataConfig) -> list[tuple[str, float]]:
                               f"list each folder once and give it the sum of the weights")
         seen[key] = entry
         pairs.append((folder, weight))
+    if not math.isfinite(sum(weight for _, weight in pairs)):  # every share would be weight / inf = 0
+        raise ConfigError(f"data.sources weights {', '.join(f'{w:g}' for _, w in pairs)} add up to more than a float "
+                          f"holds; only their ratios matter: use small numbers, e.g. \"data/web=3\"")
     return pairs
 
 
