@@ -487,6 +487,23 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
     assert shard_tokens_of(tmp_path / "out", meta, "train").tolist() == expected_stream(gpt2, [replaced])
 
 
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path):
+    """Notepad and PowerShell start UTF-8 files with a BOM: a .jsonl so saved was refused ("line 1 is not valid
+    JSON"), a .txt put U+FEFF into its document. Both now read as the same file without it (CRLF lines too)."""
+    bom, plain = tmp_path / "bom", tmp_path / "plain"
+    for folder, mark in ((bom, b"\xef\xbb\xbf"), (plain, b"")):
+        folder.mkdir()
+        (folder / "a.jsonl").write_bytes(mark + b'{"text": "first"}\r\n{"text": "second"}\r\n')
+        (folder / "b.txt").write_bytes(mark + b"Hello\r\nworld")
+        (folder / "c.txt").write_bytes(b"a BOM inside the text, \xef\xbb\xbf, is kept")
+    made = [prepare_files([folder], tmp_path / f"out-{folder.name}", val_fraction=0.5, workers=1, progress=False)
+            for folder in (bom, plain)]
+    assert made[0]["tokens"] == made[1]["tokens"] and made[0]["documents"] == {"train": 2, "val": 2}
+    for name in ("train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "out-bom" / name).read_bytes() == (tmp_path / "out-plain" / name).read_bytes()
+    assert "\ufeff" in GPT2Tokenizer().decode(shard_tokens_of(tmp_path / "out-bom", made[0], "val"))
+
+
 @pytest.mark.parametrize("tokenizer", ["gpt2", "bpe"])
 def test_a_lone_surrogate_from_a_json_escape_is_replaced_and_counted(tmp_path, monkeypatch, tokenizer):
     """"\\ud800" is valid JSON and parses to a lone surrogate, which has no UTF-8 form: GPT-2 stopped with

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
+UTF8_BOM = b"\xef\xbb\xbf"  # a mark some editors put at the start of a file (Notepad, PowerShell): not text
 FOLDER_SUFFIXES = {".txt", ".jsonl", ".parquet"}  # what a plain folder contributes (besides HF dataset folders)
 
 
@@ -98,7 +99,7 @@ class DocumentReader:
             elif path.suffix.lower() == ".arrow":
                 yield from self._columnar(self._arrow_file(path), path)
             else:  # any other file is text: one file, one document
-                text, bad = decode_utf8(path.read_bytes())
+                text, bad = decode_utf8(path.read_bytes().removeprefix(UTF8_BOM))
                 self.replacements += bad
                 yield text
 
@@ -125,6 +126,8 @@ class DocumentReader:
     def _jsonl(self, path: Path) -> Iterator[str]:
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
+                if lineno == 1:
+                    raw = raw.removeprefix(UTF8_BOM)  # json.loads refuses it, though the line is valid JSON
                 if not raw.strip():
                     continue
                 line, bad = decode_utf8(raw)
