@@ -30,3 +30,11 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
         write_text_atomic(path, "new = 2\n" * 1000)
     assert path.read_text() == "old = 1\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]
+
+
+def test_a_written_file_has_the_mode_a_plain_write_gives(tmp_path):
+    """Bug: the temporary file's 0600 (mkstemp's) stayed on the file, so a run's config.toml and meta.json were
+    unreadable to the rest of a team sharing the machine."""
+    (tmp_path / "plain.txt").write_text("x")
+    atomic = write_text_atomic(tmp_path / "atomic.txt", "x")
+    assert atomic.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode

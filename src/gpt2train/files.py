@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 
@@ -18,7 +18,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write `text` (UTF-8) to `path`, its folder made: all of it, or nothing changed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # unique: two writers never share one
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open() gives (mkstemp: 0600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
