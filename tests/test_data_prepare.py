@@ -362,8 +362,8 @@ def test_rerun_is_a_no_op_and_new_inputs_replace(txt_folder, tmp_path, capsys):
     assert (out / "train_000000.bin").stat().st_mtime_ns == stamp
     small = prepare_files([txt_folder / "part0"], out, workers=1, shard_tokens=20_000, progress=False)
     assert len(small["shards"]["train"]) < len(meta["shards"]["train"])
-    expected = ["meta.json", *small["shards"]["train"], *small["shards"]["val"]]
-    assert sorted(p.name for p in out.iterdir()) == sorted(expected)
+    expected = [".prepare.lock", "meta.json", *small["shards"]["train"], *small["shards"]["val"]]
+    assert sorted(p.name for p in out.iterdir()) == sorted(expected)  # the old shards gone; the lock stays
 
 
 def test_bpe_train_and_prepare(txt_folder, docs, tmp_path):
@@ -714,3 +714,22 @@ def test_a_damaged_meta_json_in_the_output_folder_is_replaced(txt_folder, tmp_pa
     (out / "meta.json").write_text(damaged)
     meta = prepare_files([txt_folder], out, workers=1, progress=False)  # was an AttributeError / TypeError
     assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def test_a_second_prepare_into_a_folder_being_written_is_refused_and_touches_nothing(tmp_path):
+    """Two runs into one --out took each other's staging files: one failed with a raw 'No such file' (a race),
+    and with other inputs the second deleted the first's staging. The folder is locked while a run writes."""
+    import filelock
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"the quick brown fox {i}. " * 20}) + "\n" for i in range(4)))
+    first = prepare_files([corpus], tmp_path / "out", tokenizer="char", val_fraction=0.5, workers=1, progress=False)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()}
+    corpus.write_text("".join(json.dumps({"text": f"other text {i}. " * 20}) + "\n" for i in range(4)))
+    with filelock.FileLock(tmp_path / "out" / ".prepare.lock"):  # another run holds it
+        message = one_line(ValueError, prepare_files, [corpus], tmp_path / "out", tokenizer="char",
+                           val_fraction=0.5, workers=1, progress=False)
+    assert "being written by another `gpt2train prepare`" in message and "pass another --out" in message
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == before
+    again = prepare_files([corpus], tmp_path / "out", tokenizer="char", val_fraction=0.5, workers=1, progress=False)
+    assert again["fingerprint"] != first["fingerprint"]  # released: the next run goes ahead

