@@ -451,7 +451,7 @@ def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str
     if kind == "gpt2":
         vocab, merges = gpt2_vocab_and_merges()
         files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
-                                        "merges.txt": "\n".join(["#version: 0.2", *map(" ".join, merges)]) + "\n"}
+                 "merges.txt": "\n".join(["#version: 0.2", *map(" ".join, merges)]) + "\n"}
         tokenizer_class = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
     elif kind == "bpe":
         files = {"tokenizer.json": tokenizer_from_spec(tokenizer_spec).json_str}

@@ -94,7 +94,10 @@ def gpt2_vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     enc, chars = gpt2_encoding(), byte_level_chars()
     tokens = [enc.decode_single_token_bytes(i) for i in range(GPT2_EOT_ID)]
     rank = {token: i for i, token in enumerate(tokens)}
-    spell = lambda token: "".join(chars[b] for b in token)  # noqa: E731
+
+    def spell(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+
     merges = []
     for r in range(256, GPT2_EOT_ID):
         left, right = bpe_pieces(tokens[r], rank, below=r)
