@@ -733,3 +733,19 @@ def test_a_second_prepare_into_a_folder_being_written_is_refused_and_touches_not
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir() if p.is_file()} == before
     again = prepare_files([corpus], tmp_path / "out", tokenizer="char", val_fraction=0.5, workers=1, progress=False)
     assert again["fingerprint"] != first["fingerprint"]  # released: the next run goes ahead
+
+
+def test_a_prepared_folder_that_cannot_be_written_is_still_found_prepared(tmp_path, monkeypatch, capsys):
+    """A dataset on a read-only mount: the lock file cannot be made, and nothing needs writing."""
+    import filelock
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"the quick brown fox {i}. " * 20}) + "\n" for i in range(4)))
+    meta = prepare_files([corpus], tmp_path / "out", tokenizer="char", val_fraction=0.5, workers=1, progress=False)
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # as opening OUT/.prepare.lock for writing does there
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", read_only)
+    assert prepare_files([corpus], tmp_path / "out", tokenizer="char", val_fraction=0.5, workers=1) == meta
+    assert "already prepared" in capsys.readouterr().err

@@ -13,6 +13,7 @@ shard the staging folder records how far it got, and an interrupted run resumes 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -387,19 +388,29 @@ def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, v
     out = Path(out_dir)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    with writing_lock(out):
+        try:
+            return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress)
+        except BaseException:
+            if created and {p.name for p in out.iterdir()} <= {PREPARE_LOCK}:  # failed before writing anything
+                shutil.rmtree(out)  # leave no empty folder behind
+            raise
+
+
+@contextlib.contextmanager
+def writing_lock(out: Path):
+    """Hold OUT's prepare lock: two runs into one folder would take each other's staging files."""
     lock = filelock.FileLock(out / PREPARE_LOCK, thread_local=False)
     try:
-        lock.acquire(timeout=0)  # two runs into one folder would take each other's staging files
+        lock.acquire(timeout=0)
     except filelock.Timeout:
         raise SourceError(f"{out} is being written by another `gpt2train prepare` (its lock: {out / PREPARE_LOCK}); "
                           "wait for it to finish or pass another --out") from None
+    except OSError:  # a folder this process may not write (a read-only dataset): no run can write into it either
+        yield
+        return
     try:
-        return _prepare(reader, out, tokenizer, val_fraction, val_tokens, workers, shard_tokens, source, progress)
-    except BaseException:
-        if created and {p.name for p in out.iterdir()} <= {PREPARE_LOCK}:  # failed before writing anything
-            lock.release()
-            shutil.rmtree(out)  # leave no empty folder behind
-        raise
+        yield
     finally:
         lock.release()
 
