@@ -119,6 +119,19 @@ def test_a_loss_spike_rolls_back(char_data, tmp_path, monkeypatch):
     assert rollback["reason"].startswith("loss spike") and rollback["loss"] > 3 * 4 and rollback["grad_norm"] > 0
 
 
+def test_a_rollback_after_resuming_an_older_checkpoint_never_goes_forward(char_data, tmp_path, monkeypatch):
+    """Resumed from step 5 of a run saved up to step 12, a spike at step 8 rolls back to step 5: once it
+    "rolled back" to step 12 of the timeline the resume left, and the run ended there without training 9-12."""
+    cfg = guarded_config(char_data, spike_factor=3.0)
+    train(cfg, tmp_path)  # checkpoints 5, 10, 12
+    inject_loss_faults(monkeypatch, {3: 20.0})  # the resumed run's third step, step 8
+    out = train(cfg, tmp_path, resume=str(tmp_path / "checkpoints" / "step_00000005"))
+    (rollback,) = records(tmp_path, "guard")
+    assert rollback == {**rollback, "step": 8, "action": "rollback", "to_step": 5}
+    resumed = [r["step"] for r in records(tmp_path, "train")][12:]
+    assert out["step"] == 12 and resumed == [6, 7, 6, 7, 8, 9, 10, 11, 12]
+
+
 def test_rollbacks_that_loop_stop_the_run_with_a_clear_error(char_data, tmp_path, monkeypatch):
     inject_loss_faults(monkeypatch, {n: 20.0 for n in range(8, 100)})  # every batch from the 8th on spikes
     with pytest.raises(GuardError, match="2 rollbacks in a row to step 5") as e:

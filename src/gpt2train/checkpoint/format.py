@@ -364,14 +364,18 @@ def check_checksums(ckpt: Path, crcs: dict[str, int]) -> None:
                                   f"meta.json records); copy it again or use an earlier checkpoint")
 
 
-def newest_checkpoint(run_dir: str | Path, warn: bool = True) -> Path | None:
-    """The newest undamaged step checkpoint of a run directory (or of its checkpoints/ folder), or None.
+def newest_checkpoint(run_dir: str | Path, warn: bool = True, up_to: int | None = None) -> Path | None:
+    """The newest undamaged step checkpoint of a run directory (or of its checkpoints/ folder), or None;
+    `up_to`: the newest at or before that step (a run resumed from an older checkpoint still has the newer ones
+    of the timeline it left until its first save prunes them).
 
     Damaged newer ones are skipped with a one-line warning each, so a corrupt `latest` falls back to the
     previous ring entry."""
     run_dir = Path(run_dir)
     root = run_dir if run_dir.name == "checkpoints" or (run_dir / "latest").exists() else run_dir / "checkpoints"
-    for _, path in ring_entries(root):
+    for step, path in ring_entries(root):
+        if up_to is not None and step > up_to:
+            continue
         try:
             verify(path)
             return path

@@ -216,8 +216,11 @@ class Checkpointer:
     # --- rollback --------------------------------------------------------------------------------
     def rollback(self, why: str, before_load: Callable[[int], None] = lambda to_step: None) -> int:
         """Reload the newest good checkpoint's REWOUND components (not the data); returns its step. `why`: what
-        went wrong at which step; `before_load(to_step)` may refuse the rollback (the guard, when rollbacks loop)."""
-        ckpt = newest_checkpoint(self.run_dir, warn=self.dist.is_main) if self.run_dir is not None else None
+        went wrong at which step; `before_load(to_step)` may refuse the rollback (the guard, when rollbacks loop).
+        Only a checkpoint at or before the current step will do: newer ones belong to a timeline this run left by
+        resuming from an older checkpoint."""
+        now = self.components["position"].state_dict()["step"]
+        ckpt = newest_checkpoint(self.run_dir, warn=self.dist.is_main, up_to=now) if self.run_dir is not None else None
         if ckpt is None:
             raise GuardError(f"guard: {why} and no checkpoint to roll back to; "
                              "lower train.lr, check the data, or save earlier (checkpoint.every_steps)")
