@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 import gpt2train.checkpoint as C
 import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
 from conftest import REPO, one_line, run_cli, tiny_config
+from gpt2train import cli
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.training.loop import Trainer, train
@@ -405,9 +406,54 @@ def test_a_checkpoint_missing_what_a_resume_reads_is_one_line(trained_run, tmp_p
     rewrite(ckpt, [1, 2])
     assert "holds a list" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
                                       *live_model_and_optimizer(ckpt), sharded=False)
-    rewrite(ckpt, state, tokens=None)
+    rewrite(ckpt, state)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["tokens"]  # a checkpoint saved before tokens were recorded
+    (ckpt / "meta.json").write_text(json.dumps(meta))
     assert "lacks tokens" in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt,
                                       *live_model_and_optimizer(ckpt), sharded=False)
+
+
+META_EDITS = {  # meta.json edited by hand: each once a crash (AttributeError, TypeError, KeyError) or a misread
+    "tokens": lambda m: m.update(tokens="x"),
+    "config": lambda m: m["config"].update(model="x"),
+    "n_layer": lambda m: m["config"]["model"].update(n_layer="2"),
+    "batch": lambda m: m["batch"].pop("seq_len"),
+    "val_loss": lambda m: m.update(val_loss="low"),
+    "tokenizer": lambda m: m.update(tokenizer="char"),
+    "step": lambda m: m.update(step=99),
+}
+
+
+@pytest.mark.parametrize("field", list(META_EDITS))
+def test_a_meta_json_edited_into_other_types_is_a_corrupt_checkpoint_in_one_line(trained_run, tmp_path, capsys, field):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    ckpt = run / "checkpoints" / "step_00000010"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    META_EDITS[field](meta)
+    (ckpt / "meta.json").unlink()  # best/ holds a hard link to it
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert cli.main(["ckpt", "inspect", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {ckpt}/meta.json: ") and field in err and "corrupt" in err
+    assert cli.main(["ckpt", "inspect", str(run)]) == 0  # a run directory: the checkpoint before it
+    out, err = capsys.readouterr()
+    assert "checkpoint  " + str(run / "checkpoints" / "step_00000005") in out and err.startswith("warning: skipping")
+
+
+def test_a_meta_json_whose_step_is_not_its_folders_sets_aside_only_that_checkpoint(char_data, trained_run, tmp_path):
+    """Its step once decided which checkpoints were "newer" than the one resumed: a step of -5 in step_00000010
+    moved the good step_00000005 aside as damaged too, and the resume failed."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    ckpt = run / "checkpoints" / "step_00000010"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    (ckpt / "meta.json").unlink()
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "step": -5}))
+    out = train(tiny_config(char_data, max_steps=10), run, resume="auto")
+    assert out["step"] == 10 and sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        ".damaged-step_00000010", "best", "latest", "step_00000005", "step_00000010"]
 
 
 def test_optimizer_moments_of_another_shape_are_one_line(tmp_path):

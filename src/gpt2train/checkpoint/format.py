@@ -41,10 +41,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
-from gpt2train.config import Config, config_from_resolved
+from gpt2train.config import Config, ConfigError, config_from_resolved
 from gpt2train.model import GPT
 from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 
+LAYOUT_KEYS = ("tokens_per_step", "seq_len", "micro_batch", "grad_accum", "world_size")  # meta.json's `batch`
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -308,17 +309,66 @@ def ring_entries(root: Path) -> list[tuple[int, Path]]:
     return sorted(entries, reverse=True)
 
 
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number_or_null(x) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+# What meta.json's fields that readers use must be, where present (older checkpoints lack some of them): a
+# meta.json edited by hand into another type is a corrupt checkpoint, not a crash in whatever reads it.
+META_TYPES = {
+    "tokens": (_integer, "an integer"),
+    "world_size": (_integer, "an integer"),
+    "params": (_integer, "an integer"),
+    "val_loss": (_number_or_null, "a number or null"),
+    "best_val_loss": (_number_or_null, "a number or null"),
+    "train_wall_s": (_number_or_null, "a number or null"),
+    "saved_at": (_number_or_null, "a number or null"),
+    "sharded": (lambda x: isinstance(x, bool), "true or false"),
+    "tokenizer": (lambda x: isinstance(x, dict), "an object"),
+    "runtime": (lambda x: x is None or isinstance(x, dict), "an object or null"),
+    "batch": (lambda x: isinstance(x, dict) and all(_integer(x.get(k)) for k in LAYOUT_KEYS),
+              f"an object of integers {', '.join(LAYOUT_KEYS)}"),
+    "files": (lambda x: isinstance(x, dict), "an object of file names"),
+    "files_crc32": (lambda x: isinstance(x, dict), "an object of file names"),
+}
+
+
 def read_meta(ckpt: Path) -> dict:
+    """A checkpoint's meta.json, its fields of the types readers expect (its config a valid one, its step the
+    folder's); else CheckpointError, so that a hand-edited file is a corrupt checkpoint in one line."""
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{ckpt}/meta.json is unreadable ({short_reason(e)}); the checkpoint is corrupt") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("config"), dict):
+    if not isinstance(meta, dict) or not _integer(meta.get("step")) or not isinstance(meta.get("config"), dict):
         raise CheckpointError(f"{ckpt}/meta.json lacks step or config; the checkpoint is corrupt")
-    for key in ("files", "files_crc32"):  # absent from older checkpoints
-        if not isinstance(meta.get(key) or {}, dict):
-            raise CheckpointError(f"{ckpt}/meta.json: {key} is not an object of file names; the checkpoint is corrupt")
+    problem = meta_problem(ckpt, meta)
+    if problem:
+        raise CheckpointError(f"{ckpt}/meta.json: {problem}; the checkpoint is corrupt")
     return meta
+
+
+def meta_problem(ckpt: Path, meta: dict) -> str | None:
+    """What in a parsed meta.json no reader can use, or None."""
+    for key, (ok, what) in META_TYPES.items():
+        if key in meta and not ok(meta[key]):
+            shown = json.dumps(meta[key])
+            return f"{key} is {shown}, not {what}" if len(shown) <= 40 else f"{key} is not {what}"
+    named = STEP_DIR.match(ckpt.name)  # a ring folder's name is its step: set_aside_newer and rollbacks go by it
+    if named and int(named.group(1)) != meta["step"]:
+        return f"step is {meta['step']} in the folder of step {int(named.group(1))}"
+    config = meta["config"]
+    if not isinstance(config.get("model"), dict) or not all(isinstance(v, dict) for v in config.values()):
+        return "config is not an object of sections with a model section"
+    try:
+        config_from_resolved(config)
+    except ConfigError as e:
+        return f"config: {e}"
+    return None
 
 
 def verify(ckpt: Path) -> dict:

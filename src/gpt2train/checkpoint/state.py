@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2train.checkpoint.format import (
+    LAYOUT_KEYS,
     CheckpointError,
     CheckpointSaveError,
     checkpoint_name,
@@ -209,8 +210,7 @@ def check_same_optimizer(ckpt: Path, saved_train: dict, train: dict) -> None:
 
 def batch_layout(runtime: Runtime) -> dict:
     """How a run splits its optimizer step: recorded in meta.json, compared on resume."""
-    return {"tokens_per_step": runtime.tokens_per_step, "seq_len": runtime.seq_len,
-            "micro_batch": runtime.micro_batch, "grad_accum": runtime.grad_accum, "world_size": runtime.world_size}
+    return {key: getattr(runtime, key) for key in LAYOUT_KEYS}
 
 
 def saved_layout(meta: dict) -> dict:
