@@ -196,6 +196,7 @@ def test_sigterm_saves_the_current_step_and_resume_finishes(char_data, tmp_path)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
+    assert "best val loss n/a (no validation yet)" in stdout  # once "best val loss inf"
     end = records(run, "run_end")[-1]
     assert end["reason"] == "signal"
     stopped = end["step"]

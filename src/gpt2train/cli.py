@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -199,8 +200,9 @@ def cmd_train(args) -> int:
     # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
     if os.environ.get("RANK", "0") != "0" or out["reason"] == ALREADY_FINISHED:
         return 0
-    print(f"finished at step {out['step']} ({out['reason']}); best val loss {out['best_val_loss']:.4f}; "
-          f"run directory {run_dir}")
+    best = out["best_val_loss"]  # inf until the first validation (a run stopped before it)
+    best_text = f"{best:.4f}" if math.isfinite(best) else "n/a (no validation yet)"
+    print(f"finished at step {out['step']} ({out['reason']}); best val loss {best_text}; run directory {run_dir}")
     return 0
 
 
