@@ -132,6 +132,34 @@ def test_a_rollback_after_resuming_an_older_checkpoint_never_goes_forward(char_d
     assert out["step"] == 12 and resumed == [6, 7, 6, 7, 8, 9, 10, 11, 12]
 
 
+class Crash(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no save."""
+
+
+def test_resuming_an_older_checkpoint_sets_the_newer_aside_so_a_crash_resumes_the_chosen_timeline(
+        char_data, tmp_path, monkeypatch, capsys):
+    """Resumed from step 5 of a run saved up to step 12 and killed before its first save, `--resume auto`
+    took step 12, of the timeline the user had left (the newer checkpoints went only at the first save)."""
+    cfg = tiny_config(char_data, max_steps=12)
+    train(cfg, tmp_path)  # checkpoints 5, 10, 12
+    ring = tmp_path / "checkpoints"
+
+    def killed(self, idx, targets=None, kv_cache=None):
+        raise Crash
+
+    monkeypatch.setattr(GPT, "forward", killed)
+    with pytest.raises(Crash):
+        train(cfg, tmp_path, resume=str(ring / "step_00000005"))
+    monkeypatch.undo()
+    assert sorted(p.name for p in ring.glob("*step_*")) == [".abandoned-step_00000010", ".abandoned-step_00000012",
+                                                           "step_00000005"]  # kept aside, not deleted
+    assert (ring / "latest").read_text().strip() == "step_00000005"
+    assert "step_00000012 is of the timeline this resume leaves" in capsys.readouterr().err
+    assert C.newest_checkpoint(tmp_path).name == "step_00000005"
+    out = train(cfg, tmp_path, resume="auto")
+    assert out["step"] == 12 and [r["step"] for r in records(tmp_path, "train")][12:] == list(range(6, 13))
+
+
 def test_rollbacks_that_loop_stop_the_run_with_a_clear_error(char_data, tmp_path, monkeypatch):
     inject_loss_faults(monkeypatch, {n: 20.0 for n in range(8, 100)})  # every batch from the 8th on spikes
     with pytest.raises(GuardError, match="2 rollbacks in a row to step 5") as e:

@@ -239,13 +239,14 @@ def recover(root: Path) -> None:
     (root / ".latest.tmp").unlink(missing_ok=True)
 
 
-def set_aside_newer(root: Path, step: int) -> list[str]:
-    """Move step checkpoints newer than `step` (ones found damaged when resuming) out of the ring, to hidden
-    `.damaged-step_*` folders kept for a look; returns their names."""
+def set_aside_newer(root: Path, step: int, why: str = "damaged") -> list[str]:
+    """Move step checkpoints newer than `step` out of the ring, to hidden `.{why}-step_*` folders kept for a
+    look (why: "damaged", found so when resuming, or "abandoned", of the timeline an older resume leaves);
+    returns their names."""
     moved = []
     for newer_step, path in ring_entries(root):
         if newer_step > step:
-            aside = root / f".damaged-{path.name}"
+            aside = root / f".{why}-{path.name}"
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(path, aside)
             moved.append(path.name)

@@ -162,8 +162,21 @@ class Checkpointer:
             D.barrier()
         else:
             ckpt = resolve_checkpoint(resume)
+            if self.run_dir is not None and ckpt.parent.resolve() == (self.run_dir / "checkpoints").resolve():
+                self.abandon_newer(ckpt)
         self.load(ckpt, restore_data=True)
         return ckpt
+
+    def abandon_newer(self, ckpt: Path) -> None:
+        """Resumed from an older checkpoint of this run: its newer ones leave the ring now, kept aside, and
+        `latest` names the resumed one, so that a crash before the first save resumes this timeline again
+        (`--resume auto` took the newest, of the timeline left)."""
+        if self.dist.is_main:
+            for name in set_aside_newer(ckpt.parent, int(read_meta(ckpt)["step"]), why="abandoned"):
+                print(f"note: {name} is of the timeline this resume leaves; moved aside to "
+                      f"{ckpt.parent / ('.abandoned-' + name)} (delete it to free the space)", file=sys.stderr)
+            point_latest(ckpt.parent, ckpt.name)
+        D.barrier()
 
     def load(self, ckpt: Path, restore_data: bool) -> dict:
         """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
