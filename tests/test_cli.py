@@ -156,6 +156,19 @@ def test_no_numeric_argument_takes_a_bare_int_or_float():
     assert bare == []
 
 
+def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly():
+    """`gpt2train ckpt inspect RUN | head -2` printed `error: [Errno 32] Broken pipe` and exited 1."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        r = subprocess.run([sys.executable, "-m", "gpt2train", "config", "list"], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                           timeout=120)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
 def test_debug_shows_the_traceback_anywhere_on_the_line(tmp_path, capsys):
     from gpt2train.checkpoint import CheckpointError
 

@@ -970,6 +970,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         close_progress_bars()
         return 130
+    except BrokenPipeError:  # stdout's reader left (`gpt2train ckpt inspect RUN | head -2`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        return 141  # 128 + SIGPIPE, the status of a tool that SIGPIPE ended
     except Exception as e:  # noqa: BLE001 - every failure ends as one line unless --debug asks for more
         close_progress_bars()  # the error line must not land on the end of a bar
         if debug:
