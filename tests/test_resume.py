@@ -322,3 +322,25 @@ def test_resuming_another_runs_checkpoint_into_a_run_is_refused(char_data, tmp_p
     assert train(tiny_config(char_data, max_steps=5), tmp_path / "b", resume=str(own))["step"] == 5
     assert train(tiny_config(char_data, max_steps=5), tmp_path / "b", resume=str(tmp_path / "b"))["step"] == 5
     assert train(tiny_config(char_data, max_steps=8), tmp_path / "branch", resume=str(other))["step"] == 8
+
+
+def test_a_resume_reads_the_checkpoints_files_for_their_checksums_once(char_data, tmp_path, monkeypatch):
+    """--resume auto verified the checkpoint when choosing it and again when loading it: every file read twice
+    for its CRC-32, seconds for a large model. A rollback chose and loaded the same way."""
+    import gpt2train.checkpoint.format as checkpoint_format
+    import gpt2train.checkpoint.state as checkpoint_state
+
+    cfg = tiny_config(char_data, max_steps=6)
+    train(cfg, tmp_path)
+    checked = []
+    original = checkpoint_format.verify
+
+    def counting(ckpt):
+        checked.append(ckpt.name)
+        return original(ckpt)
+
+    monkeypatch.setattr(checkpoint_format, "verify", counting)
+    monkeypatch.setattr(checkpoint_state, "verify", counting)
+    cfg.train.max_steps = 7
+    train(cfg, tmp_path, resume="auto")
+    assert checked.count("step_00000006") == 1

@@ -113,12 +113,13 @@ def dcp_optimizers(optimizer):
 
 
 def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                             sharded: bool) -> tuple[dict, dict]:
+                             sharded: bool, verified_meta: dict | None = None) -> tuple[dict, dict]:
     """Load weights and optimizer state into a live model (wrapped or not) and return (state, meta).
+    `verified_meta`: the checkpoint's meta when the caller has just verified it (verify reads every file).
 
     A sharded (FSDP) checkpoint loads into any world size, FSDP or not, through DCP's resharding; a plain one
     cannot be loaded into an FSDP run."""
-    meta = verify(ckpt)
+    meta = verified_meta if verified_meta is not None else verify(ckpt)
     try:
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
     except Exception as e:

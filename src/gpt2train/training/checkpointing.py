@@ -164,7 +164,7 @@ class Checkpointer:
             ckpt = resolve_checkpoint(resume)
             if self.run_dir is not None and ckpt.parent.resolve() == (self.run_dir / "checkpoints").resolve():
                 self.abandon_newer(ckpt)
-        self.load(ckpt, restore_data=True)
+        self.load(ckpt, restore_data=True, verified=resume == "auto")
         return ckpt
 
     def abandon_newer(self, ckpt: Path) -> None:
@@ -178,15 +178,16 @@ class Checkpointer:
             point_latest(ckpt.parent, ckpt.name)
         D.barrier()
 
-    def load(self, ckpt: Path, restore_data: bool) -> dict:
+    def load(self, ckpt: Path, restore_data: bool, verified: bool = False) -> dict:
         """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
         the REWOUND ones and leaves the rest (the data, the guard) moving forward, so that the bad batches are
-        not replayed."""
-        note = check_resume(ckpt, read_meta(ckpt), to_dict(self.cfg), self.batch if restore_data else None)
+        not replayed. `verified`: newest_checkpoint has just checked its files (not again: a read of each)."""
+        meta = read_meta(ckpt)
+        note = check_resume(ckpt, meta, to_dict(self.cfg), self.batch if restore_data else None)
         if note and self.dist.is_main:
             print(note, file=sys.stderr)
         saved, meta = load_training_checkpoint(ckpt, self.components["model"], self.components["optimizer"],
-                                               sharded=self.sharded)
+                                               sharded=self.sharded, verified_meta=meta if verified else None)
         for name, component in self.components.items():
             if name not in WEIGHTS and (restore_data or name in REWOUND):
                 state = self._saved_state(name, component, saved, meta)
@@ -238,4 +239,4 @@ class Checkpointer:
             raise GuardError(f"guard: {why} and no checkpoint to roll back to; "
                              "lower train.lr, check the data, or save earlier (checkpoint.every_steps)")
         before_load(int(ckpt.name.split("_")[-1]))
-        return int(self.load(ckpt, restore_data=False)["step"])
+        return int(self.load(ckpt, restore_data=False, verified=True)["step"])
