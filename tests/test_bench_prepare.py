@@ -8,8 +8,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from conftest import run_cli
-from gpt2train.bench.prepare import plain_loop, write_synthetic_corpus
-from gpt2train.data.prepare import prepare_files
+from gpt2train.bench.prepare import min_synthetic_chars, plain_loop, write_synthetic_corpus
+from gpt2train.data.prepare import SplitRule, prepare_files
 from gpt2train.data.shards import open_shard
 from gpt2train.tokenizer import GPT2Tokenizer
 
@@ -54,4 +54,16 @@ def test_bench_prepare_on_files_that_are_not_parquet_is_one_line(tmp_path):
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"error: bench prepare compares on .parquet files, the plain loop's input; found {tmp_path / 'a.txt'}"]
     r = run_cli("bench", "prepare", "--chars", "12e6,5")
-    assert r.returncode == 2 and "at least 10000 characters" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode == 2 and f"at least {min_synthetic_chars()} characters" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_smallest_synthetic_corpus_accepted_can_be_split(tmp_path):
+    """--chars 1e4 was accepted, then `prepare files` failed on its 6 documents ('leave the val split empty with
+    --val-fraction 0.1', an option bench prepare does not have): the smallest size now always holds enough."""
+    needed = SplitRule(None, None).documents_for_val()
+    for seed in range(20):
+        paths = write_synthetic_corpus(tmp_path / str(seed), min_synthetic_chars(), seed=seed)
+        assert sum(pq.read_metadata(p).num_rows for p in paths) >= needed
+    r = run_cli("bench", "prepare", "--chars", "1e4", "--out", str(tmp_path / "b.json"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.json").exists()

@@ -102,14 +102,17 @@ def batch_size_list(text: str) -> list[int]:
 
 
 def char_count_list(text: str) -> list[int]:
-    """--chars: corpus sizes (characters, at least 10,000) separated by commas; 1.2e7 style is fine."""
+    """--chars: synthetic corpus sizes (characters, enough for a val split) separated by commas; 1.2e7 style is
+    fine."""
+    from gpt2train.bench.prepare import min_synthetic_chars
+
     try:
         sizes = [int(float(part.strip())) for part in text.split(",")]
     except ValueError:
         sizes = []
-    if not sizes or min(sizes) < 10_000:
-        raise argparse.ArgumentTypeError(f"{text!r}: give corpus sizes of at least 10000 characters separated by "
-                                         f"commas, e.g. 12e6,120e6")
+    if not sizes or min(sizes) < min_synthetic_chars():
+        raise argparse.ArgumentTypeError(f"{text!r}: give corpus sizes of at least {min_synthetic_chars()} "
+                                         f"characters separated by commas, e.g. 12e6,120e6")
     return sizes
 
 

@@ -17,6 +17,7 @@ written as parquet files, at two sizes ten times apart, so that growth of memory
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -35,6 +36,7 @@ from gpt2train.files import write_json_atomic
 from gpt2train.units import format_utc
 
 SYNTHETIC_FILES = 4
+DOC_CHARS = (200, 6000)  # a synthetic document's length in characters: at least, and below
 ROW_GROUP_ROWS = 1024  # a few MB of text per row group at any corpus size, as in published parquet datasets
 PLAIN_SHARD_TOKENS = 100_000_000  # fineweb.py's shard size
 
@@ -207,13 +209,23 @@ def write_synthetic_corpus(out_dir: str | Path, chars: int, files: int = SYNTHET
     for f in range(files):
         docs, size = [], 0
         while size < chars // files:
-            length = int(rng.integers(200, 6000))
+            length = int(rng.integers(*DOC_CHARS))
             start = int(rng.integers(0, len(text) - length))
             docs.append(text[start:start + length])
             size += length
         paths.append(out_dir / f"part_{f:03d}.parquet")
         pq.write_table(pa.table({"text": docs}), paths[-1], row_group_size=ROW_GROUP_ROWS)
     return paths
+
+
+def min_synthetic_chars() -> int:
+    """The smallest synthetic corpus `prepare files` can split by its default --val-fraction: each file holds
+    documents until it reaches its share of the characters, so a share above (k - 1) of the longest documents
+    gives it k of them, and the corpus at least the documents val needs."""
+    from gpt2train.data.prepare import SplitRule
+
+    per_file = math.ceil(SplitRule(None, None).documents_for_val() / SYNTHETIC_FILES)
+    return SYNTHETIC_FILES * ((per_file - 1) * (DOC_CHARS[1] - 1) + 1)
 
 
 # --- the benchmark ------------------------------------------------------------------------------------
