@@ -410,3 +410,21 @@ def test_cli_doctor(tmp_path):
     out = run_cli("doctor", str(tmp_path / "empty"))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and "is empty" in out.stderr and out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("damage", [{"hardware": "gpu"}, {"config": {"train": 5}},
+                                    {"config": {"train": {"grad_clip": "high"}}}])
+def test_a_damaged_run_start_is_judged_with_a_note_not_a_crash(tmp_path, damage):
+    """A run_start whose hardware or config is of another type was 'error: AttributeError ... (an internal
+    error)', exit 1: the symptoms are still judged, against the default config when the log's is unusable."""
+    records = nonfinite()
+    records[0].update(damage)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))  # no config.toml
+    d = diagnose(run)
+    assert [f.rule for f in d.findings] == ["nonfinite"]
+    assert d.device == (None if "hardware" in damage else "cuda")
+    assert ("unusable" in d.notes[0]) == ("config" in damage)
+    r = run_cli("doctor", str(run))
+    assert r.returncode == 2 and "SERIOUS" in r.stdout and "error" not in r.stderr

@@ -383,3 +383,14 @@ def test_cli_report_command(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "nope")]) == 1  # a missing run, found while working
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "does not exist" in err and err.count("\n") == 1
+
+
+def test_a_damaged_run_start_leaves_its_fields_blank(tmp_path):
+    """A run_start whose config is a list and hardware a string crashed the report ('error: AttributeError:
+    'list' object has no attribute 'get' (an internal error)'); those summary fields are now blank."""
+    start = {**run_start(), "config": [1], "hardware": "gpu", "runtime": "x"}
+    summary = runlog.summarize(runlog.load_run(write_run(tmp_path / "run", [start, *full_run()[1:]])))
+    assert summary["n_layer"] is None and summary["device_name"] is None and summary["dtype_ran"] is None
+    assert summary["steps"] == 50 and summary["best_val_loss"] == BEST_VAL
+    build_report([tmp_path / "run"], out_dir=tmp_path / "out")
+    assert (tmp_path / "out" / "report.html").is_file()

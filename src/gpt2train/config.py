@@ -368,6 +368,8 @@ def config_from_resolved(d: dict) -> Config:
     cfg = Config()
     for section, values in d.items():
         if section in _sections():
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section}] is not a table of keys")
             known = {f.name for f in dataclasses.fields(getattr(cfg, section))}
             for key, value in values.items():
                 if key in known:

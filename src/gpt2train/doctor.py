@@ -18,9 +18,9 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpt2train.config import Config, config_from_resolved, load_config
+from gpt2train.config import Config, ConfigError, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
-from gpt2train.runlog import find_spikes, is_finite, load_metrics
+from gpt2train.runlog import find_spikes, is_finite, load_metrics, object_field
 from gpt2train.spikes import SPIKE_RULE
 
 # Loss spikes: runlog.find_spikes, by spikes.py's rule (the one `report` and the guard use too)
@@ -109,7 +109,7 @@ def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
     from gpt2train.plan import newest_bench_json
 
     starts = _of(records, "run_start")
-    device = (starts[-1].get("hardware") or {}).get("device_name") if starts else None
+    device = object_field(starts[-1], "hardware").get("device_name") if starts else None
     found = newest_bench_json(runs_dir)
     if device and found is not None:
         try:
@@ -127,9 +127,13 @@ def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[s
     if path.is_file():
         return load_config(path), []
     starts = [r for r in _of(records, "run_start") if isinstance(r.get("config"), dict)]
-    if starts:
+    default = "judged against the default config (grad_clip, warmup)"
+    if not starts:
+        return Config(), [f"{path} not found: {default}"]
+    try:
         return config_from_resolved(starts[-1]["config"]), [f"{path} not found: used the config in metrics.jsonl"]
-    return Config(), [f"{path} not found: judged against the default config (grad_clip, warmup)"]
+    except ConfigError as e:  # a damaged log: its symptoms can still be judged
+        return Config(), [f"{path} not found and the config in metrics.jsonl is unusable ({e}): {default}"]
 
 
 def check_records(records: list[dict], cfg: Config,
@@ -366,7 +370,7 @@ def check_throughput(records: list[dict]) -> Finding | None:
 def run_device(records: list[dict]) -> str | None:
     """The device the run's latest launch trained on, as its run_start recorded it ("cpu", "cuda:0"), if it did."""
     starts = _of(records, "run_start")
-    device = (starts[-1].get("hardware") or {}).get("device") if starts else None
+    device = object_field(starts[-1], "hardware").get("device") if starts else None
     return device if isinstance(device, str) and device else None
 
 
@@ -384,7 +388,7 @@ def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
     if mean >= LOW_MFU_FRACTION * expected:
         return None
     starts = _of(records, "run_start")
-    device = ((starts[-1].get("hardware") or {}).get("device_name") if starts else None) or "the device"
+    device = (object_field(starts[-1], "hardware").get("device_name") if starts else None) or "the device"
     evidence = [f"mean MFU {mean:.3f} over {len(timed)} logged steps on {device}; expected ~{expected:.2f} "
                 f"({source})"]
     return Finding("low_mfu", "warning", "MFU far below what the device can do", evidence,

@@ -183,7 +183,7 @@ def _grad_norm_chart(runs: list[Run]) -> Chart:
             if runlog.is_int(g.get("step")):
                 actions.add(g.get("action"))
                 ax.axvline(g["step"], color=_colour(i), lw=1.2, ls=_guard_style(g.get("action")))
-    clips = {runlog.config_value(start.get("config") or {}, "train", "grad_clip")
+    clips = {runlog.config_value(runlog.object_field(start, "config"), "train", "grad_clip")
              for run in runs for start in run.of("run_start")}
     clips = sorted(c for c in clips if runlog.is_finite(c) and c > 0)
     for clip in clips:

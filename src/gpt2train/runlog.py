@@ -344,6 +344,13 @@ def is_finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def object_field(rec: dict, key: str) -> dict:
+    """rec[key] where it is a JSON object (a run_start's config, hardware, runtime), else {}: absent from an older
+    log, or of another type in a damaged one."""
+    value = rec.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def config_value(config: dict, section: str, key: str):
     """config[section][key] of a run_start's config, or None where either is absent."""
     sub = config.get(section)
@@ -376,8 +383,7 @@ def summarize(run: Run) -> dict:
     train, val = run.of(TRAIN), run.of(VAL)
     starts = run.of(RUN_START)
     start = starts[-1] if starts else {}  # the latest launch has the config now in force
-    cfg, hw = start.get("config") or {}, start.get("hardware") or {}
-    ran = start.get("runtime") if isinstance(start.get("runtime"), dict) else {}
+    cfg, hw, ran = object_field(start, "config"), object_field(start, "hardware"), object_field(start, "runtime")
 
     best = min((r for r in val if is_finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
     # The first compiled step includes compilation: its speed says nothing about the run's.
