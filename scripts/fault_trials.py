@@ -281,7 +281,8 @@ def losses(out: Path) -> dict[tuple[str, int], float]:
 
 
 def run_starts(out: Path) -> list[dict]:
-    if not (out / METRICS_FILE).is_file():
+    path = out / METRICS_FILE
+    if not path.is_file() or path.stat().st_size == 0:  # a launch killed before it logged its first record
         return []
     return [launch[0] for launch in load_run(out).launches if launch[0]["kind"] == "run_start"]
 
