@@ -246,6 +246,8 @@ def test_a_run_too_short_to_judge_is_not_called_healthy(tmp_path):
     d = diagnose(write_run(tmp_path / "short", [start, *train]))
     text = format_diagnosis(d)
     assert d.exit_status == 0 and "healthy" not in text and "only 3 logged train steps" in text
+    first = format_diagnosis(diagnose(write_run(tmp_path / "none", [start]))).splitlines()[0]
+    assert "no train step logged yet, 1 launch" in first and "None" not in first  # was "... to step None"
 
 
 @pytest.mark.parametrize("rule", list(SYMPTOMS))

@@ -175,6 +175,14 @@ def test_cpu_run_without_val_skips_figures_and_says_so(tmp_path):
     assert "MFU not drawn" in text and "Peak memory not drawn" in text and "No val records yet" in text
 
 
+def test_val_records_of_nan_only_are_named_not_called_missing(tmp_path):
+    """A diverged run's only val record holds NaN: the page said "No val records yet"."""
+    records = full_run(gpu=False, with_val=True)
+    records = [{**r, "val_loss": float("nan")} if r["kind"] == "val" else r for r in records]
+    page = build_report([write_run(tmp_path / "nan", records)], tmp_path / "out").read_text()
+    assert "No val records yet" not in page and "every val record holds NaN or inf" in page
+
+
 def test_two_runs_overlay_on_the_same_axes(tmp_path, monkeypatch):
     a = write_run(tmp_path / "runs" / "small", full_run())
     b = write_run(tmp_path / "runs" / "wide", full_run())

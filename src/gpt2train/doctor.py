@@ -404,7 +404,9 @@ def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
 def format_diagnosis(d: Diagnosis) -> str:
     launches = f"{d.launches} launch{'es' if d.launches != 1 else ''}"
     on = f", on {d.device}" if d.device else ""
-    lines = [f"doctor {d.run_dir}: {d.train_records} logged train steps to step {d.last_step}, {launches}{on}"]
+    steps = f"{d.train_records} logged train steps to step {d.last_step}" if d.last_step is not None else \
+        "no train step logged yet"
+    lines = [f"doctor {d.run_dir}: {steps}, {launches}{on}"]
     lines += [f"note: {n}" for n in d.notes]
     if d.healthy and d.train_records < MIN_TRAIN_RECORDS:
         lines.append(f"no symptom found, but only {d.train_records} logged train steps: too few to judge most rules "

@@ -161,7 +161,11 @@ def _loss_chart(runs: list[Run], log_y: bool) -> Chart:
     _legend(fig, runs, styles)
     notes = _missing(runs, "train records", has_train) + _missing(runs, "val records", has_val)
     if not any(has_val(r) for r in runs):
-        notes.append("No val records yet: validation runs every eval.interval steps and at the end.")
+        if any(r.of("val") for r in runs):  # there are some: NaN or inf, which no chart can draw
+            notes.append("No val loss drawn: every val record holds NaN or inf (the run diverged; "
+                         "`gpt2train doctor RUN_DIR` says where).")
+        else:
+            notes.append("No val records yet: validation runs every eval.interval steps and at the end.")
     return Chart("loss", title, fig, notes)
 
 
