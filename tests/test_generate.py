@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt2train.cli
 import gpt2train.generation
-from conftest import DEVICES, run_cli
+from conftest import DEVICES, one_line, run_cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.generation import (
@@ -121,6 +121,29 @@ def test_a_tiny_positive_temperature_draws_the_argmax_instead_of_failing_on_nan(
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]])
     for temperature in (4e-286, 1e-30, 1e-6):
         assert sample_next(logits, temperature, top_k=0, top_p=1.0, generator=None).flatten().tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("prompt, kwargs, says", [
+    ("ROMEO:", {}, "a prompt must be a list of token ids (tokenizer.encode(text)), not str"),
+    (torch.tensor([1, 2]), {}, "a prompt must be a list of token ids (tokenizer.encode(text)), not Tensor"),
+    ([1, 70], {}, "prompt token 70 is not a token id of this model: an integer in [0, 70)"),
+    ([-1], {}, "prompt token -1 is not a token id of this model: an integer in [0, 70)"),
+    ([1], {"max_new_tokens": -1}, "max_new_tokens = -1 is out of range; it must be >= 0"),
+    ([1], {"max_new_tokens": 5.0}, "max_new_tokens = 5.0 is not an integer"),
+    ([1], {"temperature": -1.0}, "temperature = -1.0 is out of range; it must be >= 0"),
+    ([1], {"temperature": float("nan")}, "temperature = nan is out of range; it must be >= 0"),
+    ([1], {"top_k": -1}, "top_k = -1 is out of range; it must be >= 0"),
+    ([1], {"top_p": 2.0}, "top_p = 2.0 is out of range; it must be in (0, 1]"),
+    ([1], {"seed": "a"}, "seed = 'a' is not an integer"),
+])
+def test_a_bad_argument_to_generate_is_one_line_naming_it(prompt, kwargs, says):
+    """Bugs (library face): each of these raised torch's error from deep inside (a str prompt: 'can only concatenate
+    list', an id past the vocabulary: 'index out of range in self', top_k -1: 'selected index k out of range', a nan
+    temperature: 'probability tensor contains inf, nan') or passed silently (a temperature of -1 sampled greedily,
+    top_p 2 sampled unfiltered, -1 new tokens gave []). The numbers take `sample`'s ranges."""
+    model = tiny_model(vocab_size=70)
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    assert one_line(ValueError, generate, model, prompt, kwargs.pop("max_new_tokens"), **kwargs) == says
 
 
 def test_generation_stops_after_eot():

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpt2train.model import GPT, KVCache
+from gpt2train.ranges import SEEDS, TEMPERATURES, TOP_K, TOP_P, at_least
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -256,6 +257,31 @@ def left_padded(prompts: list[list[int]], block_size: int, eot_id: int | None,
     return tokens, real
 
 
+def check_generation_args(model: GPT, prompts, max_new_tokens, temperature, top_k, top_p, seed) -> None:
+    """ValueError in one line for an argument generation cannot use: a library caller's mistake would otherwise
+    surface as torch's error from deep inside, or pass silently (a negative temperature sampled greedily).
+    The numbers take the ranges `gpt2train sample` and the server take."""
+    vocab = model.config.vocab_size
+    for ids in prompts:
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"a prompt must be a list of token ids (tokenizer.encode(text)), not {type(ids).__name__}")
+        for i in ids:
+            if not is_integer(i) or not 0 <= i < vocab:
+                raise ValueError(f"prompt token {i!r} is not a token id of this model: an integer in [0, {vocab})")
+    numbers = (("max_new_tokens", max_new_tokens, at_least(0)), ("temperature", temperature, TEMPERATURES),
+               ("top_k", top_k, TOP_K), ("top_p", top_p, TOP_P), ("seed", 0 if seed is None else seed, SEEDS))
+    for name, value, allowed in numbers:
+        integer = name in ("max_new_tokens", "top_k", "seed")
+        if not (is_integer(value) or not integer and isinstance(value, float)):
+            raise ValueError(f"{name} = {value!r} is not {'an integer' if integer else 'a number'}")
+        if value not in allowed:
+            raise ValueError(f"{name} = {value!r} is out of range; it must be {allowed}")
+
+
+def is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @torch.no_grad()
 def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, eot_id: int | None = None, seed: int | None = None,
@@ -265,6 +291,7 @@ def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, t
     greedy; seed makes sampling reproducible (None: torch's global generator). use_cache=False recomputes
     the whole window at each step (a reference; one prompt only). The model is in eval mode meanwhile.
     """
+    check_generation_args(model, prompts, max_new_tokens, temperature, top_k, top_p, seed)
     cfg = model.config
     param = next(model.parameters())
     tokens, real = left_padded(prompts, cfg.block_size, eot_id, param.device)
