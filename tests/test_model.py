@@ -109,15 +109,21 @@ def test_invalid_shapes_are_one_line_errors():
         GPT(tiny(vocab_size=0))
     with pytest.raises(ValueError, match="attention"):
         GPT(tiny(attention="flash"))
+    with pytest.raises(ValueError, match="model.n_layer = '2' has the wrong type; expected a number"):
+        GPT(tiny(n_layer="2"))
     with pytest.raises(ValueError, match="exceeds block_size"):
         built(tiny())(torch.zeros(1, 17, dtype=torch.long))
 
 
 @pytest.mark.parametrize("shape", [dict(mlp="swiglu"), dict(attention="flash"), dict(n_embd=30, n_head=4),
-                                   dict(position="rotary", n_embd=36, n_head=4)])  # a rotary head of 9 channels
+                                   dict(position="rotary", n_embd=36, n_head=4),  # a rotary head of 9 channels
+                                   dict(n_head=0), dict(n_layer=0), dict(block_size=0), dict(n_embd=-32),
+                                   dict(dropout=1.0)])
 def test_the_config_owns_the_shape_rules_a_run_config_and_a_model_say_alike(shape):
     """GPTConfig.check is the one place: a GPT built in code and a run config's --set refuse a shape in the
-    same words (the odd rotary head once passed GPT and failed at the first forward)."""
+    same words (the odd rotary head once passed GPT and failed at the first forward; bug: the sizes' ranges were
+    the run config's alone, so GPT(GPTConfig(n_head=0)) raised ZeroDivisionError, n_embd=-32 torch's 'negative
+    dimension', and n_layer=0, block_size=0 or dropout=1.0 built a model)."""
     with pytest.raises(ValueError) as built_in_code:
         GPT(tiny(**shape))
     overrides = [f"model.{key}={value}" for key, value in shape.items()]

@@ -2,8 +2,8 @@
 
 Every key has a type; keys with a fixed set of values list them in CHOICES and every numeric key has its
 range in RANGES, so a typo, a wrong type or a value out of range is a one-line ConfigError naming the key and
-what it accepts (the model's choices and shape rules are GPTConfig's own: CHOICES and validate() take them from
-model.py). validate() adds the checks that involve two keys; load_config and runtime.resolve_config
+what it accepts (the model's choices, ranges and shape rules are GPTConfig's own: CHOICES, RANGES and
+validate() take them from model.py). validate() adds the checks that involve two keys; load_config and runtime.resolve_config
 (which every command and the trainer pass through) run it before any work starts. The resolved config is
 written back as TOML into the run directory, which makes every run reproducible from its own folder.
 """
@@ -164,19 +164,7 @@ CHOICES: dict[str, tuple] = {
 # Every numeric key's range (a test fails for a key missing here). 0 often means "off" or "from elsewhere":
 # the comments beside the fields say which.
 RANGES: dict[str, Range] = {
-    "model.n_layer": at_least(1),
-    "model.n_head": at_least(1),
-    "model.n_embd": at_least(1),
-    "model.block_size": at_least(1),
-    "model.vocab_size": at_least(0),
-    "model.pad_vocab_multiple": at_least(1),
-    "model.dropout": between(0, 1, high_open=True),
-    "model.loss_chunk": at_least(0),
-    "model.rope_base": above(0),
-    "model.logit_softcap": at_least(0),  # 0: no cap
-    "model.depth": at_least(0),  # 0: the dial is off
-    "model.aspect_ratio": at_least(1),
-    "model.head_dim": at_least(1),
+    **{f"model.{key}": allowed for key, allowed in GPTConfig.RANGES.items()},  # the model's own, from model.py
     "train.seed": SEEDS,
     "train.micro_batch": at_least(1),
     "train.seq_len": at_least(0),

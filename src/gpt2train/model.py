@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gpt2train.classifier import chunked_cross_entropy, softcap
+from gpt2train.ranges import Range, above, at_least, between
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 
 
@@ -67,14 +68,37 @@ class GPTConfig:
         "position": ("learned", "rotary"),
         "mlp": ("gelu", "relu2"),
     }
+    # The numbers each size takes (config.py's RANGES lists these, it does not repeat them). 0 means "off" or
+    # "from elsewhere" where it is allowed: the comments beside the fields say which.
+    RANGES: ClassVar[dict[str, Range]] = {
+        "n_layer": at_least(1),
+        "n_head": at_least(1),
+        "n_embd": at_least(1),
+        "block_size": at_least(1),
+        "vocab_size": at_least(0),
+        "pad_vocab_multiple": at_least(1),
+        "dropout": between(0, 1, high_open=True),
+        "loss_chunk": at_least(0),
+        "rope_base": above(0),
+        "logit_softcap": at_least(0),
+        "depth": at_least(0),
+        "aspect_ratio": at_least(1),
+        "head_dim": at_least(1),
+    }
 
     def check(self, vocab_from_data: bool = False) -> GPTConfig:
         """Raise ValueError (one line naming the key) for a shape no GPT can take; returns self. GPT checks
         its config when built, config.validate every run's; vocab_from_data: vocab_size 0 is allowed (a run
-        config's "take it from the prepared data"). The sizes' ranges are the run config's (config.RANGES)."""
+        config's "take it from the prepared data")."""
         for key, allowed in self.CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"model.{key} = {getattr(self, key)!r} is not allowed; use one of: {', '.join(allowed)}")
+        for key, allowed in self.RANGES.items():  # a GPTConfig built in code has had no other check
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"model.{key} = {value!r} has the wrong type; expected a number")
+            if value not in allowed:
+                raise ValueError(f"model.{key} = {value!r} is out of range; it must be {allowed}")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd = {self.n_embd} is not a multiple of model.n_head = {self.n_head}; each "
                              f"head gets n_embd / n_head channels, so n_embd must be divisible by n_head")
