@@ -431,3 +431,12 @@ def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):
     saved = load_config(out / "seed1337" / "depth4" / "config.toml")
     assert (saved.train.optimizer, saved.model.position, saved.model.n_embd) == ("muon", "rotary", 32)
 
+
+
+@pytest.mark.parametrize("budget", [["train.time_budget=1e300", "train.tokens_per_s=1e300"],
+                                    ["train.tokens_per_param=1.7e308", "model.depth=40"]])
+def test_a_budget_of_more_tokens_than_a_float_holds_is_one_line(budget):
+    """Bug: each factor is in range but their product is inf, and the dial's int(tokens) raised OverflowError
+    ('an internal error', exit 1) instead of a usage error naming the keys."""
+    message = one_line(ConfigError, load_config, None, ["model.depth=2", *budget])
+    assert message.startswith("the run's length in tokens (") and "is more than a number holds" in message

@@ -99,6 +99,9 @@ def derive(cfg, explicit: set[str], speed=None, ranks: int | None = None) -> lis
     else:
         tokens = train.tokens_per_param * n
         how = f"train.tokens_per_param {train.tokens_per_param:g} x N {n:,}"
+    if not math.isfinite(tokens):  # each factor is finite, their product may not be
+        raise SizingError(f"the run's length in tokens ({how.split(' x ')[0]} x ...) is more than a number holds; lower "
+                          f"train.tokens_per_param or train.time_budget x train.tokens_per_s")
     out.append(Derived("tokens", int(tokens), how))
     seq_len = train.seq_len or model.block_size
     ranks = ranks or int(os.environ.get("WORLD_SIZE", "1"))  # the batch must split evenly over the ranks
