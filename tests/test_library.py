@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gpt2train
-from conftest import REPO, tiny_config
+from conftest import REPO, one_line, tiny_config
 
 TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.seq_len=32",
         "train.micro_batch=2", "train.max_steps=2", "train.warmup_steps=1", "train.device=cpu", "train.compile=false",
@@ -67,3 +67,16 @@ def test_load_model_reads_a_run_and_a_hugging_face_folder(char_data, tmp_path):
     with torch.no_grad():
         assert torch.allclose(model(x)[0], again(x)[0], atol=1e-5)
     assert gpt2train.load_tokenizer(tmp_path / "run").decode([0, 1]) != ""
+
+
+def test_a_wrong_kind_of_argument_to_the_face_is_one_line_saying_what_it_takes(char_data, tmp_path):
+    """load_config read an overrides string letter by letter ("--set 't': expected ..."); train() given a dict or
+    a preset name failed on an attribute ('dict' object has no attribute 'model'), resume=True in pathlib."""
+    from gpt2train import load_config, train
+
+    assert "pass ['train.lr=1e-3']" in one_line(TypeError, load_config, "shakespeare-cpu", "train.lr=1e-3")
+    assert "train() takes a Config, not dict" in one_line(TypeError, train, {"train": {}}, tmp_path / "a")
+    assert "takes a Config, not str" in one_line(TypeError, train, "shakespeare-cpu", tmp_path / "b")
+    cfg = tiny_config(char_data)
+    assert "resume is 'auto' or a checkpoint path" in one_line(TypeError, train, cfg, tmp_path / "c", resume=True)
+    assert not any((tmp_path / name).exists() for name in "abc")

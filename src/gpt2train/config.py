@@ -260,6 +260,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), speed
     a file that exists wins over a preset of the same name. `speed`: how the size dial learns the run's
     tokens/s for train.time_budget (sizing.derive); the commands that run or plan a run pass one. `ranks`: the
     processes the dial splits the batch over (None: torchrun's WORLD_SIZE)."""
+    if isinstance(overrides, str):  # read letter by letter it would say "--set 't': expected section.key=value"
+        raise TypeError(f"overrides is a list of 'section.key=value' strings: pass [{overrides!r}]")
     data: dict = {}
     if path is not None:
         name, text = read_config_text(path)
