@@ -80,3 +80,5 @@ def test_a_wrong_kind_of_argument_to_the_face_is_one_line_saying_what_it_takes(c
     cfg = tiny_config(char_data)
     assert "resume is 'auto' or a checkpoint path" in one_line(TypeError, train, cfg, tmp_path / "c", resume=True)
     assert not any((tmp_path / name).exists() for name in "abc")
+    first = train(cfg, tmp_path / "d")
+    assert train(cfg, tmp_path / "d", resume=tmp_path / "d")["step"] == first["step"]  # a Path is a path
