@@ -75,7 +75,7 @@ def test_a_wrong_kind_of_argument_to_the_face_is_one_line_saying_what_it_takes(c
     from gpt2train import load_config, train
 
     assert "pass ['train.lr=1e-3']" in one_line(TypeError, load_config, "shakespeare-cpu", "train.lr=1e-3")
-    assert "train() takes a Config, not dict" in one_line(TypeError, train, {"train": {}}, tmp_path / "a")
+    assert "takes a Config, not dict" in one_line(TypeError, train, {"train": {}}, tmp_path / "a")
     assert "takes a Config, not str" in one_line(TypeError, train, "shakespeare-cpu", tmp_path / "b")
     cfg = tiny_config(char_data)
     assert "resume is 'auto' or a checkpoint path" in one_line(TypeError, train, cfg, tmp_path / "c", resume=True)

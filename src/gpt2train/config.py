@@ -207,6 +207,8 @@ RANGES: dict[str, Range] = {
 def validate(cfg: Config) -> Config:
     """Check every key against its type, choices and range, then the rules between keys; returns cfg.
     Catches a Config built or changed in code as well as one loaded from a file."""
+    if not isinstance(cfg, Config):  # a dict or a preset name given to train(): Python would name an attribute
+        raise TypeError(f"a run takes a Config, not {type(cfg).__name__}: load_config(PATH_OR_PRESET) makes one")
     for section in _sections():
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):

@@ -11,6 +11,7 @@ tables below), none of their fields.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -100,10 +101,17 @@ class RunExists(UsageError):
     """The run directory already holds a run, and the launch did not ask to resume it."""
 
 
+def check_resume_argument(resume, none_ok: bool = False) -> None:
+    """resume=True from Python would fail inside pathlib: say what it takes."""
+    if not (isinstance(resume, (str, os.PathLike)) or none_ok and resume is None):
+        raise TypeError(f"resume is 'auto' or a checkpoint path, not {resume!r}")
+
+
 def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
     """The one rule for every launch, CLI and Python: a launch that does not resume the run in its directory
     (no resume, or another run's checkpoint) never starts over it: its checkpoints, best/ and log would be
     replaced or mixed with a second history."""
+    check_resume_argument(resume, none_ok=True)  # the first look at it, before the run directory is made
     if resume == "auto" or (resume and Path(resume).resolve().is_relative_to(run_dir.resolve())):
         return  # the run itself goes on
     if resume and not Path(resume).exists():
@@ -141,6 +149,7 @@ class Checkpointer:
     def resume(self, resume: str) -> Path | None:
         """`auto`: the newest good checkpoint of the run directory, or a fresh start when there is none;
         otherwise a run directory (its newest good checkpoint) or a checkpoint folder. Returns the checkpoint."""
+        check_resume_argument(resume)
         if resume == "auto":
             if self.run_dir is None:
                 return None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -227,14 +226,8 @@ def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
-def train(cfg: Config, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
+def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
-    if not isinstance(cfg, Config):  # a dict or a preset name: Python's own error would name an attribute
-        raise TypeError(f"train() takes a Config, not {type(cfg).__name__}: load_config(PATH_OR_PRESET) makes one")
-    if isinstance(resume, os.PathLike):
-        resume = os.fspath(resume)
-    if resume is not None and not isinstance(resume, str):
-        raise TypeError(f"resume is 'auto' or a checkpoint path, not {resume!r}")
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
     trainer = None
     try:

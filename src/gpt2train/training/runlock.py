@@ -114,8 +114,8 @@ def acquire_on_rank0(run_dir: str | Path, is_main: bool, check: Callable[[Path],
             path = acquire(run_dir)
             if check is not None:
                 check(Path(run_dir))
-        except (ValueError, OSError) as e:  # RunDirInUse, the check's refusal, an unreadable folder
-            release(path)
+        except (ValueError, OSError, TypeError) as e:  # RunDirInUse, the check's refusal, an unreadable folder
+            release(path, discard_made=True)  # a folder the lock made is taken back; one that existed stays
             refusal = e
     refusal = D.all_gather_objects(refusal)[0]
     if refusal is not None:
