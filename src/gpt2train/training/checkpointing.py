@@ -111,7 +111,7 @@ def refuse_to_start_over(run_dir: Path, resume: str | None) -> None:
     """The one rule for every launch, CLI and Python: a launch that does not resume the run in its directory
     (no resume, or another run's checkpoint) never starts over it: its checkpoints, best/ and log would be
     replaced or mixed with a second history."""
-    check_resume_argument(resume, none_ok=True)  # the first look at it, before the run directory is made
+    check_resume_argument(resume, none_ok=True)  # the first look at it; a refusal takes back a folder just made
     if resume == "auto" or (resume and Path(resume).resolve().is_relative_to(run_dir.resolve())):
         return  # the run itself goes on
     if resume and not Path(resume).exists():
