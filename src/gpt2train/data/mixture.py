@@ -108,10 +108,6 @@ class MixtureLoader:
         self.taken = np.asarray(state["taken"], dtype=np.int64)
 
     # --- batches -----------------------------------------------------------------------------------
-    def rows_per_source(self) -> np.ndarray:
-        """Rows each source has had so far (all ranks together)."""
-        return self.taken.copy()
-
     def next_batch_numpy(self) -> np.ndarray:
         """(B, T + 1) int64 windows for this rank."""
         n = self.B * self.world_size

@@ -16,7 +16,6 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-TEXT_SUFFIXES = {".txt", ".md", ".text"}
 UTF8_BOM = b"\xef\xbb\xbf"  # a mark some editors put at the start of a file (Notepad, PowerShell): not text
 FOLDER_SUFFIXES = {".txt", ".jsonl", ".parquet"}  # what a plain folder contributes (besides HF dataset folders)
 
