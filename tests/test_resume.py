@@ -344,3 +344,9 @@ def test_a_resume_reads_the_checkpoints_files_for_their_checksums_once(char_data
     cfg.train.max_steps = 7
     train(cfg, tmp_path, resume="auto")
     assert checked.count("step_00000006") == 1
+    # Named: a run directory (its newest good checkpoint is chosen by verifying) or the checkpoint folder itself.
+    for i, named in enumerate([tmp_path, tmp_path / "checkpoints" / "step_00000007"]):
+        checked.clear()
+        cfg.train.max_steps = 8
+        train(cfg, tmp_path / f"branch{i}", resume=str(named))
+        assert checked.count("step_00000007") == 1, (named, checked)

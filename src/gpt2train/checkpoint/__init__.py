@@ -15,6 +15,7 @@ from gpt2train.checkpoint.format import (
     read_meta,
     recover,
     resolve_checkpoint,
+    resolve_verified,
     ring_entries,
     run_on_disk,
     save_checkpoint,
@@ -39,6 +40,6 @@ __all__ = [
     "CheckpointError", "CheckpointSaveError", "ProcessRNG", "batch_layout", "check_resume",
     "check_same_shape", "checkpoint_name", "describe_checkpoint", "load_checkpoint", "load_for_inference", "load_model_state",
     "load_optimizer_state", "load_training_checkpoint", "model_state", "newest_checkpoint", "point_latest", "read_meta",
-    "recover", "resolve_checkpoint", "ring_entries", "run_on_disk", "save_checkpoint", "save_safetensors",
+    "recover", "resolve_checkpoint", "resolve_verified", "ring_entries", "run_on_disk", "save_checkpoint", "save_safetensors",
     "save_training_checkpoint", "saved_layout", "set_aside_newer", "verify", "weights_mismatch",
 ]

@@ -29,7 +29,7 @@ from gpt2train.checkpoint import (
     point_latest,
     read_meta,
     recover,
-    resolve_checkpoint,
+    resolve_verified,
     ring_entries,
     run_on_disk,
     save_training_checkpoint,
@@ -170,10 +170,10 @@ class Checkpointer:
                 point_latest(ckpt.parent, ckpt.name)
             D.barrier()
         else:
-            ckpt = resolve_checkpoint(resume)
+            ckpt, _ = resolve_verified(resume)
             if self.run_dir is not None and ckpt.parent.resolve() == (self.run_dir / "checkpoints").resolve():
                 self.abandon_newer(ckpt)
-        self.load(ckpt, restore_data=True, verified=resume == "auto")
+        self.load(ckpt, restore_data=True, verified=True)
         return ckpt
 
     def abandon_newer(self, ckpt: Path) -> None:
@@ -190,7 +190,7 @@ class Checkpointer:
     def load(self, ckpt: Path, restore_data: bool, verified: bool = False) -> dict:
         """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
         the REWOUND ones and leaves the rest (the data, the guard) moving forward, so that the bad batches are
-        not replayed. `verified`: newest_checkpoint has just checked its files (not again: a read of each)."""
+        not replayed. `verified`: the caller has just checked its files (not again: a read of each)."""
         meta = read_meta(ckpt)
         note = check_resume(ckpt, meta, to_dict(self.cfg), self.batch if restore_data else None)
         if note and self.dist.is_main:
