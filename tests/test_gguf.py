@@ -20,6 +20,7 @@ from gpt2train.data.shards import open_shard
 from gpt2train.generation import generate
 from gpt2train.gguf_export import GGUFExportError, export_gguf
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.ranges import UsageError
 from gpt2train.tokenizer import GPT2_EOT, GPT2Tokenizer, tokenizer_from_spec, train_bpe
 from gpt2train.training.loop import train
 
@@ -377,7 +378,7 @@ def test_a_char_run_and_bad_outputs_are_refused_by_the_cli_in_one_line(char_data
 
 def test_an_out_that_is_a_folder_or_a_wrong_tokenizer_is_refused_in_one_line(tmp_path):
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=300)).eval()
-    assert "is a folder" in one_line(GGUFExportError, export_gguf, model, tmp_path, {"kind": "gpt2"})
+    assert "is a folder" in one_line(UsageError, export_gguf, model, tmp_path, {"kind": "gpt2"})  # exit 2
     assert "not this model's tokenizer" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf",
                                                     {"kind": "gpt2"})
     assert "vocab_size 300 is not GPT-2's" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf")
@@ -388,7 +389,7 @@ def test_an_existing_file_is_replaced_only_when_it_is_a_gguf_file(tmp_path):
     """Found by a probe of bad input: any file given as --out was overwritten (a checkpoint's model.safetensors)."""
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).eval()
     (tmp_path / "model.safetensors").write_bytes(b"not a gguf file")
-    assert one_line(GGUFExportError, export_gguf, model, tmp_path / "model.safetensors", {"kind": "gpt2"}) == (
+    assert one_line(UsageError, export_gguf, model, tmp_path / "model.safetensors", {"kind": "gpt2"}) == (
         f"{tmp_path / 'model.safetensors'} exists and is not a GGUF file; give another --out (nothing was written)")
     assert (tmp_path / "model.safetensors").read_bytes() == b"not a gguf file"
     export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"})

@@ -222,7 +222,8 @@ def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
     for out in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000002"):  # export's files over ours
         r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out))
-        assert r.returncode == 1 and "export into another folder" in r.stderr and len(r.stderr.splitlines()) == 1
+        # a wrong --out is a usage error (exit 2), as import-hf's above
+        assert r.returncode == 2 and "export into another folder" in r.stderr and len(r.stderr.splitlines()) == 1
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from gpt2train.model import GPTConfig
-from gpt2train.ranges import GGUF_DTYPE_NAMES
+from gpt2train.ranges import GGUF_DTYPE_NAMES, UsageError
 from gpt2train.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_vocab_and_merges, tokenizer_from_spec
 
 ARCH = "gpt2"
@@ -74,9 +74,9 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
         raise GGUFExportError(f"GGUF dtype {dtype!r} is not one of {', '.join(GGUF_DTYPE_NAMES)}")
     out = Path(out_path)
     if out.is_dir():
-        raise GGUFExportError(f"{out} is a folder; --out takes the file to write, such as {out / 'model.gguf'}")
+        raise UsageError(f"{out} is a folder; --out takes the file to write, such as {out / 'model.gguf'}")
     if out.is_file() and not is_gguf_file(out):  # an earlier export is replaced; any other file is kept
-        raise GGUFExportError(f"{out} exists and is not a GGUF file; give another --out (nothing was written)")
+        raise UsageError(f"{out} exists and is not a GGUF file; give another --out (nothing was written)")
     try:
         import gguf
     except ImportError:

@@ -378,15 +378,15 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
 
 def refuse_to_export_over_a_run(out: Path) -> None:
     """The export's model.safetensors would replace a checkpoint's own (same name, another layout), and a run
-    directory is no place for a Hugging Face folder either."""
+    directory is no place for a Hugging Face folder either. A wrong --out: a usage error (exit 2), as import-hf's."""
     from gpt2train.checkpoint import run_on_disk
 
     if (out / "meta.json").is_file() or (out / "state.pt").is_file():
-        raise HFConversionError(f"{out} holds a checkpoint, whose model.safetensors the export would replace; "
+        raise UsageError(f"{out} holds a checkpoint, whose model.safetensors the export would replace; "
                                 "export into another folder")
     held = run_on_disk(out)
     if held:
-        raise HFConversionError(f"{out} holds a run ({held}); export into another folder")
+        raise UsageError(f"{out} holds a run ({held}); export into another folder")
 
 
 def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
