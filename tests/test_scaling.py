@@ -121,6 +121,17 @@ def test_time_budget_sets_the_run_length_by_the_speed(char_data):
     assert "both set the run's length; set one of them" in message
 
 
+def test_a_time_budget_too_big_to_time_here_names_the_config_key_to_set(tmp_path):
+    """Found by a probe: `config show` (and `train`) told the user to "pass --tokens-per-s", an option only
+    `plan` has; each command names its own remedy."""
+    big = ["--config", "gpt2", "--set", "model.depth=12", "--set", "train.time_budget=60", "--set", "train.device=cpu"]
+    r = run_cli("config", "show", *big, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: train.time_budget: a step is too big to time here")
+    assert r.stderr.rstrip().endswith("; set train.tokens_per_s") and "--tokens-per-s" not in r.stderr
+    r = run_cli("plan", "--set", "model.depth=12", "--set", "train.device=cpu", cwd=tmp_path)
+    assert r.returncode == 0 and "pass --tokens-per-s" in r.stdout and "too big to time here quickly" in r.stdout
+
+
 def test_plan_sizes_a_time_budget_for_the_named_gpu(tmp_path):
     """No GPU here: the dial takes a GPU's speed from its peak and the MFU, as `plan` estimates its time."""
     r = run_cli("plan", "--device", "H100", "--set", "model.depth=12", "--set", "train.time_budget=3600", cwd=tmp_path)
