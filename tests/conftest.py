@@ -18,7 +18,16 @@ from gpt2train.model import GPTConfig
 from gpt2train.tokenizer import package_file
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+SUITE_THREADS = torch.get_num_threads()
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def threads_restored():
+    """Every test starts with the suite's thread count. The count decides the order of a matmul's sums, so a
+    fixture that set it and left it changed what later tests trained (a GGUF test's model, on one machine)."""
+    assert torch.get_num_threads() == SUITE_THREADS, "a test or fixture set torch's thread count and left it set"
+    yield
 
 # A test parametrized over DEVICES runs its body on the CPU in CI and on CUDA as a `gpu` test, so the logic
 # of every GPU check is exercised even where no GPU is at hand (`pytest -m gpu` runs only the CUDA cases).

@@ -34,8 +34,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def trained_run(char_data, tmp_path_factory):
     run = tmp_path_factory.mktemp("ckpt") / "run"
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests (one_thread) that train on from it
     train(tiny_config(char_data, max_steps=10), run)
+    torch.set_num_threads(before)
     return run
 
 

@@ -126,12 +126,15 @@ def model_with_file_weights(model: GPT, path) -> GPT:
 def trained_run(tmp_path_factory):
     """A small model trained on Tiny Shakespeare until its greedy text varies; a byte-level BPE of our own (512
     tokens) makes the steps take seconds where GPT-2's 50,257 take minutes. 256 wide: q8_0's rounding flips
-    the top token wherever two are nearly tied, and a narrow model has many near-ties (64 wide, trained to a
-    lower loss: 98.0% agreement; 128: 99.0-99.4%; 256: 99.6%, on 2,048-4,096 positions here)."""
+    the top token wherever two are nearly tied, and a narrow model has many near-ties (q8_0's top-1 agreement
+    with ours, 64 wide: 98.0%; 128: 99.0-99.4%; 256: 99.2-99.6%, on 2,048-4,096 positions here). A 50-step warmup:
+    with 2 steps this width learned slowly (val loss 4.1 at step 400), and whether its greedy text varied or
+    was newlines only depended on the thread count's rounding (on an AVX-512 CPU, one thread: newlines); now
+    3.4 on 1 or 2 threads, the same greedy text."""
     root = tmp_path_factory.mktemp("gguf_run")
     train_bpe([shakespeare_text()], 512, root / "tokenizer.json")
     prepare_shakespeare(root / "data", tokenizer=f"bpe:{root / 'tokenizer.json'}")
-    cfg = tiny_config(root / "data", max_steps=400, lr=3e-3, micro_batch=16)
+    cfg = tiny_config(root / "data", max_steps=400, lr=3e-3, micro_batch=16, warmup_steps=50)
     cfg.model.n_embd, cfg.model.block_size = 256, 64
     cfg.train.seq_len = 64
     cfg.log.interval, cfg.eval.interval, cfg.checkpoint.every_steps = 100, 400, 400
@@ -274,16 +277,22 @@ def test_q8_0_picks_our_top_token_on_held_out_text_and_is_a_quarter_of_f32(train
     tokens = held_out_tokens(trained_run / "data", 64 * T)
     llm = llama(q8, n_ctx=T, logits_all=True)
     agree = total = 0
+    worst = 0.0
     for start in range(0, len(tokens), T):
         window = tokens[start:start + T]
         llm.reset()
         llm.eval(window)
-        theirs = np.array(llm.scores[: len(window)]).argmax(-1)
+        theirs = torch.tensor(np.array(llm.scores[: len(window)]))
         with torch.no_grad():
-            ours = model(torch.tensor([window]))[0].argmax(-1).numpy()
-        agree += int((theirs == ours).sum())
+            ours = model(torch.tensor([window]))[0]
+        worst = max(worst, float((theirs - ours).abs().max()))
+        agree += int((theirs.argmax(-1) == ours.argmax(-1)).sum())
         total += len(window)
-    assert total == 64 * T and agree / total >= 0.99, f"top-1 agreement {agree / total:.2%}"
+    # Pinned from a run here (AVX-512 CPU, 2026-11-26): logits within 0.14 of ours, top-1 agreement 99.2%; the
+    # top tokens that differ were near-ties (ours ahead by at most 0.065). A wrong block scale or row order
+    # moves logits by whole units.
+    assert total == 64 * T and worst < 0.3, f"q8_0 logits differ from ours by up to {worst:.3f}"
+    assert agree / total >= 0.98, f"top-1 agreement {agree / total:.2%}"
 
 
 # ---------------------------------------------------------------- the tokenizer
