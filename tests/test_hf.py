@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import one_line, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_for_inference, read_meta, resolve_checkpoint
+from gpt2train.checkpoint import CheckpointError, load_for_inference, read_meta, resolve_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.generation import generate
@@ -262,6 +262,44 @@ def test_import_by_name_uses_the_hf_cache_offline_and_fails_in_one_line_without_
     missing = run_cli("import-hf", "someone/not-cached", "--out", str(tmp_path / "run2"), env=offline)
     assert missing.returncode == 1  # found while working: not in the cache, and offline
     assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: someone/not-cached is not a local")
+
+
+def test_a_hub_name_loads_through_the_face_with_the_models_own_tokenizer(tmp_path, monkeypatch):
+    """gpt2train.load_model("gpt2") failed ("gpt2 does not exist") where import-hf took the name, and a Hub
+    download fetched config and weights only, so a Hub model of another tokenizer was read as GPT-2's."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    import gpt2train
+
+    tokenizer = train_bpe([shakespeare_text()[:20000]], 300, tmp_path / "tok.json")
+    repo = tmp_path / "repo"  # the repository on the Hub
+    random_hf_model(vocab_size=tokenizer.vocab_size, n_positions=16).save_pretrained(repo)
+    shutil.copy(tmp_path / "tok.json", repo / "tokenizer.json")
+    asked = []
+
+    def snapshot_download(name, allow_patterns):  # a snapshot holds the files asked for, nothing else
+        asked.append(name)
+        folder = tmp_path / "snapshots" / str(len(asked))
+        folder.mkdir(parents=True)
+        for file in repo.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, folder / file.name)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = gpt2train.load_model("someone/tiny-bpe")
+    assert isinstance(model, gpt2train.GPT) and model.config.vocab_size >= tokenizer.vocab_size
+    tok = gpt2train.load_tokenizer("someone/tiny-bpe")
+    assert tok.encode("ROMEO: hark") == tokenizer.encode("ROMEO: hark") and tok.vocab_size == tokenizer.vocab_size
+    assert not list((tmp_path / "snapshots" / "2").glob("*.safetensors"))  # the tokenizer alone fetches no weights
+    import_hf_to_run("someone/tiny-bpe", tmp_path / "run")
+    assert read_meta(resolve_checkpoint(tmp_path / "run"))["tokenizer"]["kind"] == "bpe"
+    assert asked == ["someone/tiny-bpe"] * 3
+    with pytest.raises(CheckpointError):  # a path of a run that is not there stays a path, not a Hub name
+        gpt2train.load_model(tmp_path / "no-run")
 
 
 # ---------------------------------------------------------------- dtypes and shards

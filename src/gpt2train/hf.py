@@ -69,13 +69,25 @@ def import_hf(hf_dir_or_name: str | Path, pad_vocab_multiple: int = 64) -> tuple
     return model.eval(), cfg
 
 
-def resolve_hf_folder(hf_dir_or_name: str | Path) -> Path:
-    """The local folder itself, or the Hub snapshot of a model name (downloaded once, then from the cache)."""
+HF_TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt"]  # what hf_tokenizer_spec reads
+
+
+def is_hub_name(path: str | Path) -> bool:
+    """A Hugging Face model name ("gpt2", "org/name") rather than a path: nothing there, and not a path's form."""
+    name = str(path)
+    return not Path(path).exists() and not Path(path).is_absolute() and not name.startswith(".") \
+        and 0 < len(name) and name.count("/") <= 1
+
+
+def resolve_hf_folder(hf_dir_or_name: str | Path, weights: bool = True) -> Path:
+    """The local folder itself, or the Hub snapshot of a model name (downloaded once, then from the cache): its
+    config.json, its tokenizer's files (a model of another tokenizer than GPT-2's is read with its own) and,
+    with `weights`, its weights."""
     path = Path(hf_dir_or_name)
     if path.is_dir():
         return path
     name = str(hf_dir_or_name)
-    if path.is_absolute() or name.startswith(".") or name.count("/") > 1:
+    if not is_hub_name(name):
         raise HFConversionError(f"{name} is not a folder; pass a folder with config.json and model.safetensors "
                                 "or a Hugging Face model name such as gpt2")
     try:
@@ -83,11 +95,12 @@ def resolve_hf_folder(hf_dir_or_name: str | Path) -> Path:
     except ImportError:
         raise HFConversionError(f"{name} is not a local folder and huggingface_hub is not installed; "
                                 "`pip install huggingface_hub` or pass a folder") from None
-    weights = ["model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"]
+    wanted = ["config.json", *HF_TOKENIZER_FILES]
+    safetensors = ["model.safetensors", "model.safetensors.index.json", "model-*-of-*.safetensors"]
     try:
-        folder = Path(snapshot_download(name, allow_patterns=["config.json", *weights]))
-        if not _weight_files(folder):  # an older repository with PyTorch pickles only
-            folder = Path(snapshot_download(name, allow_patterns=["config.json", "pytorch_model.bin"]))
+        folder = Path(snapshot_download(name, allow_patterns=wanted + (safetensors if weights else [])))
+        if weights and not _weight_files(folder):  # an older repository with PyTorch pickles only
+            folder = Path(snapshot_download(name, allow_patterns=[*wanted, "pytorch_model.bin"]))
     except Exception as e:  # offline without a cache, unknown name, no access: one line says what to do
         raise HFConversionError(f"{name} is not a local folder and could not be fetched from the Hugging Face Hub "
                                 f"({type(e).__name__}); check the name, go online once to fill the cache, "
@@ -275,8 +288,9 @@ def is_hf_folder(path: str | Path) -> bool:
 
 
 def load_pretrained(path: str | Path, device="cpu") -> GPT:
-    """`gpt2train.load_model`: a model (eval mode) from a run directory, a checkpoint or a HF GPT-2 folder."""
-    if is_hf_folder(path):
+    """`gpt2train.load_model`: a model (eval mode) from a run directory, a checkpoint, a HF GPT-2 folder or a
+    Hub name ("gpt2", as transformers' from_pretrained takes)."""
+    if is_hf_folder(path) or is_hub_name(path):
         model, _ = import_hf(path)
         return model.to(device)
     from gpt2train.checkpoint import load_for_inference
@@ -286,9 +300,9 @@ def load_pretrained(path: str | Path, device="cpu") -> GPT:
 
 def load_pretrained_tokenizer(path: str | Path):
     """`gpt2train.load_tokenizer`: the tokenizer a run directory or checkpoint records, or the one a HF folder
-    holds (GPT-2's when it holds none)."""
-    if is_hf_folder(path):
-        return tokenizer_from_spec(hf_tokenizer_spec(Path(path)) or {"kind": "gpt2"})
+    or Hub name holds (GPT-2's when it holds none)."""
+    if is_hf_folder(path) or is_hub_name(path):
+        return tokenizer_from_spec(hf_tokenizer_spec(resolve_hf_folder(path, weights=False)) or {"kind": "gpt2"})
     from gpt2train.checkpoint import read_meta, resolve_checkpoint
 
     return tokenizer_from_spec(read_meta(resolve_checkpoint(path))["tokenizer"])
