@@ -94,6 +94,16 @@ def test_fsdp_divides_states_and_ddp_does_not():
     assert ddp["parameters"] == one["parameters"] and ddp["DDP gradient buckets"] == GPT2_PADDED_PARAMS * 4
 
 
+def test_a_batch_that_train_refuses_on_the_world_size_is_noted():
+    """Found by a probe: `memory --world-size 3` estimated a GPT-2 run that `plan` and `train` refuse (2^19 tokens
+    a step is no whole number of 3 ranks' micro-batches), and said nothing of it."""
+    cfg = gpt2_config(micro_batch=8, total_batch_tokens=2**19)  # 8 x 1024 tokens a micro-batch, as the preset
+    refused = [n for n in estimate_memory(cfg, 3).notes if n.startswith("`train` refuses this on 3 ranks")]
+    assert refused and refused[0].endswith("pick a multiple of 24576")
+    for world_size in (1, 2, 4, 8):
+        assert not any("refuses" in n for n in estimate_memory(cfg, world_size).notes)
+
+
 def test_format_is_a_table_with_every_component():
     text = estimate_memory(gpt2_config(micro_batch=8)).format()
     for word in ("parameters", "gradients", "optimizer states", "activations", "logits and loss", "predicted peak"):

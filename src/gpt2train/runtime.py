@@ -77,13 +77,19 @@ def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | Non
 def accumulation_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches per optimizer step: total_batch_tokens / (micro_batch * seq_len * world_size), exactly."""
     seq_len = cfg.train.seq_len or cfg.model.block_size
-    per_pass = cfg.train.micro_batch * seq_len * world_size
-    if cfg.train.total_batch_tokens <= 0:
-        return 1
-    if cfg.train.total_batch_tokens % per_pass:
-        raise ConfigError(f"train.total_batch_tokens = {cfg.train.total_batch_tokens} is not a multiple of "
-                          f"micro_batch * seq_len * world_size = {per_pass}; pick a multiple of {per_pass}")
-    return cfg.train.total_batch_tokens // per_pass
+    problem = batch_problem(cfg.train.total_batch_tokens, cfg.train.micro_batch, seq_len, world_size)
+    if problem:
+        raise ConfigError(problem)
+    return max(1, cfg.train.total_batch_tokens // (cfg.train.micro_batch * seq_len * world_size))
+
+
+def batch_problem(total_batch_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> str | None:
+    """Why a step of total_batch_tokens cannot be whole micro-batches on every rank; None when it can (0: one)."""
+    per_pass = micro_batch * seq_len * world_size
+    if total_batch_tokens > 0 and total_batch_tokens % per_pass:
+        return (f"train.total_batch_tokens = {total_batch_tokens} is not a multiple of "
+                f"micro_batch * seq_len * world_size = {per_pass}; pick a multiple of {per_pass}")
+    return None
 
 
 # CPU flags of the instructions that compute bf16 products in hardware (Linux's names in /proc/cpuinfo).

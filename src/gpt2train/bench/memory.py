@@ -24,7 +24,7 @@ import torch
 from gpt2train.config import Config, data_sources
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.model import GPTConfig
-from gpt2train.runtime import resolve_compile, resolve_config, resolve_dtype, resolve_runtime
+from gpt2train.runtime import batch_problem, resolve_compile, resolve_config, resolve_dtype, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.training.optim import muon_parameter_count
 from gpt2train.units import format_bytes
@@ -236,6 +236,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         peak_phase = "backward through the blocks"
 
     compiled = resolve_compile(cfg.train.compile, device_type)
+    problem = batch_problem(cfg.train.total_batch_tokens, B, T, world_size)
+    if problem:  # the estimate stands, but `train` (and `plan`) refuse this shape
+        notes.append(f"`train` refuses this on {world_size} rank{'s' if world_size > 1 else ''}: {problem}")
     if accumulating:
         notes.append("gradient accumulation: the gradients are held through every micro-batch's forward and backward")
     if compiled:
