@@ -378,3 +378,25 @@ def test_deterministic_mode_sets_its_switches_and_reruns_and_resumes_bit_for_bit
     cfg = tiny_config(char_data, max_steps=1)
     Trainer(cfg, None)  # a run without it switches it off again
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_cpu_run_bigger_than_the_machines_memory_is_refused_before_the_model_is_built(char_data, tmp_path,
+                                                                                          monkeypatch):
+    """Found by a probe: `--set model.n_layer=200000` on a CPU built layer after layer until the OS killed the
+    process (weights alone far beyond the machine's memory). Refused when weights, gradients and AdamW's two
+    moments (16 bytes a parameter, fp32) cannot fit in all of memory; anything that might fit runs."""
+    from gpt2train.counting import parameter_count
+
+    cfg = tiny_config(char_data, max_steps=1)
+    cfg.model.vocab_size = json.loads((char_data / "meta.json").read_text())["vocab_size"]  # as resolve_config sets it
+    need = parameter_count(cfg.model) * 16
+    built = []
+    monkeypatch.setattr("gpt2train.training.loop.GPT.__init__", lambda *a, **k: built.append(1) or 1 / 0)
+    monkeypatch.setattr(runtime, "physical_ram_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match=r"^a model of [\d,]+ parameters needs at least .* and this machine has "):
+        train(cfg, tmp_path / "run")
+    assert built == [] and not (tmp_path / "run").exists()
+    monkeypatch.setattr(runtime, "physical_ram_bytes", lambda: need)  # might fit: built
+    with pytest.raises(ZeroDivisionError):
+        train(cfg, tmp_path / "run")
+    assert built == [1]

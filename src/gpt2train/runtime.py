@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from gpt2train.config import Config, ConfigError, validate
+from gpt2train.counting import parameter_count
 from gpt2train.ranges import EXPLICIT_DTYPE_NAMES
+from gpt2train.units import format_bytes
 
 DTYPES = {name: getattr(torch, name) for name in EXPLICIT_DTYPE_NAMES}  # the names ranges.py lists
 
@@ -203,6 +205,8 @@ def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1
                     bf16_supported: bool | None = None) -> Runtime:
     """The runtime of a resolved config (see resolve_config) on `device` with `world_size` ranks."""
     device = torch.device(device)
+    if device.type == "cpu":
+        check_fits_in_ram(cfg, world_size)
     seq_len = cfg.train.seq_len or cfg.model.block_size
     return Runtime(device=device, dtype=resolve_dtype(cfg.train.dtype, device.type, bf16_supported),
                    tf32=cfg.train.tf32, compile=resolve_compile(cfg.train.compile, device.type),
@@ -210,3 +214,30 @@ def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1
                    grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed,
                    deterministic=cfg.train.deterministic,
                    cpu_keep_freed_memory=cfg.train.cpu_keep_freed_memory)
+
+
+TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's two moments: the least a CPU run holds
+
+
+def physical_ram_bytes() -> int:
+    """This machine's memory in all; 0 where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 0
+
+
+def check_fits_in_ram(cfg: Config, world_size: int) -> None:
+    """Refuse, before the model is built, a CPU run whose weights, gradients and optimizer moments alone exceed
+    the machine's memory (the ranks on this machine together): building it ends with the OS killing the process,
+    or hours of swapping, not an error. Anything that might fit is left to run (free memory varies)."""
+    total = physical_ram_bytes()
+    shards = world_size if cfg.train.distributed == "fsdp" else 1
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    params = parameter_count(cfg.model)
+    need = params * TRAINING_BYTES_PER_PARAMETER // shards * ranks_here
+    if total and need > total:
+        ranks = f" x {ranks_here} ranks" if ranks_here > 1 else ""
+        raise ConfigError(f"a model of {params:,} parameters needs at least {format_bytes(need)} to train on this CPU "
+                          f"(fp32 weights, gradients and AdamW's moments{ranks}) and this machine has "
+                          f"{format_bytes(total)}; choose a smaller model (`gpt2train memory` estimates one)")
