@@ -118,6 +118,8 @@ def test_every_default_and_shipped_preset_is_in_range():
     ("train.seq_len=2048", "train.seq_len = 2048 exceeds model.block_size = 1024"),
     ("train.compile=1", "train.compile = 1 has the wrong type"),
     ("train.device=tpu", "train.device = 'tpu' is not allowed; use auto, cpu, cuda, cuda:N or mps"),
+    # rope_base 1e-300 is 0 in fp32: the frequencies inf, the angles nan, a run of nan losses (a probe found it)
+    ("model.rope_base=1e-300", "model.rope_base = 1e-300 is out of range; it must be > 1"),
 ])
 def test_values_out_of_range_name_the_key_and_the_range(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as info:

@@ -79,7 +79,7 @@ class GPTConfig:
         "pad_vocab_multiple": at_least(1),
         "dropout": between(0, 1, high_open=True),
         "loss_chunk": at_least(0),
-        "rope_base": above(0),
+        "rope_base": above(1),  # frequencies base^(-2i/hs) fall from pair to pair; a tiny base overflows fp32 (nan)
         "logit_softcap": at_least(0),
         "depth": at_least(0),
         "aspect_ratio": at_least(1),
