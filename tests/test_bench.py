@@ -88,6 +88,33 @@ def test_ablation_has_one_row_per_technique(tmp_path, monkeypatch):
     assert "## Ablation" in (tmp_path / "journey.md").read_text()
 
 
+def test_a_journey_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """journey.json and .md were written at the end only: a GPU session's time limit (or Ctrl-C) during a
+    late stage lost every row measured before it."""
+    calls = []
+
+    def measure_then_stop(name, setup, options, data_dir, device, memory):
+        calls.append(name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # not an Exception: the journey does not record it as a failed stage
+        return StageResult(name=name, setup={}, step_ms=100 / len(calls), tokens_per_s=32.0 * len(calls),
+                           warmup_s=0.0, final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", measure_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_journey(tiny_options(techniques=["ram_loader", "sdpa", "pad_vocab"]), tmp_path, progress=False)
+    saved = json.loads((tmp_path / "journey.json").read_text())
+    assert saved["finished"] is False and [s["name"] for s in saved["stages"]] == calls[:2]
+    assert saved["stages"][1]["speedup_vs_first"] == 2.0
+    md = (tmp_path / "journey.md").read_text()
+    assert md.rstrip().endswith(journey.UNFINISHED) and f"| {calls[1]} |" in md
+    with pytest.raises(ValueError, match="stopped before its last stage"):  # plan takes no MFU from it
+        journey.read_final_mfu(tmp_path / "journey.json")
+    run_journey(tiny_options(techniques=[]), tmp_path, progress=False)  # finished: the line goes
+    assert json.loads((tmp_path / "journey.json").read_text())["finished"] is True
+    assert journey.UNFINISHED not in (tmp_path / "journey.md").read_text()
+
+
 def test_a_failing_stage_is_reported_not_hidden(tmp_path, monkeypatch):
     def broken(name, setup, options, data_dir, device, memory):
         raise RuntimeError("no C++ compiler\nsecond line")

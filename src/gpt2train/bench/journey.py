@@ -133,6 +133,8 @@ def read_final_mfu(path: str | Path) -> tuple[float, str]:
         device_name = str(data["environment"]["device_name"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} unreadable ({type(e).__name__})") from None
+    if data.get("finished") is False:  # its last row is not every technique on (files before the flag are whole)
+        raise ValueError(f"{path} is of a journey that stopped before its last stage")
     if not mfus:
         raise ValueError(f"{path} holds no MFU figure")
     return mfus[-1], device_name
@@ -390,6 +392,18 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
         needed = 4 * options.micro_batch * (options.seq_len + 1) * (options.steps + options.warmup)
         data_dir = write_synthetic_data(tmp, max(options.data_tokens, needed))
 
+        stages: list[StageResult] = []
+        ablation: list[StageResult] = []
+
+        def save_so_far():
+            """The rows measured so far, as journey.json and journey.md with a line saying the journey is not
+            finished: a journey cut short (a GPU session's time limit, Ctrl-C) keeps what it measured."""
+            _speedups(stages)
+            partial = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
+                                    stages=stages, ablation=ablation)
+            partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
+            write_result(out, partial, finished=False)
+
         def run(name: str, setup: Setup) -> StageResult:
             bar.set_description(name)
             try:
@@ -403,7 +417,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             bar.update(1)
             return result
 
-        stages = [run("naive", Setup())]
+        stages.append(run("naive", Setup()))
+        save_so_far()
         setup = Setup()
         failed: dict[str, str] = {}  # technique -> why its stage failed; it stays off from then on
         for key, label in journey_stages(options):
@@ -413,6 +428,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                 bar.update(1)
                 continue
             stages.append(run(label, replace(setup, **{key: True})))
+            save_so_far()
             if stages[-1].status == "failed":
                 failed[key] = stages[-1].reason
             else:
@@ -423,10 +439,10 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             reason = not_applicable(key, device, options.skip)
             return reason or (f"failed in the journey ({failed[key]})" if key in failed else None)
 
-        ablation = []
         if options.ablate:
             everything = Setup(**{k: left_out(k) is None for k, _ in TECHNIQUES})
             ablation.append(run("all on", everything))
+            save_so_far()
             for key, _ in TECHNIQUES:
                 name = f"- {SHORT_NAMES[key]}"
                 reason = left_out(key)
@@ -436,16 +452,25 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                     bar.update(1)
                     continue
                 ablation.append(run(name, replace(everything, **{key: False})))
+                _ablation_ratios(ablation)
+                save_so_far()
             _ablation_ratios(ablation)
     bar.close()
 
     result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
                            stages=stages, ablation=ablation)
     result.markdown = to_markdown(result)
-    write_text_atomic(out / "journey.md", result.markdown)
-    write_json_atomic(out / "journey.json", dataclasses.asdict(result) | {"markdown": None})
+    write_result(out, result, finished=True)
     plot_journey(result, out / "journey.png")
     return result
+
+
+UNFINISHED = "(unfinished: the journey stopped before its last row; these are the rows it measured)"
+
+
+def write_result(out: Path, result: JourneyResult, finished: bool) -> None:
+    write_text_atomic(out / "journey.md", result.markdown)
+    write_json_atomic(out / "journey.json", dataclasses.asdict(result) | {"markdown": None, "finished": finished})
 
 
 def _check_options(options: JourneyOptions):
