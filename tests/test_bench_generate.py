@@ -17,6 +17,31 @@ ROW_KEYS = {"impl", "batch", "ttft_ms", "decode_tok_s", "bandwidth_gb_s", "bandw
             "decode_tok_s_all", "path"}
 
 
+def test_a_generate_bench_cut_short_keeps_the_batch_sizes_it_measured(tmp_path, monkeypatch):
+    """The JSON was written at the end only: a GPU session's time limit during the last batch size lost all."""
+    from gpt2train.bench import generate as bench
+
+    timed = []
+
+    def time_then_stop(model, prompts, new_tokens, decoder):
+        timed.append(prompts.shape[0])
+        if prompts.shape[0] == 4:
+            raise KeyboardInterrupt
+        return 0.01, 0.001 * new_tokens
+
+    monkeypatch.setattr(bench, "time_ours", time_then_stop)
+    options = GenerateOptions(model="gpt2-tiny", device="cpu", batch_sizes=[1, 2, 4], prompt_tokens=4,
+                              new_tokens=6, repeats=1, compare_hf=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_generate_bench(options, tmp_path / "g.json", progress=False)
+    saved = json.loads((tmp_path / "g.json").read_text())
+    assert saved["finished"] is False and [r["batch"] for r in saved["rows"]] == [1, 2]
+    assert saved["markdown"].endswith("(unfinished: batch sizes were left to measure)")
+    monkeypatch.setattr(bench, "time_ours", lambda model, prompts, new_tokens, decoder: (0.01, 0.001 * new_tokens))
+    assert run_generate_bench(options, tmp_path / "g.json", progress=False)["finished"] is True
+    assert json.loads((tmp_path / "g.json").read_text())["finished"] is True
+
+
 def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     out = tmp_path / "generate.json"
     result = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2",

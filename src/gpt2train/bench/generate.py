@@ -188,7 +188,7 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
     peak = describe(device).bandwidth
     cfg = model.config
     rows: list[Row] = []
-    for batch in options.batch_sizes:
+    for i, batch in enumerate(options.batch_sizes):
         prompts = torch.randint(0, cfg.vocab_size, (batch, options.prompt_tokens), device=device)
         decoder = Decoder(model, options.compile)
         time_ours(model, prompts, 4, decoder)  # warm up: compilation, allocator, oneDNN's kernel choice
@@ -218,6 +218,16 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         if progress:
             for row in rows[first_row:]:
                 print(f"  batch {batch}: {row.impl} {row.decode_tok_s:,.1f} tok/s", flush=True)
+        if i < len(options.batch_sizes) - 1:  # a bench cut short (a GPU session's time limit) keeps these rows
+            write_result(result_of(rows, options, device, dtype, hf_dtype, peak, hf_note, llama_note, False), out)
+    result = result_of(rows, options, device, dtype, hf_dtype, peak, hf_note, llama_note, True)
+    write_result(result, out)
+    return result
+
+
+def result_of(rows: list[Row], options: GenerateOptions, device: torch.device, dtype, hf_dtype, peak,
+              hf_note: str, llama_note: str | None, finished: bool) -> dict:
+    """The bench's result over the rows measured so far; `finished` False while batch sizes are left."""
     result = {
         "model": options.model,
         "device": describe(device).name if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})",
@@ -236,9 +246,9 @@ def run_generate_bench(options: GenerateOptions, out: Path | None = None, progre
         "rows": [asdict(r) for r in rows],
         "speedup_vs_transformers": speedups(rows),
         "speedup_vs_llama_cpp": speedups(rows, "llama.cpp"),
+        "finished": finished,
     }
-    result["markdown"] = markdown(result)
-    write_result(result, out)
+    result["markdown"] = markdown(result) + ("" if finished else "\n(unfinished: batch sizes were left to measure)")
     return result
 
 
