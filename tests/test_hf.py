@@ -107,6 +107,17 @@ def test_import_refuses_what_gpt2_does_not_compute(tmp_path):
         import_hf(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("config, says", [({"model_type": "llama", "hidden_size": 32}, "model_type = 'llama'"),
+                                           ({"n_layer": 2}, "has no n_head, n_embd"),
+                                           ([1], "not a JSON object")], ids=["llama", "keys missing", "a list"])
+def test_import_refuses_a_config_of_another_model_in_one_line(tmp_path, config, says):
+    """A Hugging Face folder of another architecture was `KeyError: 'n_embd' (an internal error ...)`, from
+    import-hf, serve and train.init_from alike; a config.json holding a list was a TypeError."""
+    random_hf_model(vocab_size=90).save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    assert says in one_line(HFConversionError, import_hf, tmp_path / "other")
+
+
 # ---------------------------------------------------------------- export
 
 

@@ -150,9 +150,16 @@ def gpt_config_from_hf(hf: dict, pad_vocab_multiple: int = 64) -> GPTConfig:
     HF's dropout rates are not carried over: imported models start with dropout 0 like ours do (set
     model.dropout in a training config to fine-tune with it).
     """
+    if not isinstance(hf, dict):
+        raise HFConversionError("config.json is not a JSON object; it is not a Hugging Face model's config")
+    # Another architecture (llama, bert ...) names its sizes otherwise: say so before looking them up.
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise HFConversionError(f"config.json has model_type = {hf['model_type']!r}; only 'gpt2' (GPT-2's) is supported")
+    missing = [key for key in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if key not in hf]
+    if missing:
+        raise HFConversionError(f"config.json has no {', '.join(missing)}; it is not a GPT-2 config")
     n_embd = hf["n_embd"]
     unsupported = {
-        "model_type": (hf.get("model_type", "gpt2"), "gpt2"),
         "activation_function": (hf.get("activation_function", "gelu_new"), "gelu_new"),
         "n_inner": (hf.get("n_inner") or 4 * n_embd, 4 * n_embd),
         "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), 1e-5),
