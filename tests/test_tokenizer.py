@@ -287,6 +287,17 @@ def test_tokenizer_train_refuses_a_corpus_without_text_and_writes_nothing(tmp_pa
     assert not (tmp_path / "lib.json").exists()
 
 
+def test_tokenizer_train_on_a_folder_without_inputs_says_it_found_none(tmp_path):
+    """A folder of .md files (none that `prepare files` reads) was "the corpus has no text (its documents are
+    empty or whitespace only)", about documents never read; prepare files said what it found."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("plenty of text\n")
+    r = run_cli("tokenizer", "train", str(tmp_path / "notes"), "--vocab-size", "300", "--out", str(tmp_path / "t.json"))
+    assert r.returncode == 1 and r.stderr == (f"error: no .txt/.jsonl/.parquet files or dataset folders found in "
+                                              f"{tmp_path / 'notes'}; the corpus is empty\n"), r.stderr
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_tokenizer_train_replaces_a_tokenizer_but_no_other_file(tmp_path):
     """Found by a probe of bad input: `--out README.md` overwrote the file."""
     (tmp_path / "notes.md").write_text("mine\n")

@@ -587,9 +587,6 @@ def install(staging: Path, out: Path, meta: dict) -> None:
 def prepare_files(paths, out_dir: str | Path, tokenizer: str = "gpt2", text_field: str = "text", **options) -> dict:
     """`gpt2train prepare files`: .txt/.jsonl/.parquet files, folders of them, saved HF dataset folders."""
     reader = DocumentReader(paths, text_field=text_field)
-    if not reader.files:
-        raise SourceError(f"no .txt/.jsonl/.parquet files or dataset folders found in {' '.join(map(str, paths))}; "
-                          f"the corpus is empty")
     source = " ".join(str(Path(p).resolve()) for p in paths)
     return prepare_documents(reader, out_dir, tokenizer, source=source, **options)
 

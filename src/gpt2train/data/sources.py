@@ -82,7 +82,11 @@ class DocumentReader:
     rereadable = True  # a second pass over the first documents costs a few file reads
 
     def __init__(self, paths: Iterable[str | Path], text_field: str = "text"):
+        paths = list(paths)
         self.files = expand_inputs(paths)
+        if not self.files:  # said here, not later as "no text": a folder of .md or .csv files holds no input at all
+            raise SourceError(f"no .txt/.jsonl/.parquet files or dataset folders found in "
+                              f"{' '.join(map(str, paths))}; the corpus is empty")
         self.text_field = text_field
         self.replacements = 0
 
