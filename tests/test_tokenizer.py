@@ -298,6 +298,15 @@ def test_tokenizer_train_on_a_folder_without_inputs_says_it_found_none(tmp_path)
     assert not (tmp_path / "t.json").exists()
 
 
+def test_tokenizer_train_warns_of_bytes_that_are_not_utf8(tmp_path):
+    """A binary file given by name was trained on in silence (its bytes as U+FFFD); prepare files warns of them."""
+    (tmp_path / "model.bin").write_bytes(bytes(range(128, 256)) * 20 + b"some text " * 50)
+    r = run_cli("tokenizer", "train", str(tmp_path / "model.bin"), "--vocab-size", "300", "--out",
+                str(tmp_path / "t.json"))
+    assert r.returncode == 0 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("warning: 2,560 invalid UTF-8 sequences") and "re-encode" in r.stderr
+
+
 def test_tokenizer_train_replaces_a_tokenizer_but_no_other_file(tmp_path):
     """Found by a probe of bad input: `--out README.md` overwrote the file."""
     (tmp_path / "notes.md").write_text("mine\n")

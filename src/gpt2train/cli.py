@@ -183,6 +183,9 @@ def cmd_tokenizer_train(args) -> int:
 
     reader = DocumentReader(args.files, text_field=args.text_field)
     tok = train_bpe(reader, args.vocab_size, args.out)
+    if reader.replacements:  # a binary file given by name is read as text: its merges are learned from U+FFFD
+        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences or lone surrogates were replaced by U+FFFD "
+              "before training; re-encode the inputs as UTF-8 (or leave out files that are not text)", file=sys.stderr)
     short = (f" (asked {args.vocab_size:,}: the corpus has no more merges to learn)"
              if tok.vocab_size < args.vocab_size else "")
     print(f"wrote {args.out}: byte-level BPE, vocab {tok.vocab_size:,}{short}, <|endoftext|> = {tok.eot_id}; "
