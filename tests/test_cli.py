@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import warnings
@@ -136,6 +137,28 @@ def test_an_out_of_the_wrong_kind_is_refused_before_any_work_and_kept(tmp_path, 
             cli.main(args)
         assert e.value.code == 2 and message in capsys.readouterr().err, args
     assert Path("notes.txt").read_text() == "mine\n" and list(Path("folder").iterdir()) == []
+
+
+def test_an_out_under_a_file_or_over_a_device_is_refused_before_any_work_and_kept(tmp_path, monkeypatch, capsys):
+    """An --out under a file was `[Errno 17] File exists: 'notes.txt'` (or Errno 20) after the work; an --out that
+    is a device or a FIFO was replaced by the atomic rename (`export-gguf --out /dev/null` as root: /dev/null
+    became a regular file of 8 MiB)."""
+    monkeypatch.chdir(tmp_path)
+    Path("notes.txt").write_text("mine\n")
+    os.mkfifo("pipe")
+    for args, message in [(["export-gguf", "--ckpt", "x", "--out", "notes.txt/m.gguf"], "notes.txt is a file, so nothing"),
+                          (["tokenizer", "train", "p", "--vocab-size", "300", "--out", "notes.txt/a/t.json"],
+                           "notes.txt is a file, so nothing can be written under it; give another file"),
+                          (["export-hf", "--ckpt", "x", "--out", "notes.txt/hf"],
+                           "notes.txt is a file, so nothing can be written under it; give another folder"),
+                          (["export-gguf", "--ckpt", "x", "--out", "pipe"], "pipe is not a regular file"),
+                          (["tokenizer", "train", "p", "--vocab-size", "300", "--out", "pipe"], "pipe is not a regular")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(lines) == 1 and message in lines[0], (args, lines)
+    assert Path("notes.txt").read_text() == "mine\n" and stat.S_ISFIFO(os.stat("pipe").st_mode)
+    assert sorted(os.listdir()) == ["notes.txt", "pipe"]
 
 
 def _all_arguments(parser, command=()):

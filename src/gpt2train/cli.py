@@ -77,6 +77,13 @@ def output_path(kind: str):
             raise argparse.ArgumentTypeError(f"{text} is a file; give a folder to write into")
         if kind == "file" and path.is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a folder; give the file to write")
+        if kind == "file" and path.exists() and not path.is_file():  # the atomic rename would replace the node itself
+            raise argparse.ArgumentTypeError(f"{text} is not a regular file (a device, a pipe or a socket); give the "
+                                             "path of a file to write")
+        blocking = next((p for p in path.parents if p.exists()), None)  # the nearest existing folder above it
+        if blocking is not None and not blocking.is_dir():
+            raise argparse.ArgumentTypeError(f"{blocking} is a file, so nothing can be written under it; give "
+                                             f"another {kind}")
         return text
     parse.__name__ = f"output {kind}"
     return parse
