@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -210,6 +212,23 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(char_data, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: could not save checkpoint step_00000005")
     assert "no earlier checkpoint exists" in err[0]
+
+
+def test_a_real_failed_write_of_the_weights_is_a_checkpoint_save_error_too(char_data, tmp_path):
+    """safetensors raises its own SafetensorError when a write fails, not the OSError faked above: a full disk
+    ended training as `SafetensorError: ... (os error 28) (an internal error ...)`, past the handler that keeps
+    the previous checkpoint and says so. Here the write fails for real: a file size limit (RLIMIT_FSIZE, so
+    EFBIG) stands in for the full disk, below the weights' size and above the logs'."""
+    config = tmp_path / "cfg.toml"
+    config.write_text(dump_toml(tiny_config(char_data, max_steps=2)))
+    limited = ("import resource, sys\nfrom gpt2train import cli\n"
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))\nsys.exit(cli.main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", limited, "train", "--config", str(config), "--out", str(tmp_path / "run")],
+                       env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.endswith(
+        f"error: could not save checkpoint step_00000002 in {tmp_path / 'run' / 'checkpoints'}: File too large; no "
+        "earlier checkpoint exists; free space and rerun with --resume auto\n"), r.stderr
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # no half-written folder
 
 
 # --- SIGKILL at any moment ---------------------------------------------------------------------------------

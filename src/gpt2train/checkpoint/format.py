@@ -37,7 +37,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
@@ -128,8 +128,16 @@ def _fsync_tree(folder: Path):
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, leaving the file as readable as any file created under the umask. safetensors
     (0.8) writes through a temporary file it creates 0600 and renames that into place; the chmod after it only
-    widens the mode to what a plain open() would have given, so no moment is more open than that."""
-    save_file(tensors, str(path), metadata=metadata)
+    widens the mode to what a plain open() would have given, so no moment is more open than that.
+    A failed write (a full disk, a read-only folder) is raised as the OSError it is: safetensors raises its own
+    SafetensorError, which no handler of failed writes catches."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))  # "I/O error: No space left on device (os error 28)"
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
     os.chmod(path, 0o666 & ~process_umask())
 
 
