@@ -9,11 +9,15 @@ best tokens are closer than that, either may come first: `assert_same_greedy` sa
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import missing, one_line, run_cli, tiny_config
+from conftest import REPO, missing, one_line, run_cli, tiny_config
 from gpt2train.checkpoint import load_for_inference
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.data.shards import open_shard
@@ -391,6 +395,23 @@ def test_an_out_that_is_a_folder_or_a_wrong_tokenizer_is_refused_in_one_line(tmp
     assert "not this model's tokenizer" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf",
                                                     {"kind": "gpt2"})
     assert "vocab_size 300 is not GPT-2's" in one_line(GGUFExportError, export_gguf, model, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("limit", [1_000_000, 2_000_000])  # the file fills up in the metadata, in the tensors
+def test_a_write_cut_short_by_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, limit):
+    """It was `error: [Errno 27] File too large` or `error: 1608224 requested and 65792 written` (NumPy's short
+    write), naming no file. The disk fills for real here: a file size limit (RLIMIT_FSIZE) below the file's size."""
+    script = ("import resource, sys, torch\nfrom gpt2train.gguf_export import export_gguf\n"
+              "from gpt2train.model import GPT, GPTConfig\n"
+              "model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).eval()\n"
+              f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+              "try:\n    export_gguf(model, sys.argv[1], {'kind': 'gpt2'})\n"
+              "except OSError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.gguf")], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert r.stdout.startswith(f"could not write {tmp_path / 'm.gguf'} ("), r.stdout + r.stderr
+    assert r.stdout.endswith("); free space and export again (nothing was written)\n")
     assert list(tmp_path.iterdir()) == []
 
 

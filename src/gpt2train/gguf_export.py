@@ -99,6 +99,13 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
         writer.write_tensors_to_file()
         writer.close()
         os.replace(partial, out)
+    except OSError as e:
+        if e.filename is not None:  # names the file already
+            raise
+        # The gguf package's writes on a full disk name no file: "[Errno 28] No space left on device", or NumPy's
+        # short write "N requested and M written".
+        raise OSError(f"could not write {out} ({e.strerror or e}); free space and export again (nothing was "
+                      "written)") from None
     finally:
         writer.close()
         partial.unlink(missing_ok=True)
