@@ -235,6 +235,8 @@ def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_
         r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out))
         # a wrong --out is a usage error (exit 2), as import-hf's above
         assert r.returncode == 2 and "export into another folder" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(gpt2_data))  # it said "holds a checkpoint"
+    assert r.returncode == 2 and r.stderr == f"error: {gpt2_data} is a prepared data folder; export into another folder\n"
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 
@@ -523,3 +525,23 @@ def test_without_the_data_package_gpt2s_files_come_from_tiktoken(tiktoken_offlin
     finally:  # later tests read the package's files again
         tokenizer.gpt2_encoding.cache_clear()
         tokenizer.gpt2_vocab_and_merges.cache_clear()
+
+
+def test_an_import_that_cannot_save_says_what_to_do_for_import(tmp_path, monkeypatch):
+    """A failed save said "free space and rerun with --resume auto" whatever refused it, and import-hf has
+    no --resume: a folder without write access asks for write access, and the import is run again."""
+    import errno
+
+    import gpt2train.checkpoint.format as checkpoint_format
+    from gpt2train.checkpoint import CheckpointSaveError
+
+    random_hf_model(vocab_size=50257, n_positions=16).save_pretrained(tmp_path / "hf")
+
+    def refused(tensors, path, metadata=None):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(checkpoint_format, "save_file", refused)
+    with pytest.raises(CheckpointSaveError) as e:
+        import_hf_to_run(tmp_path / "hf", tmp_path / "run")
+    assert str(e.value).endswith(f"Permission denied; no earlier checkpoint exists; make "
+                                 f"{tmp_path / 'run' / 'checkpoints'} writable (or save elsewhere) and import again")

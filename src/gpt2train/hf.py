@@ -218,7 +218,7 @@ def import_hf_to_run(hf_dir_or_name: str | Path, run_dir: str | Path) -> Path:
     run_config.train.seq_len = cfg.block_size
     meta = {"config": to_dict(run_config), "tokens": 0, "best_val_loss": None,
             "tokenizer": tokenizer_spec or {"kind": "gpt2"}, "imported_from": str(hf_dir_or_name)}
-    return save_checkpoint(Path(run_dir), step=0, weights=model_state(model), state={}, meta=meta)
+    return save_checkpoint(Path(run_dir), step=0, weights=model_state(model), state={}, meta=meta, again="import again")
 
 
 def check_vocab_fits_tokenizer(vocab_size: int, tokenizer_spec: dict | None, source) -> None:
@@ -397,11 +397,22 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
     return env.get_template("model_card.md").render(**values)
 
 
+def is_prepared_data(folder: Path) -> bool:
+    """`gpt2train prepare` writes meta.json listing its shards; a checkpoint's meta.json has none."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "shards" in meta
+
+
 def refuse_to_export_over_a_run(out: Path) -> None:
     """The export's model.safetensors would replace a checkpoint's own (same name, another layout), and a run
     directory is no place for a Hugging Face folder either. A wrong --out: a usage error (exit 2), as import-hf's."""
     from gpt2train.checkpoint import run_on_disk
 
+    if is_prepared_data(out):
+        raise UsageError(f"{out} is a prepared data folder; export into another folder")
     if (out / "meta.json").is_file() or (out / "state.pt").is_file():
         raise UsageError(f"{out} holds a checkpoint, whose model.safetensors the export would replace; "
                                 "export into another folder")

@@ -25,6 +25,7 @@ truncated file or a changed byte is caught before it is loaded.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -274,12 +275,14 @@ def prune_ring(root: Path, keep_last: int, current_step: int) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, weights: dict | None, state: dict, meta: dict, *, keep_last: int = 3,
-                    ring: bool = True, best: bool = False, staged: Path | None = None) -> Path:
+                    ring: bool = True, best: bool = False, staged: Path | None = None,
+                    again: str = "rerun with --resume auto") -> Path:
     """Save step `step` into the ring (moving `latest`) and/or as best/, then prune the ring.
 
     A new best that is not also a regular save is written to best/ only: it takes no ring slot. `staged` is a
     folder from stage() that already holds sharded files (FSDP). Raises CheckpointSaveError, with the
-    checkpoints saved before left as they were, when the disk is full or unwritable.
+    checkpoints saved before left as they were, when the disk is full or unwritable; its message ends with
+    what to do, then `again` (how the caller's command goes on).
     """
     root = Path(run_dir) / "checkpoints"
     name = checkpoint_name(step) if ring else "best"
@@ -303,7 +306,14 @@ def save_checkpoint(run_dir: Path, step: int, weights: dict | None, state: dict,
         code = getattr(e, "errno", None)
         why = os.strerror(code) if code else short_reason(e)
         raise CheckpointSaveError(f"could not save checkpoint {name} in {root}: {why}; "
-                                  f"{kept}; free space and rerun with --resume auto", code) from None
+                                  f"{kept}; {save_remedy(code, root)} and {again}", code) from None
+
+
+def save_remedy(code: int | None, folder: Path) -> str:
+    """What a failed save asks of the user: write access where that was refused, else room on the disk."""
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"make {folder} writable (or save elsewhere)"
+    return "free space"
 
 
 # --- reading ------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from gpt2train.checkpoint.format import (
     model_state,
     recover,
     save_checkpoint,
+    save_remedy,
     short_reason,
     stage,
     tied_keys,
@@ -85,8 +86,9 @@ def save_training_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, o
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staged / "dcp"))
         except Exception as e:  # DCP reports a failed write on every rank
-            error = (f"could not save checkpoint {name} in {root}: {short_reason(e)}; free space and rerun with --resume auto",
-                     getattr(e, "errno", None))
+            code = getattr(e, "errno", None)
+            error = (f"could not save checkpoint {name} in {root}: {short_reason(e)}; {save_remedy(code, root)} and "
+                     "rerun with --resume auto", code)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         weights = {k: v.contiguous() for k, v in full.items() if k not in tied_keys(model)}
         meta = {**meta, "sharded": True}
