@@ -321,8 +321,9 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     write_jsonl(bad, [original_row("a", "b", ["1", "2", "3", "4"], 0), original_row("a", "b", ["1", "2"], 0)])
     cases = {("--hellaswag", str(bad)): f"{bad}: row 2: 'endings' must be a list of 4 strings",
              ("--tasks", "val,mmlu"): "unknown task 'mmlu'",
+             ("--tasks", ","): "--tasks names no task; choose from",  # it said "unknown task '(none)'"
              ("--tasks", "val", "--data", str(tmp_path)): "has no meta.json; pass --data"}
-    usage = {("--tasks", "val,mmlu")}  # a bad argument exits 2; a bad file found while working exits 1
+    usage = {("--tasks", "val,mmlu"), ("--tasks", ",")}  # a bad argument exits 2; a bad file found while working, 1
     for extra, expected in cases.items():  # in-process: the same cli.main, without a new interpreter each time
         status = cli.main(["eval", "--ckpt", str(gpt2_run), "--device", "cpu", "--limit", "2", *extra])
         assert status == (2 if extra in usage else 1), extra

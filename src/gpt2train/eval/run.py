@@ -45,7 +45,7 @@ def parse_tasks(text: str | list[str]) -> list[str]:
         else:
             raise UsageError(f"unknown task {item!r}; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
     if not tasks:
-        raise UsageError(f"unknown task '(none)'; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+        raise UsageError(f"--tasks names no task; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
     return list(dict.fromkeys(tasks))
 
 
