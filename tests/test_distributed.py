@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import REPO, WELL_CONDITIONED_EPS, one_line, tiny_config
+from conftest import REPO, WELL_CONDITIONED_EPS, one_line, run_cli, tiny_config
 from distributed_worker import full_state_dict, worker_config
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
 from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
+from gpt2train.ranges import UsageError
 from gpt2train.training.loop import Trainer, train
 from gpt2train.training.optim import newton_schulz
 
@@ -99,6 +100,35 @@ def test_more_ranks_than_gpus_is_one_line_before_any_process_group(monkeypatch):
     assert "LOCAL_RANK 3" in message and "2 GPU(s)" in message
     assert "--nproc_per_node=2" in message and "train.device=cpu" in message
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"RANK": "1"}, "RANK is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 must be in [0, 1]"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 must be in [0, 1]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "5"}, "LOCAL_RANK=5 must be in [0, 1]"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT=70000 must be a TCP port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer"),
+])
+def test_torchrun_variables_set_by_hand_wrong_are_one_line_before_any_process_group(env, says, monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: pytest.fail("joined a process group"))
+    assert says in one_line(UsageError, D.init_distributed, "cpu")
+
+
+def test_train_with_a_world_size_of_zero_is_a_usage_error_not_a_division_by_zero(char_data, tmp_path):
+    r = run_cli("train", "--config", "shakespeare-cpu", "--set", f"data.dir={char_data}", "--out", str(tmp_path / "run"),
+                env={"RANK": "0", "WORLD_SIZE": "0"}, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: WORLD_SIZE=0 must be >= 1 (the number of "
+                                                                    "processes torchrun started)"], r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_collective_timeout_reaches_the_process_group_and_must_be_positive(monkeypatch):

@@ -202,16 +202,18 @@ def cmd_tokenizer_train(args) -> int:
 
 def cmd_train(args) -> int:
     from gpt2train.config import load_config
+    from gpt2train.distributed import launch_env
     from gpt2train.training.console import ALREADY_FINISHED
     from gpt2train.training.loop import train
 
+    rank = launch_env()[0]  # torchrun's variables, checked before the config splits the batch over them
     run_dir = args.out or default_run_dir(args.config)
     cfg = load_config(args.config, args.set or [], speed=run_speed(run_dir, args.resume))
-    if args.config is None and os.environ.get("RANK", "0") == "0":
+    if args.config is None and rank == 0:
         print(no_config_line(cfg), flush=True)
     out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
-    if os.environ.get("RANK", "0") != "0" or out["reason"] == ALREADY_FINISHED:
+    if rank != 0 or out["reason"] == ALREADY_FINISHED:
         return 0
     best = out["best_val_loss"]  # inf until the first validation (a run stopped before it)
     best_text = f"{best:.4f}" if math.isfinite(best) else "n/a (no validation yet)"

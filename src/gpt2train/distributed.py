@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gpt2train.ranges import DEVICE_NAMES, is_device_name
+from gpt2train.ranges import DEVICE_NAMES, UsageError, is_device_name
 
 
 @dataclass
@@ -54,9 +54,42 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def launch_env() -> tuple[int, int, int]:
+    """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun exported them, (0, 0, 1) without torchrun.
+
+    Variables set by hand, partly or out of range, are a UsageError naming the variable, said before any
+    process group: the rendezvous would otherwise wait for ranks that never come, or fail deep inside torch."""
+    env = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    if env["RANK"] is None and env["WORLD_SIZE"] is None:
+        return 0, 0, 1
+    if env["RANK"] is None or env["WORLD_SIZE"] is None:
+        given, missing = ("RANK", "WORLD_SIZE") if env["WORLD_SIZE"] is None else ("WORLD_SIZE", "RANK")
+        raise UsageError(f"{given} is set but {missing} is not; torchrun sets both: launch with torchrun, or unset "
+                         f"{given} to run in one process")
+    numbers = {}
+    for name, text in env.items():
+        if text is not None:
+            try:
+                numbers[name] = int(text)
+            except ValueError:
+                raise UsageError(f"{name}={text!r} is not an integer (torchrun sets it); launch with torchrun, or "
+                                 "unset RANK and WORLD_SIZE to run in one process") from None
+    rank, local_rank, world_size = numbers["RANK"], numbers.get("LOCAL_RANK", 0), numbers["WORLD_SIZE"]
+    if world_size < 1:
+        raise UsageError(f"WORLD_SIZE={world_size} must be >= 1 (the number of processes torchrun started)")
+    for name, value in (("RANK", rank), ("LOCAL_RANK", local_rank)):
+        if not 0 <= value < world_size:
+            raise UsageError(f"{name}={value} must be in [0, {world_size - 1}] for WORLD_SIZE={world_size}; "
+                             "launch with torchrun, which numbers the ranks itself")
+    port = numbers.get("MASTER_PORT")
+    if world_size > 1 and port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"MASTER_PORT={port} must be a TCP port in [1, 65535]")
+    return rank, local_rank, world_size
+
+
 def launched_by_torchrun() -> bool:
     """torchrun (and torch.distributed.run) exports RANK, LOCAL_RANK and WORLD_SIZE to every worker."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    return launch_env()[2] > 1
 
 
 def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> DistInfo:
@@ -72,8 +105,7 @@ def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> Dis
     device = resolve_device(device_name)
     if not launched_by_torchrun():
         return DistInfo(device=device)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world_size = launch_env()
     if device.type == "cuda":
         check_gpu_for_rank(local_rank, torch.cuda.device_count())
         device = torch.device("cuda", local_rank)
