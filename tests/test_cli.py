@@ -514,3 +514,15 @@ def test_usage_mistakes_found_by_a_probe_are_one_line_with_exit_2(tiny_run, tmp_
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.toml"]
+
+
+def test_sample_with_stdout_closed_fails_in_one_line_instead_of_losing_the_text(tiny_run):
+    """Found by a probe: `gpt2train sample ... >&-` exited 0 having printed nothing (Python drops every print
+    when it starts without stdout), so a script could not tell the samples were lost."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    r = subprocess.run([sys.executable, "-m", "gpt2train", "sample", "--ckpt", str(tiny_run), "--max-new-tokens", "4",
+                        "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True, timeout=120,
+                       preexec_fn=lambda: os.close(1))  # the child starts as `>&-` leaves it
+    assert r.returncode == 1
+    assert r.stderr.splitlines() == ["error: stdout is closed, and sample prints its text there; redirect it to a "
+                                     "file or a pipe"], r.stderr

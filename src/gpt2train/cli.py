@@ -259,6 +259,8 @@ def cmd_sample(args) -> int:
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
+    if sys.stdout is None:  # started with stdout closed (`>&-`): Python would drop every print, and the text with it
+        raise OSError("stdout is closed, and sample prints its text there; redirect it to a file or a pipe")
     device = resolve_device(args.device)
     model, _, meta = load_for_inference(args.ckpt, device=device)
     dtype = resolve_dtype(args.dtype, device.type)  # auto: bf16 where the device computes it natively
