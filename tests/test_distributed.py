@@ -131,6 +131,21 @@ def test_train_with_a_world_size_of_zero_is_a_usage_error_not_a_division_by_zero
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ranks_that_never_meet_are_one_line_naming_the_rendezvous_not_an_internal_error(rank, char_data, tmp_path):
+    """Found by a probe: rank 0 alone (its peer never started) ended in 'DistStoreError: Timed out after 6 seconds
+    waiting for clients. 1/2 clients joined. (an internal error; ...)', rank 1 alone in a DistNetworkError."""
+    port = str(29400 + os.getpid() % 500)
+    r = run_cli("train", "--config", "shakespeare-cpu", "--set", f"data.dir={char_data}", "--set", "train.device=cpu",
+                "--set", "train.collective_timeout_s=2", "--out", str(tmp_path / "run"), timeout=120,
+                env={"RANK": rank, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    lines = [line for line in r.stderr.strip().splitlines() if line.startswith("error: ")]  # torch's C++ logs too
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: rank {rank} could not meet the other rank at 127.0.0.1:{port}"), lines
+    assert "start every rank" in lines[0] and "train.collective_timeout_s" in lines[0]
+    assert "internal error" not in lines[0]
+
+
 def test_the_collective_timeout_reaches_the_process_group_and_must_be_positive(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -114,8 +114,15 @@ def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> Dis
         # it on, another launcher may not, and then a dead peer would leave this rank blocked for good.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except dist.DistError as e:  # the rendezvous: rank 0's store never came up, or the other ranks never joined
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            others = "other rank" if world_size == 2 else f"other {world_size - 1} ranks"
+            raise PeerLost(f"rank {rank} could not meet the {others} at {where} ({str(e).splitlines()[0]}); start "
+                           f"every rank (torchrun starts them all), or raise train.collective_timeout_s = "
+                           f"{timeout_s:g}") from None
     return DistInfo(rank, local_rank, world_size, device)
 
 
