@@ -526,3 +526,24 @@ def test_sample_with_stdout_closed_fails_in_one_line_instead_of_losing_the_text(
     assert r.returncode == 1
     assert r.stderr.splitlines() == ["error: stdout is closed, and sample prints its text there; redirect it to a "
                                      "file or a pipe"], r.stderr
+
+
+def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_lines(monkeypatch):
+    """Found under torchrun: both ranks refused the batch, and stderr held 'error: ... of 768error: ... of 768'
+    on one line then an empty one; print wrote the text and its newline apart, and the ranks' writes interleaved."""
+    writes = []
+
+    class Stderr:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    def refuses(args):
+        raise ValueError("train.total_batch_tokens = 384 is not a multiple of 768")
+
+    monkeypatch.setattr(cli, "cmd_config_list", refuses)
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    assert cli.main(["config", "list"]) == 1
+    assert [text for text in writes if text] == ["error: train.total_batch_tokens = 384 is not a multiple of 768\n"]

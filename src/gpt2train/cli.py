@@ -994,7 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         close_progress_bars()  # the error line must not land on the end of a bar
         if debug:
             raise
-        print(f"error: {error_line(e)}", file=sys.stderr)
+        # the newline in the same write as the text: the ranks of a torchrun that fail together would interleave
+        print(f"error: {error_line(e)}\n", end="", file=sys.stderr)
         return 2 if is_usage_error(e) else 1
 
 
