@@ -547,3 +547,22 @@ def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_
     monkeypatch.setattr(sys, "stderr", Stderr())
     assert cli.main(["config", "list"]) == 1
     assert [text for text in writes if text] == ["error: train.total_batch_tokens = 384 is not a multiple of 768\n"]
+
+
+def test_a_warning_line_is_one_write_too(monkeypatch):
+    """As the error line above: tqdm.write and print wrote the text and its newline apart, so warnings of
+    several ranks could glue into one line."""
+    writes = []
+
+    class Stderr:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    cli.show_warning_line("a message\n  over two lines", UserWarning, "x.py", 1)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the path without tqdm loaded
+    cli.show_warning_line("again", UserWarning, "x.py", 1)
+    assert [text for text in writes if text] == ["warning: a message over two lines\n", "warning: again\n"]

@@ -1013,11 +1013,12 @@ def one_line_warnings():
 
 def show_warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     text = "warning: " + " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    # The line and its newline in one write, as the error line: warnings of ranks that warn together stay whole.
     tqdm = sys.modules.get("tqdm")
     if tqdm is not None:  # above an open progress bar, which tqdm redraws below the line
-        tqdm.tqdm.write(text, file=file or sys.stderr)
+        tqdm.tqdm.write(text + "\n", file=file or sys.stderr, end="")
     else:
-        print(text, file=file or sys.stderr)
+        print(text + "\n", end="", file=file or sys.stderr)
 
 
 def is_usage_error(e: Exception) -> bool:
