@@ -528,9 +528,8 @@ def test_sample_with_stdout_closed_fails_in_one_line_instead_of_losing_the_text(
                                      "file or a pipe"], r.stderr
 
 
-def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_lines(monkeypatch):
-    """Found under torchrun: both ranks refused the batch, and stderr held 'error: ... of 768error: ... of 768'
-    on one line then an empty one; print wrote the text and its newline apart, and the ranks' writes interleaved."""
+def recorded_writes(monkeypatch) -> list[str]:
+    """What is written to stderr from here on, write by write (a line and its newline apart show as two)."""
     writes = []
 
     class Stderr:
@@ -540,11 +539,19 @@ def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_
         def flush(self):
             pass
 
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    return writes
+
+
+def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_lines(monkeypatch):
+    """Found under torchrun: both ranks refused the batch, and stderr held 'error: ... of 768error: ... of 768'
+    on one line then an empty one; print wrote the text and its newline apart, and the ranks' writes interleaved."""
+    writes = recorded_writes(monkeypatch)
+
     def refuses(args):
         raise ValueError("train.total_batch_tokens = 384 is not a multiple of 768")
 
     monkeypatch.setattr(cli, "cmd_config_list", refuses)
-    monkeypatch.setattr(sys, "stderr", Stderr())
     assert cli.main(["config", "list"]) == 1
     assert [text for text in writes if text] == ["error: train.total_batch_tokens = 384 is not a multiple of 768\n"]
 
@@ -552,16 +559,7 @@ def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_
 def test_a_warning_line_is_one_write_too(monkeypatch):
     """As the error line above: tqdm.write and print wrote the text and its newline apart, so warnings of
     several ranks could glue into one line."""
-    writes = []
-
-    class Stderr:
-        def write(self, text):
-            writes.append(text)
-
-        def flush(self):
-            pass
-
-    monkeypatch.setattr(sys, "stderr", Stderr())
+    writes = recorded_writes(monkeypatch)
     cli.show_warning_line("a message\n  over two lines", UserWarning, "x.py", 1)
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the path without tqdm loaded
     cli.show_warning_line("again", UserWarning, "x.py", 1)
