@@ -224,10 +224,11 @@ def cmd_train(args) -> int:
 def run_speed(run_dir, resume: str | None):
     """How `train` learns its speed for a time budget (train.time_budget): the figure its checkpoint kept, on a
     resume; else measured on (or, for a GPU, estimated for) this machine's device, times the ranks."""
+    from gpt2train.distributed import launch_env
     from gpt2train.plan import recorded_speed, training_speed
 
     def speed(cfg):
-        return recorded_speed(run_dir, resume) or training_speed(gpus=int(os.environ.get("WORLD_SIZE", "1")))(cfg)
+        return recorded_speed(run_dir, resume) or training_speed(gpus=launch_env()[2])(cfg)
     return speed
 
 
@@ -360,13 +361,14 @@ def cmd_report(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from gpt2train.distributed import launch_env
     from gpt2train.eval.run import evaluate_checkpoint, format_table
 
     # An unknown --tasks name is a UsageError (exit 2), found before the checkpoint is loaded.
     record = evaluate_checkpoint(args.ckpt, args.tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
                                  hellaswag=args.hellaswag, device=args.device, dtype=args.dtype,
                                  lm_eval_include=args.lm_eval_include)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch_env()[0] == 0:
         print(format_table(record))
         print(f"wrote {Path(record['checkpoint']) / 'eval.json'}")
     return 0

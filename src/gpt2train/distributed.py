@@ -87,11 +87,6 @@ def launch_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def launched_by_torchrun() -> bool:
-    """torchrun (and torch.distributed.run) exports RANK, LOCAL_RANK and WORLD_SIZE to every worker."""
-    return launch_env()[2] > 1
-
-
 def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Join the process group when launched by torchrun (RANK/WORLD_SIZE set), else run single-process.
 
@@ -103,9 +98,9 @@ def init_distributed(device_name: str = "auto", timeout_s: float = 600.0) -> Dis
         raise ValueError(f"train.collective_timeout_s = {timeout_s} must be > 0 (seconds a rank waits for the others "
                          "in a collective)")
     device = resolve_device(device_name)
-    if not launched_by_torchrun():
-        return DistInfo(device=device)
     rank, local_rank, world_size = launch_env()
+    if world_size == 1:  # not launched by torchrun, or by torchrun with one process
+        return DistInfo(device=device)
     if device.type == "cuda":
         check_gpu_for_rank(local_rank, torch.cuda.device_count())
         device = torch.device("cuda", local_rank)

@@ -397,19 +397,10 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
     return env.get_template("model_card.md").render(**values)
 
 
-def is_prepared_data(folder: Path) -> bool:
-    """`gpt2train prepare` writes meta.json listing its shards; a checkpoint's meta.json has none."""
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "shards" in meta
-
-
 def refuse_to_export_over_a_run(out: Path) -> None:
     """The export's model.safetensors would replace a checkpoint's own (same name, another layout), and a run
     directory is no place for a Hugging Face folder either. A wrong --out: a usage error (exit 2), as import-hf's."""
-    from gpt2train.checkpoint import run_on_disk
+    from gpt2train.checkpoint.format import is_prepared_data, run_on_disk
 
     if is_prepared_data(out):
         raise UsageError(f"{out} is a prepared data folder; export into another folder")

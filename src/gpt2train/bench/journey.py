@@ -399,6 +399,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             """The rows measured so far, as journey.json and journey.md with a line saying the journey is not
             finished: a journey cut short (a GPU session's time limit, Ctrl-C) keeps what it measured."""
             _speedups(stages)
+            if ablation:
+                _ablation_ratios(ablation)
             partial = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
                                     stages=stages, ablation=ablation)
             partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
@@ -452,7 +454,6 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
                     bar.update(1)
                     continue
                 ablation.append(run(name, replace(everything, **{key: False})))
-                _ablation_ratios(ablation)
                 save_so_far()
             _ablation_ratios(ablation)
     bar.close()

@@ -479,13 +479,18 @@ def not_a_checkpoint(path: Path) -> str | None:
     config.json); None for any other path."""
     if (path / "config.json").is_file() and not (path / "meta.json").exists():
         return f"{path} is a Hugging Face model folder; import it first: gpt2train import-hf {path} --out RUN_DIR"
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (OSError, ValueError):  # no meta.json, or a damaged one: read_meta says which
-        return None
-    if isinstance(meta, dict) and "shards" in meta and "step" not in meta:
+    if is_prepared_data(path):
         return f"{path} is a prepared data folder, not a checkpoint; pass a run directory or a checkpoints/step_* folder"
-    return None
+    return None  # anything else, a damaged meta.json too: read_meta says which
+
+
+def is_prepared_data(folder: Path) -> bool:
+    """`gpt2train prepare`'s folder: its meta.json lists shards, and a checkpoint's has a step instead."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "shards" in meta and "step" not in meta
 
 
 def resolve_verified(path: str | Path) -> tuple[Path, dict]:

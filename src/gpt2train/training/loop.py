@@ -226,7 +226,7 @@ def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
-def train(cfg: Config, run_dir: str | Path | None, resume: str | None = None) -> dict:
+def train(cfg: Config, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
     trainer = None
