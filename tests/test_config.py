@@ -20,7 +20,7 @@ from gpt2train.config import (
     to_dict,
     validate,
 )
-from gpt2train.runtime import resolve_config
+from gpt2train.runconfig import resolve_run
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))
 
@@ -101,7 +101,7 @@ def test_every_numeric_key_has_a_range():
 def test_every_default_and_shipped_preset_is_in_range():
     validate(Config())
     for name in preset_files():
-        load_config(name)
+        resolve_run(name)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -123,7 +123,7 @@ def test_every_default_and_shipped_preset_is_in_range():
 ])
 def test_values_out_of_range_name_the_key_and_the_range(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
-        load_config(None, [override])
+        resolve_run(None, [override])  # a rule between two keys is checked once the config is resolved
     assert "\n" not in str(info.value)
 
 
@@ -134,7 +134,7 @@ def test_a_config_built_in_code_is_checked_before_the_trainer_starts(char_data, 
     cfg = tiny_config(char_data)
     cfg.log.interval = 0  # would divide by zero at the first step
     with pytest.raises(ConfigError, match="log.interval = 0 is out of range"):
-        resolve_config(cfg, 66)
+        resolve_run(cfg)
     with pytest.raises(ConfigError, match="log.interval = 0 is out of range"):
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # stopped before the run directory was made

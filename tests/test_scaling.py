@@ -15,22 +15,27 @@ import pytest
 from conftest import one_line, run_cli
 from gpt2train.bench import scaling
 from gpt2train.bench.scaling import ScalingOptions, fit_power_law, run_ladder
-from gpt2train.config import ConfigError, derived_settings, load_config
+from gpt2train.config import ConfigError, load_config
 from gpt2train.data.markov import Chain, loss_floor, prepare_markov
 from gpt2train.ranges import UsageError
-from gpt2train.sizing import batch_tokens_for, format_derived
+from gpt2train.runconfig import Environment, resolve_run
+from gpt2train.sizing import SpeedNeeded, batch_tokens_for, format_derived
 from gpt2train.training.loop import Trainer
 
 
-def derived(cfg) -> dict:
-    return {d.key: d for d in derived_settings(cfg)}
+def derived(run) -> dict:
+    return {d.key: d for d in run.dial}
+
+
+def dial(config, overrides, world_size: int = 1):
+    return resolve_run(config, overrides, Environment(world_size=world_size))
 
 
 # --- the dial ------------------------------------------------------------------------------------------
 
 def test_depth_12_is_gpt2_124m_with_its_learning_rate():
-    cfg = load_config(None, ["model.depth=12"])
-    m, t = cfg.model, cfg.train
+    run = dial(None, ["model.depth=12"])
+    m, t = run.config.model, run.config.train
     assert (m.n_layer, m.n_embd, m.n_head) == (12, 768, 12)  # GPT-2 124M's shape
     assert t.lr == pytest.approx(6e-4)
     # 20 x 85,056,000 non-embedding parameters; 2^19 x (1.70e9 / 1e10)^0.4 = 258,263 -> 32 micro-batches of 8 x 1024
@@ -38,52 +43,53 @@ def test_depth_12_is_gpt2_124m_with_its_learning_rate():
     assert t.total_batch_tokens == 32 * 8 * 1024 == 2 ** 18  # modded-nanogpt's batch for this model
     assert t.max_steps == math.ceil(tokens / 2 ** 18) == 6490
     assert t.warmup_steps == round(0.05 * 6490)
-    assert derived(cfg)["tokens"].value == tokens
+    assert derived(run)["tokens"].value == tokens
 
 
 def test_rules_scale_with_width_and_budget():
-    small, big = load_config(None, ["model.depth=6"]), load_config(None, ["model.depth=24"])
+    small, big = dial(None, ["model.depth=6"]).config, dial(None, ["model.depth=24"]).config
     assert (small.model.n_embd, small.model.n_head, big.model.n_embd, big.model.n_head) == (384, 6, 1536, 24)
     assert small.train.lr == pytest.approx(2 * 6e-4) and big.train.lr == pytest.approx(6e-4 / 2)  # 1 / width
     assert small.train.total_batch_tokens < big.train.total_batch_tokens
-    flops = load_config(None, ["model.depth=6", "train.flops_budget=1e17"])
+    flops = dial(None, ["model.depth=6", "train.flops_budget=1e17"])
     n = 6 * (12 * 384 ** 2 + 13 * 384) + 2 * 384  # blocks (weights, biases, two LayerNorms) and ln_f
     assert derived(flops)["tokens"].value == int(1e17 / (6 * n))
-    half = load_config(None, ["model.depth=6", "train.tokens_per_param=10"])
+    half = dial(None, ["model.depth=6", "train.tokens_per_param=10"])
     assert derived(half)["tokens"].value == 10 * n
 
 
-def test_batch_rule_grows_smoothly_in_whole_micro_batches(monkeypatch):
+def test_batch_rule_grows_smoothly_in_whole_micro_batches():
     assert batch_tokens_for(10e9, 1024) == 2 ** 19
     assert batch_tokens_for(1e3, 8192) == 8192  # at least one micro-batch
     batches = [batch_tokens_for(tokens, 4096) for tokens in np.geomspace(1e7, 1e11, 13)]
     assert all(b % 4096 == 0 for b in batches) and batches == sorted(batches)
     assert all(later / earlier < 1.5 for earlier, later in zip(batches, batches[1:]))  # no doubling in one step
-    monkeypatch.setenv("WORLD_SIZE", "3")  # under torchrun: whole micro-batches on every rank
-    assert load_config(None, ["model.depth=12"]).train.total_batch_tokens % (3 * 8 * 1024) == 0
+    # under torchrun: whole micro-batches on every rank
+    assert dial(None, ["model.depth=12"], world_size=3).config.train.total_batch_tokens % (3 * 8 * 1024) == 0
 
 
 def test_explicit_keys_win_over_the_dial_and_say_what_the_rule_gives(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[model]\nn_embd = 512\n[train]\nlr = 1e-3\n")
-    cfg = load_config(path, ["model.depth=6", "train.max_steps=77"])
+    run = dial(path, ["model.depth=6", "train.max_steps=77"])
+    cfg = run.config
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head) == (6, 512, 8)  # heads follow the width kept
     assert (cfg.train.lr, cfg.train.max_steps) == (1e-3, 77)
-    d = derived(cfg)
+    d = derived(run)
     assert d["model.n_embd"].explicit and d["model.n_embd"].rule_value == 384
     assert d["train.max_steps"].explicit and not d["model.n_layer"].explicit
-    lines = format_derived(derived_settings(cfg))
+    lines = format_derived(run.dial)
     assert "train.lr = 0.001  (set in the config; the rule gives 0.0009: 0.0006 x 768 / n_embd 512" in "\n".join(lines)
-    assert load_config(None, []).train.max_steps == 1000 and not derived_settings(load_config(None, []))  # dial off
+    assert dial(None, []).config.train.max_steps == 1000 and not dial(None, []).dial  # dial off
 
 
 def test_dial_refuses_a_width_the_head_size_does_not_divide():
     with pytest.raises(ConfigError, match="model.depth \\* model.aspect_ratio = 30 is not a multiple of model.head_dim"):
-        load_config(None, ["model.depth=3", "model.aspect_ratio=10", "model.head_dim=4"])
+        dial(None, ["model.depth=3", "model.aspect_ratio=10", "model.head_dim=4"])
 
 
 def test_shakespeare_cpu_is_the_same_model_and_depth_6_runs_with_every_setting_explained(char_data, tmp_path):
-    cfg = load_config("shakespeare-cpu", [])
+    cfg = dial("shakespeare-cpu", []).config
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.total_batch_tokens) == (4, 128, 4, 0)
     r = run_cli(*["plan", "--config", "shakespeare-cpu", "--set", "model.depth=6", "--set", f"data.dir={char_data}",
                  "--tokens-per-s", "1000"])
@@ -106,18 +112,20 @@ def test_shakespeare_cpu_is_the_same_model_and_depth_6_runs_with_every_setting_e
 def test_time_budget_sets_the_run_length_by_the_speed(char_data):
     base = [f"data.dir={char_data}", "model.depth=2", "model.aspect_ratio=16", "model.head_dim=16", "model.block_size=32",
             "train.micro_batch=4", "train.time_budget=2"]
-    cfg = load_config(None, [*base, "train.tokens_per_s=4000"])
+    run = dial(None, [*base, "train.tokens_per_s=4000"])
     # 2 s x 4,000 tokens/s = 8,000 tokens; 2^19 x (8e3 / 1e10)^0.4 = 1,909 -> 15 micro-batches of 4 x 32 = 1,920
-    tokens = derived(cfg)["tokens"]
+    tokens = derived(run)["tokens"]
     assert tokens.value == 8000 and "train.time_budget 2 s x train.tokens_per_s 4,000" in tokens.rule
-    assert (cfg.train.total_batch_tokens, cfg.train.max_steps) == (1920, 5)  # ceil(8,000 / 1,920)
-    asked = []
-    measured = load_config(None, base, speed=lambda c: asked.append(c.model.n_embd) or (8000.0, "timed by the test"))
-    assert asked == [32] and measured.train.tokens_per_s == 8000  # called once, with the shape set; kept in the config
-    assert "train.tokens_per_s = 8000  (timed by the test)" in format_derived(derived_settings(measured))
-    message = one_line(ConfigError, load_config, None, base)
-    assert message.startswith("train.time_budget needs the run's speed: set train.tokens_per_s")
-    message = one_line(ConfigError, load_config, None, [*base, "train.tokens_per_s=1", "train.flops_budget=1e12"])
+    assert (run.config.train.total_batch_tokens, run.config.train.max_steps) == (1920, 5)  # ceil(8,000 / 1,920)
+    # No speed known: resolving asks for one, with the shape set for the caller to measure; its figure is kept.
+    with pytest.raises(SpeedNeeded) as need:
+        dial(None, base)
+    assert need.value.shaped.model.n_embd == 32 and "\n" not in str(need.value)
+    assert str(need.value).startswith("train.time_budget needs the run's speed: set train.tokens_per_s")
+    measured = resolve_run(None, base, Environment().with_speed(8000.0, "timed by the test"))
+    assert measured.config.train.tokens_per_s == 8000 and measured.origin("train.tokens_per_s") == "timed by the test"
+    assert "train.tokens_per_s = 8000  (timed by the test)" in format_derived(measured.dial)
+    message = one_line(ConfigError, dial, None, [*base, "train.tokens_per_s=1", "train.flops_budget=1e12"])
     assert "both set the run's length; set one of them" in message
 
 
@@ -449,5 +457,5 @@ def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):
 def test_a_budget_of_more_tokens_than_a_float_holds_is_one_line(budget):
     """Bug: each factor is in range but their product is inf, and the dial's int(tokens) raised OverflowError
     ('an internal error', exit 1) instead of a usage error naming the keys."""
-    message = one_line(ConfigError, load_config, None, ["model.depth=2", *budget])
+    message = one_line(ConfigError, dial, None, ["model.depth=2", *budget])
     assert message.startswith("the run's length in tokens (") and "is more than a number holds" in message

@@ -15,14 +15,15 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
+    ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog",
+              "sections"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture", "data.markov"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
-                  "training.loop"}),
+                  "training.loop", "runconfig"}),
     ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve",
                "bench.prepare", "bench.scaling", "plan", "doctor", "report"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it

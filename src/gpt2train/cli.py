@@ -201,17 +201,19 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from gpt2train.config import load_config
     from gpt2train.distributed import launch_env
+    from gpt2train.plan import resolve_measuring
+    from gpt2train.runconfig import Environment
     from gpt2train.training.console import ALREADY_FINISHED
     from gpt2train.training.loop import train
 
     rank = launch_env()[0]  # torchrun's variables, checked before the config splits the batch over them
     run_dir = args.out or default_run_dir(args.config)
-    cfg = load_config(args.config, args.set or [], speed=run_speed(run_dir, args.resume))
+    # One resolution; a time budget's speed: the resumed checkpoint's, else measured (or estimated) here.
+    run = resolve_measuring(args.config, args.set or [], Environment.of_launch(run_dir, args.resume))
     if args.config is None and rank == 0:
-        print(no_config_line(cfg), flush=True)
-    out = train(cfg, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
+        print(no_config_line(run.config), flush=True)
+    out = train(run, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
     # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
     if rank != 0 or out["reason"] == ALREADY_FINISHED:
         return 0
@@ -219,17 +221,6 @@ def cmd_train(args) -> int:
     best_text = f"{best:.4f}" if math.isfinite(best) else "n/a (no validation yet)"
     print(f"finished at step {out['step']} ({out['reason']}); best val loss {best_text}; run directory {run_dir}")
     return 0
-
-
-def run_speed(run_dir, resume: str | None):
-    """How `train` learns its speed for a time budget (train.time_budget): the figure its checkpoint kept, on a
-    resume; else measured on (or, for a GPU, estimated for) this machine's device, times the ranks."""
-    from gpt2train.distributed import launch_env
-    from gpt2train.plan import recorded_speed, training_speed
-
-    def speed(cfg):
-        return recorded_speed(run_dir, resume) or training_speed(gpus=launch_env()[2])(cfg)
-    return speed
 
 
 def no_config_line(cfg) -> str:
@@ -375,16 +366,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from gpt2train.config import load_config
-    from gpt2train.plan import PlanError, format_plan, make_plan, target_device, training_speed
+    from gpt2train.plan import PlanError, format_plan, make_plan, resolve_measuring, target_device
+    from gpt2train.runconfig import Environment
 
     try:
         device = target_device(args.device)
     except PlanError as e:  # a name outside the device table is a bad argument
         raise UsageError(str(e)) from None
-    speed = training_speed(device, gpus=args.gpus, mfu=args.mfu, tokens_per_s=args.tokens_per_s)
-    cfg = load_config(args.config, args.set or [], speed=speed, ranks=args.gpus)  # the dial's batch for --gpus
-    plan = make_plan(cfg, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
+    run = resolve_measuring(args.config, args.set or [], Environment(world_size=args.gpus), device=device,
+                            mfu=args.mfu, tokens_per_s=args.tokens_per_s)  # the dial's batch for --gpus
+    plan = make_plan(run, device, gpus=args.gpus, mfu=args.mfu, data_dir=args.data,
                      bench_json=args.bench_json, tokens_per_s=args.tokens_per_s)
     print(format_plan(plan))
     return 0
@@ -494,15 +485,20 @@ def cmd_bench_scaling(args) -> int:
 
 
 def cmd_config_show(args) -> int:
-    from gpt2train.config import derived_settings, dump_toml, load_config
-    from gpt2train.plan import training_speed
+    from gpt2train.config import dump_toml
+    from gpt2train.plan import resolve_measuring
     from gpt2train.sizing import format_derived
 
-    cfg = load_config(args.config, args.set or [], speed=training_speed())
-    print(dump_toml(cfg), end="")
-    if derived_settings(cfg):  # as TOML comments: the output stays a config file
-        print(f"\n# the size dial, model.depth = {cfg.model.depth} (docs/training.md, \"One size dial\"):")
-        print("\n".join(f"#   {line}" for line in format_derived(derived_settings(cfg))))
+    run = resolve_measuring(args.config, args.set or [])
+    print(dump_toml(run.config), end="")
+    # Where the values nobody wrote came from, as TOML comments: the output stays a config file.
+    if run.dial:
+        print(f"\n# the size dial, model.depth = {run.config.model.depth} (docs/training.md, \"One size dial\"):")
+        print("\n".join(f"#   {line}" for line in format_derived(run.dial)))
+    others = [key for key in run.origins if key not in {d.key for d in run.dial}]
+    if others:
+        print("\n# derived, not set in the config:")
+        print("\n".join(f"#   {key} = {run.value(key)!r}  ({run.origin(key)})" for key in others))
     return 0
 
 
@@ -518,9 +514,9 @@ def cmd_config_list(args) -> int:
 
 def cmd_memory(args) -> int:
     from gpt2train.bench.memory import estimate_memory, find_batch_report
-    from gpt2train.config import load_config
+    from gpt2train.runconfig import Environment, resolve_run
 
-    cfg = load_config(args.config, args.set or [])
+    cfg = resolve_run(args.config, args.set or [], Environment(world_size=args.world_size)).config
     print(estimate_memory(cfg, args.world_size).format())
     if args.find_batch:
         print(find_batch_report(cfg, args.headroom, args.world_size, args.gpu_memory_gib))

@@ -3,9 +3,12 @@
 Every key has a type; keys with a fixed set of values list them in CHOICES and every numeric key has its
 range in RANGES, so a typo, a wrong type or a value out of range is a one-line ConfigError naming the key and
 what it accepts (the model's choices, ranges and shape rules are GPTConfig's own: CHOICES, RANGES and
-validate() take them from model.py). validate() adds the checks that involve two keys; load_config and runtime.resolve_config
-(which every command and the trainer pass through) run it before any work starts. The resolved config is
-written back as TOML into the run directory, which makes every run reproducible from its own folder.
+validate() take them from model.py). validate() adds the checks that involve two keys.
+
+load_config reads what the user wrote (defaults <- file or preset <- overrides); runconfig.resolve_run turns
+that into the run's resolved config in one pass (the size dial, train.init_from's shape, the data's
+vocabulary), which every command and the trainer read. The resolved config is written back as TOML into the
+run directory, which makes every run reproducible from its own folder.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from pathlib import Path
 
 import tomli_w
 
-from gpt2train import sizing
 from gpt2train.files import write_text_atomic
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import COMPILE_SETTINGS, DEVICE_NAMES, DTYPE_NAMES, SEEDS, Range, above, at_least, between, is_device_name
+from gpt2train.sections import Section
 from gpt2train.spikes import SPIKE_FACTOR, SPIKE_WINDOW
 
 if sys.version_info >= (3, 11):
@@ -38,7 +41,7 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     dir: str = "data/shakespeare"  # folder written by `gpt2train prepare` (meta.json + shards)
     loader: str = "auto"  # ram: load all tokens; memmap: read from disk; auto: ram when it fits
     order: str = "random"  # random windows, or sequential epochs over a seeded permutation of windows
@@ -48,7 +51,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     device: str = "auto"  # auto (cuda, then mps, then cpu), cpu, cuda, cuda:N, mps
     # Weights to start from: "scratch"; a Hugging Face GPT-2 (gpt2 ... gpt2-xl, downloaded once, or a folder with
     # config.json + safetensors); or a run directory / checkpoint of ours. Step 0, fresh optimizer; the model
@@ -96,7 +99,7 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Section):
     interval: int = 250  # steps between validation runs; 0: only at the end
     val_batches: int = 20  # micro-batches per validation; 0: the whole val split
     hellaswag_interval: int = 0  # steps between HellaSwag runs during training; 0: never
@@ -108,7 +111,7 @@ class EvalConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Section):
     interval: int = 10  # steps between console/JSONL lines
     progress: str = "auto"  # auto: a bar on a terminal, lines otherwise; bar; lines
     tensorboard: bool = False
@@ -118,7 +121,7 @@ class LogConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     every_steps: int = 500  # 0: never by step count
     every_minutes: float = 0.0  # 0: never by wall time
     keep_last: int = 3  # ring of recent checkpoints
@@ -127,7 +130,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class GuardConfig:
+class GuardConfig(Section):
     enabled: bool = True
     spike_factor: float = SPIKE_FACTOR  # a loss spike rolls back: above this x the recent median and SPIKE_MADS MADs (spikes.py)
     spike_window: int = SPIKE_WINDOW  # finite losses before a step that its loss is judged against
@@ -136,7 +139,7 @@ class GuardConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -204,9 +207,11 @@ RANGES: dict[str, Range] = {
 }
 
 
-def validate(cfg: Config) -> Config:
-    """Check every key against its type, choices and range, then the rules between keys; returns cfg.
-    Catches a Config built or changed in code as well as one loaded from a file."""
+def validate(cfg: Config, between_keys: bool = True) -> Config:
+    """Check every key against its type, choices and range, then (between_keys) the rules between keys; returns
+    cfg. Catches a Config built or changed in code as well as one loaded from a file. What the user wrote is
+    checked key by key only: the rules between keys hold for the resolved config (runconfig.py), whose shape
+    may come from the size dial or train.init_from."""
     if not isinstance(cfg, Config):  # a dict or a preset name given to train(): Python would name an attribute
         raise TypeError(f"a run takes a Config, not {type(cfg).__name__}: load_config(PATH_OR_PRESET) makes one")
     for section in _sections():
@@ -216,13 +221,16 @@ def validate(cfg: Config) -> Config:
     model, train = cfg.model, cfg.train
     if not is_device_name(train.device):
         raise ConfigError(f"train.device = {train.device!r} is not allowed; use {DEVICE_NAMES}")
+    data_sources(cfg.data)
+    if not between_keys:
+        return cfg
     try:  # the model's shape rules are GPTConfig's own
         model.check(vocab_from_data=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if train.seq_len > model.block_size:
-        raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}")
-    data_sources(cfg.data)
+        raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}; set "
+                          f"train.seq_len to at most {model.block_size} (0: the model's context)")
     return cfg
 
 
@@ -255,13 +263,12 @@ def data_sources(data: DataConfig) -> list[tuple[str, float]]:
     return pairs
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), speed=None, ranks: int | None = None) -> Config:
-    """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type.
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- TOML file or preset <- `section.key=value` overrides, each checked against its type: what
+    the user wrote, with a record of which keys (written_keys). runconfig.resolve_run resolves it for a run.
 
     `path` is a file, or the name of a preset shipped in the package (`gpt2`, `shakespeare-cpu`, ...);
-    a file that exists wins over a preset of the same name. `speed`: how the size dial learns the run's
-    tokens/s for train.time_budget (sizing.derive); the commands that run or plan a run pass one. `ranks`: the
-    processes the dial splits the batch over (None: torchrun's WORLD_SIZE)."""
+    a file that exists wins over a preset of the same name."""
     if isinstance(overrides, str):  # read letter by letter it would say "--set 't': expected section.key=value"
         raise TypeError(f"overrides is a list of 'section.key=value' strings: pass [{overrides!r}]")
     data: dict = {}
@@ -272,19 +279,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), speed
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{name}: invalid TOML: {e}") from None
     cfg = from_dict(data)
-    explicit = {f"{section}.{key}" for section, values in data.items() for key in values}
     for item in overrides:
-        explicit.add(apply_override(cfg, item))
-    try:
-        cfg.derived = sizing.derive(cfg, explicit, speed, ranks)  # the size dial: what it set, for plan and config show
-    except sizing.SizingError as e:
-        raise ConfigError(str(e)) from None
-    return validate(cfg)
+        apply_override(cfg, item)
+    return validate(cfg, between_keys=False)
 
 
-def derived_settings(cfg: Config) -> list[sizing.Derived]:
-    """What the size dial set when the config was loaded (nothing for a Config built in code or read back)."""
-    return getattr(cfg, "derived", [])
+def written_keys(cfg: Config) -> frozenset[str]:
+    """The keys the user set, as "section.key": those written in the file, with --set, or in code (sections.py)."""
+    return frozenset(f"{section}.{key}" for section in _sections() for key in getattr(cfg, section).written())
 
 
 def read_config_text(path: str | Path) -> tuple[str, str]:

@@ -54,6 +54,15 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE as torchrun exported it (the ranks on this machine), 1 without torchrun."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        raise UsageError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not an integer (torchrun sets it); "
+                         "launch with torchrun, or unset it") from None
+
+
 def launch_env() -> tuple[int, int, int]:
     """(RANK, LOCAL_RANK, WORLD_SIZE) as torchrun exported them, (0, 0, 1) without torchrun.
 

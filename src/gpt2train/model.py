@@ -32,11 +32,12 @@ from torch.utils.checkpoint import checkpoint
 
 from gpt2train.classifier import chunked_cross_entropy, softcap
 from gpt2train.ranges import Range, above, at_least, between
+from gpt2train.sections import Section
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Section):
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768

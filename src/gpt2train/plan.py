@@ -19,12 +19,13 @@ import torch
 from gpt2train import devices, runtime
 from gpt2train.bench.journey import read_final_mfu
 from gpt2train.bench.memory import estimate_memory
-from gpt2train.config import Config, ConfigError, derived_settings
+from gpt2train.config import Config, ConfigError
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
 from gpt2train.model import GPT
+from gpt2train.runconfig import Environment, RunConfig, as_run, resolve_run
 from gpt2train.runtime import accumulation_steps, resolve_runtime
-from gpt2train.sizing import Derived, SizingError, format_derived
+from gpt2train.sizing import Derived, SpeedNeeded, format_derived
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.units import format_bytes, format_count, format_duration, format_significant
 
@@ -88,11 +89,13 @@ def _dtype(cfg: Config) -> torch.dtype:
 
 
 def config_as_trained(cfg: Config, gpus: int, meta: dict | None, device: Device) -> Config:
-    """A copy with every "take it from elsewhere" value made concrete, by the trainer's own resolution."""
-    try:
-        cfg = runtime.resolve_config(cfg, int(meta["vocab_size"]) if meta else None, default_vocab=GPT2_VOCAB_SIZE)
-    except ConfigError as e:
-        raise PlanError(str(e)) from None
+    """A copy of a resolved config with what the trainer decides on the device made concrete: the vocabulary
+    of data not prepared yet (GPT-2's), one micro-batch per rank for total_batch_tokens 0, the dtype."""
+    cfg = copy.deepcopy(cfg)
+    if cfg.model.vocab_size <= 0:
+        cfg.model.vocab_size = int(meta["vocab_size"]) if meta else GPT2_VOCAB_SIZE
+    if cfg.train.seq_len <= 0:
+        cfg.train.seq_len = cfg.model.block_size
     if cfg.train.total_batch_tokens <= 0:  # the trainer's meaning of 0: one micro-batch on every rank
         cfg.train.total_batch_tokens = cfg.train.micro_batch * cfg.train.seq_len * gpus
     # The dtype the trainer picks on that device (a GPU of the table has bf16).
@@ -255,6 +258,7 @@ class Plan:
     tokens_per_s_source: str = ""
     sources: list[SourceEpochs] = field(default_factory=list)  # a mixture's (then train_tokens is None)
     derived: list[Derived] = field(default_factory=list)  # what the size dial set, and the rules the config beat
+    run: RunConfig | None = None  # the resolved config the plan was made for (cfg adds the device's choices)
 
     @property
     def steps_per_epoch(self) -> float | None:
@@ -270,13 +274,19 @@ class Plan:
         return wall_seconds(tokens, self.flops_per_token, self.peak_flops, self.mfu, self.gpus)
 
 
-def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = None, data_dir: str | None = None,
+def make_plan(cfg: Config | RunConfig, device: Device, gpus: int = 1, mfu: float | None = None, data_dir: str | None = None,
               bench_json: str | Path | None = None, runs_dir: str | Path = "runs", tokens_per_s: float | None = None,
               measure_cpu: bool = True) -> Plan:
     """Everything `gpt2train plan` prints. mfu (0..1) wins over a bench figure, which wins over the default.
-    Without a known peak (a CPU), the time comes from tokens_per_s, else from timing a few steps here."""
+    Without a known peak (a CPU), the time comes from tokens_per_s, else from timing a few steps here. A Config
+    is resolved for `gpus` ranks first (runconfig.resolve_run)."""
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: need at least one device")
+    try:
+        run = as_run(cfg, Environment(world_size=gpus))
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    cfg = run.config
     if mfu is not None and not 0 < mfu <= 1:
         raise PlanError(f"--mfu {mfu}: give model FLOPs utilization as a fraction in (0, 1], e.g. 0.4")
     notes: list[str] = []
@@ -287,8 +297,8 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
         data_dir = data_dir or cfg.data.dir
         meta = _read_meta(data_dir, required=data_dir != cfg.data.dir, notes=notes)
     if cfg.model.vocab_size <= 0:
-        notes.append(f"vocab from {'meta.json' if meta else 'the GPT-2 default'}: model.vocab_size is 0 in the config")
-    derived = derived_settings(cfg)
+        notes.append("vocab from the GPT-2 default: model.vocab_size is 0 in the config and the data is not prepared")
+    derived = list(run.dial)
     cfg = config_as_trained(cfg, gpus, meta, device)
 
     params, params_non_embedding = parameter_count(cfg.model), parameter_count(cfg.model, non_embedding=True)
@@ -315,7 +325,8 @@ def make_plan(cfg: Config, device: Device, gpus: int = 1, mfu: float | None = No
                 chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
                 train_tokens=int(meta["tokens"]["train"]) if meta and not sources else None, peak_flops=peak, mfu=mfu,
                 mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes, tokens_per_s=speed,
-                tokens_per_s_source=speed_source, sources=[s for s, _ in sources], derived=derived)
+                tokens_per_s_source=speed_source, sources=[s for s, _ in sources], derived=derived,
+                run=run)
 
 
 CPU_FLOPS_FLOOR = 2e10  # FLOP/s: a slow CPU, to decide whether timing a step here is quick
@@ -348,52 +359,45 @@ def measure_cpu_speed(cfg: Config, notes: list[str], steps: int = 2) -> tuple[fl
     return speed, f"measured here over {steps} steps of micro_batch {B} on {torch.get_num_threads()} CPU threads"
 
 
-def training_speed(device: Device | None = None, gpus: int = 1, mfu: float | None = None,
-                   tokens_per_s: float | None = None, runs_dir: str | Path = "runs"):
-    """speed(cfg) for the size dial's train.time_budget (sizing.derive): the run's tokens/s on `gpus` x device,
-    all of them, and where the figure comes from. device None: the config's train.device on this machine.
-    tokens_per_s (per device, plan's --tokens-per-s) wins; else a GPU of the table: peak x MFU (as `plan`
-    chooses it) / FLOPs per token; a CPU: a few steps timed here, on one process only (ranks would each time
-    their own)."""
-    def speed(cfg: Config) -> tuple[float, str]:
-        if tokens_per_s:  # plan's --tokens-per-s, a positive figure
-            return tokens_per_s * gpus, "given with --tokens-per-s"
-        target = device or target_device(cfg.train.device)
-        notes: list[str] = []
-        shaped = config_as_trained(cfg, gpus, _read_meta(cfg.data.dir, required=False, notes=notes), target)
-        peak = peak_flops_for(target, shaped)
-        if peak is not None:
-            used, source = _choose_mfu(mfu, target, None, runs_dir, notes)
-            per_token = flops_per_token(shaped.model, shaped.train.seq_len)
-            return (peak * used * gpus / per_token,
-                    f"{gpus} x {target.name}: {peak / 1e12:,.0f} TFLOP/s peak x MFU {used:.2f} ({source}) / "
-                    f"{per_token:,} FLOPs per token")
-        if target.is_gpu or gpus > 1:
-            raise SizingError(f"train.time_budget: the speed of {gpus} x {target.name} cannot be measured here; "
-                              f"set train.tokens_per_s")
-        rate, source = measure_cpu_speed(shaped, notes)
-        if rate is None:
-            raise SizingError(f"train.time_budget: {notes[-1]}; set train.tokens_per_s")
-        return rate, source
-    return speed
-
-
-def recorded_speed(run_dir: str | Path, resume: str | None) -> tuple[float, str] | None:
-    """The tokens/s a time-budgeted run was sized by at its first launch, read from the checkpoint `resume`
-    continues (the trainer's choice: --resume auto or PATH): a resume keeps that horizon and batch instead of
-    measuring again. None for a new run, or one sized without a time budget."""
-    from gpt2train.checkpoint import CheckpointError, newest_checkpoint, read_meta, resolve_checkpoint
-
-    if not resume:
-        return None
+def resolve_measuring(config, overrides=(), env: Environment | None = None, device: Device | None = None,
+                      mfu: float | None = None, tokens_per_s: float | None = None,
+                      runs_dir: str | Path = "runs") -> RunConfig:
+    """runconfig.resolve_run, and where train.time_budget needs the run's speed and none is known, that speed
+    (measure_speed for env's ranks on `device`), then resolved again with it: train, plan and config show."""
+    env = env or Environment.of_launch()
     try:
-        ckpt = newest_checkpoint(run_dir, warn=False) if resume == "auto" else resolve_checkpoint(resume)
-        train = read_meta(ckpt)["config"].get("train", {}) if ckpt else {}
-    except CheckpointError:  # the trainer says what is wrong with it
-        return None
-    if train.get("time_budget", 0) > 0 and train.get("tokens_per_s", 0) > 0:
-        return float(train["tokens_per_s"]), f"measured at the run's first launch, kept in {ckpt}"
-    return None
+        return resolve_run(config, overrides, env)
+    except SpeedNeeded as need:
+        rate, source = measure_speed(need.shaped, device, env.world_size, mfu, tokens_per_s, runs_dir)
+        return resolve_run(config, overrides, env.with_speed(rate, source))
+
+
+def measure_speed(shaped: Config, device: Device | None = None, gpus: int = 1, mfu: float | None = None,
+                  tokens_per_s: float | None = None, runs_dir: str | Path = "runs") -> tuple[float, str]:
+    """The run's tokens/s on `gpus` x device, all of them, and where the figure comes from, for the size dial's
+    train.time_budget; `shaped`: the config with its model shape set. device None: the config's train.device on
+    this machine. tokens_per_s (per device, plan's --tokens-per-s) wins; else a GPU of the table: peak x MFU
+    (as `plan` chooses it) / FLOPs per token; a CPU: a few steps timed here, on one process only (ranks would
+    each time their own)."""
+    if tokens_per_s:  # plan's --tokens-per-s, a positive figure
+        return tokens_per_s * gpus, "given with --tokens-per-s"
+    target = device or target_device(shaped.train.device)
+    notes: list[str] = []
+    shaped = config_as_trained(shaped, gpus, _read_meta(shaped.data.dir, required=False, notes=notes), target)
+    peak = peak_flops_for(target, shaped)
+    if peak is not None:
+        used, source = _choose_mfu(mfu, target, None, runs_dir, notes)
+        per_token = flops_per_token(shaped.model, shaped.train.seq_len)
+        return (peak * used * gpus / per_token,
+                f"{gpus} x {target.name}: {peak / 1e12:,.0f} TFLOP/s peak x MFU {used:.2f} ({source}) / "
+                f"{per_token:,} FLOPs per token")
+    if target.is_gpu or gpus > 1:
+        raise ConfigError(f"train.time_budget: the speed of {gpus} x {target.name} cannot be measured here; "
+                          f"set train.tokens_per_s")
+    rate, source = measure_cpu_speed(shaped, notes)
+    if rate is None:
+        raise ConfigError(f"train.time_budget: {notes[-1]}; set train.tokens_per_s")
+    return rate, source
 
 
 def _read_sources(cfg: Config, notes: list[str]) -> list[tuple[SourceEpochs, dict | None]]:

@@ -3,16 +3,14 @@
 `gpt2train train` runs what `resolve_runtime` says, and `plan`, `memory` and `bench` ask the same function,
 so a prediction is made for the run that `train` starts with the same settings:
 
-    config -> resolve_config (vocab and seq_len from the data) -> resolve_runtime (device, dtype + autocast,
-    TF32, compile, micro-batch x accumulation x ranks, seed) -> Runtime.apply() (TF32, deterministic kernels,
-    the CPU allocator)
+    resolved config (runconfig.py) -> resolve_runtime (device, dtype + autocast, TF32, compile, micro-batch x
+    accumulation x ranks, seed) -> Runtime.apply() (TF32, deterministic kernels, the CPU allocator)
 
 Nothing here touches a GPU unless `apply()` is called, so a plan for an H100 can be made on a laptop.
 """
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import os
 from contextlib import nullcontext
@@ -20,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2train.config import Config, ConfigError, validate
+from gpt2train.config import Config, ConfigError
 from gpt2train.counting import parameter_count
+from gpt2train.distributed import local_world_size
 from gpt2train.ranges import EXPLICIT_DTYPE_NAMES
 from gpt2train.units import format_bytes
 
@@ -56,24 +55,6 @@ def keep_freed_cpu_memory(keep: bool = True) -> bool:
         return False
     mmap_threshold, trim_threshold = (32 << 20, 1 << 30) if keep else (_GLIBC_DEFAULT_THRESHOLD,) * 2
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-
-
-def resolve_config(cfg: Config, data_vocab: int | None, default_vocab: int | None = None) -> Config:
-    """A checked copy (config.validate: a Config built in code meets the same rules as a file) with the
-    "take it from elsewhere" shapes made concrete: model.vocab_size 0 -> the data's vocabulary (else
-    `default_vocab`), train.seq_len 0 -> model.block_size. One-line ConfigError otherwise."""
-    cfg = validate(copy.deepcopy(cfg))
-    if cfg.model.vocab_size <= 0:
-        if data_vocab is None and default_vocab is None:
-            raise ConfigError("model.vocab_size = 0 takes the vocabulary from the prepared data, and there is none; "
-                              "prepare data first or set model.vocab_size")
-        cfg.model.vocab_size = int(data_vocab if data_vocab is not None else default_vocab)
-    elif data_vocab is not None and cfg.model.vocab_size < data_vocab:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
-                          f"({data_vocab}); set it to {data_vocab} or 0 (from the data)")
-    if cfg.train.seq_len == 0:  # validate() has checked a non-zero one against block_size
-        cfg.train.seq_len = cfg.model.block_size
-    return cfg
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:
@@ -203,7 +184,7 @@ class Runtime:
 
 def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1,
                     bf16_supported: bool | None = None) -> Runtime:
-    """The runtime of a resolved config (see resolve_config) on `device` with `world_size` ranks."""
+    """The runtime of a resolved config (runconfig.resolve_run) on `device` with `world_size` ranks."""
     device = torch.device(device)
     if device.type == "cpu":
         check_fits_in_ram(cfg, world_size)
@@ -233,7 +214,7 @@ def check_fits_in_ram(cfg: Config, world_size: int) -> None:
     or hours of swapping, not an error. Anything that might fit is left to run (free memory varies)."""
     total = physical_ram_bytes()
     shards = world_size if cfg.train.distributed == "fsdp" else 1
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks_here = local_world_size()
     params = parameter_count(cfg.model)
     need = params * TRAINING_BYTES_PER_PARAMETER // shards * ranks_here
     if total and need > total:

@@ -8,7 +8,6 @@ docs/training.md ("One size dial") gives each rule's source.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from gpt2train.counting import parameter_count
@@ -33,6 +32,16 @@ class SizingError(ValueError):
     """A dial setting no model can take (the message names the key)."""
 
 
+class SpeedNeeded(SizingError):
+    """train.time_budget sizes the run by its speed and none is known: the caller measures it for `shaped` (the
+    config with the model's shape set) and resolves again with the figure."""
+
+    def __init__(self, shaped):
+        super().__init__("train.time_budget needs the run's speed: set train.tokens_per_s (`gpt2train plan` "
+                         "reports it), or use a command that measures it (train, plan, config show)")
+        self.shaped = shaped
+
+
 def scaling_parameters(model) -> int:
     """N of the scaling rules: the blocks' parameters without embeddings and head (Kaplan et al. 2020), so it
     does not depend on the vocabulary."""
@@ -47,13 +56,13 @@ def batch_tokens_for(tokens: float, granule: int) -> int:
     return max(1, round(ideal / granule)) * granule
 
 
-def derive(cfg, explicit: set[str], speed=None, ranks: int | None = None) -> list[Derived]:
+def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | None = None) -> list[Derived]:
     """Fill cfg's dial-derived keys that are not in `explicit`; returns what was set and why. Nothing when
     model.depth is 0. Order matters: width before learning rate, tokens before batch, batch before steps.
 
-    speed(cfg) -> (tokens/s, where the figure comes from): the run's speed for train.time_budget where
-    train.tokens_per_s is 0, called with the model's shape set; its figure is kept in train.tokens_per_s.
-    ranks: the processes the batch splits over (None: torchrun's WORLD_SIZE, else 1; `plan --gpus` gives its own)."""
+    ranks: the processes the batch splits over. speed: (tokens/s of all ranks, where the figure comes from)
+    for train.time_budget where train.tokens_per_s is 0 (kept in train.tokens_per_s); without one such a
+    config raises SpeedNeeded, for its caller to measure."""
     model, train = cfg.model, cfg.train
     if model.depth <= 0:
         return []
@@ -85,10 +94,9 @@ def derive(cfg, explicit: set[str], speed=None, ranks: int | None = None) -> lis
                           f"{train.time_budget:g} both set the run's length; set one of them (the other to 0)")
     if train.time_budget > 0:
         if train.tokens_per_s <= 0:
-            if speed is None:
-                raise SizingError("train.time_budget needs the run's speed: set train.tokens_per_s (`gpt2train "
-                                  "plan` reports it), or use a command that measures it (train, plan, config show)")
-            rate, source = speed(cfg)  # an explicit 0 too: it means "measure it"
+            if speed is None:  # an explicit 0 too: it means "measure it"
+                raise SpeedNeeded(cfg)
+            rate, source = speed
             train.tokens_per_s = float(rate)
             out.append(Derived("train.tokens_per_s", train.tokens_per_s, source))
         tokens = train.time_budget * train.tokens_per_s
@@ -104,8 +112,7 @@ def derive(cfg, explicit: set[str], speed=None, ranks: int | None = None) -> lis
                           f"train.tokens_per_param or train.time_budget x train.tokens_per_s")
     out.append(Derived("tokens", int(tokens), how))
     seq_len = train.seq_len or model.block_size
-    ranks = ranks or int(os.environ.get("WORLD_SIZE", "1"))  # the batch must split evenly over the ranks
-    granule = train.micro_batch * seq_len * ranks
+    granule = train.micro_batch * seq_len * ranks  # the batch must split evenly over the ranks
     fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
          f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
     batch = train.total_batch_tokens or granule

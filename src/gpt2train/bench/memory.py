@@ -24,7 +24,7 @@ import torch
 from gpt2train.config import Config, data_sources
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.model import GPTConfig
-from gpt2train.runtime import batch_problem, resolve_compile, resolve_config, resolve_dtype, resolve_runtime
+from gpt2train.runtime import batch_problem, resolve_compile, resolve_dtype, resolve_runtime
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
 from gpt2train.training.optim import muon_parameter_count
 from gpt2train.units import format_bytes
@@ -134,7 +134,8 @@ def resolve_model(cfg: Config) -> tuple[GPTConfig, list[str]]:
             data_vocab = int(json.loads(meta.read_text())["vocab_size"])
         else:
             notes.append(f"model.vocab_size = 0 and {meta} not found: assumed GPT-2's {GPT2_VOCAB_SIZE}")
-    return resolve_config(cfg, data_vocab, default_vocab=GPT2_VOCAB_SIZE).model, notes
+    vocab = cfg.model.vocab_size if cfg.model.vocab_size > 0 else data_vocab or GPT2_VOCAB_SIZE
+    return dataclasses.replace(cfg.model, vocab_size=vocab), notes
 
 
 def compute_bytes(dtype: str, device_type: str) -> int:

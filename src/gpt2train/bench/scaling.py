@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from gpt2train import runlog
-from gpt2train.config import Config, derived_settings, load_config
+from gpt2train.config import Config, load_config
 from gpt2train.counting import flops_per_token
 from gpt2train.data.prepare import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import SEEDS, UsageError
-from gpt2train.runtime import resolve_config
+from gpt2train.runconfig import RunConfig, resolve_run
 from gpt2train.sizing import scaling_parameters
 from gpt2train.units import format_count, format_duration, format_utc
 
@@ -106,21 +106,20 @@ def fit_power_law(xs, ys, variable: str = "compute", floor: float = 0.0) -> Fit:
     return Fit(variable, float(E), A, alpha, rms)
 
 
-def rung_config(options: ScalingOptions, depth: int, seed: int) -> Config:
-    """The config with model.depth = depth and train.seed = seed; refused in one line where the config
+def rung_config(options: ScalingOptions, depth: int, seed: int) -> RunConfig:
+    """The run config with model.depth = depth and train.seed = seed; refused in one line where the config
     itself sets a key the ladder derives per rung."""
-    cfg = load_config(options.config, [*options.overrides, f"model.depth={depth}", f"train.seed={seed}"])
-    fixed = [d.key for d in derived_settings(cfg) if d.explicit and d.key in LADDER_KEYS]
+    run = resolve_run(options.config, [*options.overrides, f"model.depth={depth}", f"train.seed={seed}"])
+    fixed = [d.key for d in run.dial if d.explicit and d.key in LADDER_KEYS]
     if fixed:
         raise UsageError(f"{options.config} sets {', '.join(fixed)}, which the ladder derives for each rung from "
                          "model.depth: remove {} from the config".format("it" if len(fixed) == 1 else "them"))
-    return cfg
+    return run
 
 
-def describe_rung(cfg: Config, seed: int, data_vocab: int) -> Rung:
+def describe_rung(run: RunConfig, seed: int) -> Rung:
     """The rung as the trainer will run it: its compute counts the head at the data's vocabulary (padded)."""
-    cfg = resolve_config(cfg, data_vocab)
-    m, t = cfg.model, cfg.train
+    m, t = run.config.model, run.config.train
     tokens = t.max_steps * t.total_batch_tokens
     per_token = flops_per_token(m, t.seq_len)
     return Rung(depth=m.depth, seed=seed, width=m.n_embd, heads=m.n_head, params=scaling_parameters(m),
@@ -140,7 +139,7 @@ def check_fresh_data(rungs: list[Rung], cfg: Config, meta: dict) -> int:
     return have
 
 
-def train_rung(cfg: Config, rung: Rung, run_dir: Path) -> Rung:
+def train_rung(run: RunConfig, rung: Rung, run_dir: Path) -> Rung:
     """Train one rung into run_dir (resuming its newest checkpoint if it has one), read its final validation
     loss and write rung.json, which marks it finished."""
     from gpt2train.training.loop import train
@@ -148,13 +147,13 @@ def train_rung(cfg: Config, rung: Rung, run_dir: Path) -> Rung:
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(run_dir / "console.log", "a") as console, contextlib.redirect_stdout(console):
-        out = train(cfg, run_dir, resume="auto")
+        out = train(run, run_dir, resume="auto")
     if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the ladder
         raise KeyboardInterrupt
     vals = [r for r in runlog.load_run(run_dir).of(runlog.VAL)
-            if r["step"] == cfg.train.max_steps and runlog.is_finite(r.get("val_loss"))]
+            if r["step"] == run.config.train.max_steps and runlog.is_finite(r.get("val_loss"))]
     if not vals:
-        raise UsageError(f"rung depth {rung.depth} ended without a validation loss at step {cfg.train.max_steps}; "
+        raise UsageError(f"rung depth {rung.depth} ended without a validation loss at step {run.config.train.max_steps}; "
                          f"see {run_dir}/console.log")
     rung.val_loss, rung.wall_s, rung.run_dir = float(vals[-1]["val_loss"]), time.perf_counter() - start, str(run_dir)
     write_json_atomic(run_dir / "rung.json", dataclasses.asdict(rung))  # it marks the rung finished
@@ -194,7 +193,7 @@ def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = Tr
         raise UsageError(f"{base.data.dir} holds no prepared data; make the ladder's corpus first: gpt2train prepare "
                          f"markov --chars 20000000 --val-tokens 500000 --out {base.data.dir}")
     meta = load_meta(base.data.dir)
-    planned = {key: describe_rung(cfg, key[1], int(meta["vocab_size"])) for key, cfg in configs.items()}
+    planned = {key: describe_rung(run, key[1]) for key, run in configs.items()}
     floor = fit_floor(options, meta, base.data.dir)
     check_floor(floor, int(meta["vocab_size"]))
     train_tokens = check_fresh_data(list(planned.values()), base, meta)

@@ -1,8 +1,9 @@
 """train.init_from: start a run from existing weights (a Hugging Face GPT-2 or a checkpoint of ours).
 
 Weights only: the run still starts at step 0 with a fresh optimizer and schedule. The model's shape comes
-from the source, so an explicit conflicting [model] setting is an error; settings that do not change the
-weights (dropout, attention, grad_checkpointing, loss_chunk, pad_vocab_multiple) are the run's own. The data
+from the source (source_shape; runconfig.py adopts it), so an explicit conflicting [model] setting is an error;
+settings that do not change the weights (dropout, attention, grad_checkpointing, loss_chunk,
+pad_vocab_multiple) are the run's own. The data
 must be tokenized as the source was: a HF folder without a tokenizer has GPT-2's, as import-hf assumes.
 """
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2train.checkpoint import load_checkpoint, newest_checkpoint, read_meta, resolve_checkpoint, weights_mismatch
-from gpt2train.config import Config, ConfigError, config_from_resolved
+from gpt2train.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, weights_mismatch
+from gpt2train.config import ConfigError, config_from_resolved
 from gpt2train.hf import (
     check_vocab_fits_tokenizer,
     gpt_config_from_hf,
@@ -23,10 +24,11 @@ from gpt2train.hf import (
     read_hf_weights,
     resolve_hf_folder,
 )
-from gpt2train.model import GPTConfig
-from gpt2train.tokenizer import prepare_option, tokenizer_difference
+from gpt2train.model import PRESETS, GPTConfig
+from gpt2train.tokenizer import GPT2_VOCAB_SIZE, prepare_option, tokenizer_difference
 
 SOURCE_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+GPT2_HUB_SHAPES = {name: PRESETS[name] for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")}
 
 
 def is_scratch(init_from: str) -> bool:
@@ -36,6 +38,26 @@ def is_scratch(init_from: str) -> bool:
 def is_ours(path: Path) -> bool:
     """A run directory, its checkpoints/ folder, or one checkpoint folder of ours (not a HF folder)."""
     return (path / "meta.json").is_file() or (path / "checkpoints").is_dir() or path.name == "checkpoints"
+
+
+def source_shape(init_from: str) -> GPTConfig:
+    """The source's model shape, read without its weights: a run of ours from its checkpoint's meta.json, a
+    Hugging Face folder from its config.json, GPT-2's own Hub names from their known shapes (no download, so a
+    plan or `config show` works offline); another Hub name is fetched (config and tokenizer only)."""
+    path = Path(init_from)
+    if path.is_dir() and is_ours(path):
+        return config_from_resolved(read_meta(resolve_checkpoint(path))["config"]).model
+    if not path.exists() and init_from in GPT2_HUB_SHAPES:
+        return GPTConfig(**GPT2_HUB_SHAPES[init_from], vocab_size=GPT2_VOCAB_SIZE, bias=True, pad_vocab_multiple=1)
+    return read_hf_shape(resolve_hf_folder(init_from, weights=False), init_from)
+
+
+def read_hf_shape(folder: Path, init_from: str) -> GPTConfig:
+    try:
+        return gpt_config_from_hf(json.loads((folder / "config.json").read_text()), pad_vocab_multiple=1)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"train.init_from = {init_from!r}: {folder}/config.json is missing or unreadable "
+                          f"({type(e).__name__})") from None
 
 
 def load_source(init_from: str, data_tokenizer: dict, data_name: str) -> tuple[GPTConfig, dict[str, torch.Tensor], str]:
@@ -54,11 +76,7 @@ def load_source(init_from: str, data_tokenizer: dict, data_name: str) -> tuple[G
     else:  # a HF folder or a Hub name; resolve_hf_folder fails in one line offline
         folder = resolve_hf_folder(init_from)
         loaded = f"{folder} (Hugging Face GPT-2)" if path.is_dir() else f"{init_from} (Hugging Face GPT-2, {folder})"
-        try:
-            shape = gpt_config_from_hf(json.loads((folder / "config.json").read_text()), pad_vocab_multiple=1)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"train.init_from = {init_from!r}: {folder}/config.json is missing or unreadable "
-                              f"({type(e).__name__})") from None
+        shape = read_hf_shape(folder, init_from)
         tokenizer = hf_tokenizer_spec(folder)
         check_vocab_fits_tokenizer(shape.vocab_size, tokenizer, init_from)  # none: GPT-2's, for its vocabulary only
         check_tokenizer(data_tokenizer, data_name, tokenizer or {"kind": "gpt2"}, init_from)
@@ -76,19 +94,6 @@ def check_tokenizer(data_tokenizer: dict, data_name: str, source_tokenizer: dict
                           "or train from scratch")
 
 
-def adopt_shape(cfg: Config, shape: GPTConfig, source: str) -> None:
-    """Give cfg.model the source's shape. A key still at its default (or vocab_size 0, "from the data")
-    takes the source's value; any other value must equal it."""
-    default = GPTConfig()
-    for key in SOURCE_SHAPE:
-        mine, theirs = getattr(cfg.model, key), getattr(shape, key)
-        unset = mine == getattr(default, key) or (key == "vocab_size" and mine <= 0)
-        if not unset and mine != theirs:
-            raise ConfigError(f"model.{key} = {mine!r} conflicts with train.init_from = {source!r}, which has "
-                              f"{key} = {theirs!r}; remove model.{key} (the shape comes from the source)")
-        setattr(cfg.model, key, theirs)
-
-
 def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
     """Copy the source's weights into the plain model, padding the embedding to this model's rows."""
     wte = weights["transformer.wte.weight"]
@@ -100,27 +105,13 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: 
     model.load_state_dict(weights, strict=False)
 
 
-def prepare(cfg: Config, run_dir: Path | None, resume: str | None,
-            data_tokenizer: dict) -> tuple[dict[str, torch.Tensor] | None, str | None]:
-    """Apply train.init_from to cfg.model's shape; return the weights to load and which they are (the start
-    banner names them), or (None, None). A run that resumes a checkpoint continues from it, not from the source
-    again: the shape is then the checkpoint's. `data_tokenizer`: the data's spec, which the source's must equal."""
-    source = cfg.train.init_from
-    if is_scratch(source):
-        return None, None
-    resumed = _checkpoint_to_resume(run_dir, resume)
-    if resumed is not None:
-        adopt_shape(cfg, config_from_resolved(read_meta(resumed)["config"]).model, str(resumed))
+def weights_to_start_from(run, data_tokenizer: dict) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+    """The weights a new run of train.init_from starts from and which they are (the start banner names them), or
+    (None, None): training from scratch, or a resume, which continues its checkpoint instead. `run`: the
+    resolved RunConfig; `data_tokenizer`: the data's spec, which the source's must equal."""
+    cfg = run.config
+    if is_scratch(cfg.train.init_from) or run.resumed is not None:
         return None, None
     data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
-    shape, weights, loaded = load_source(source, data_tokenizer, data_name)
-    adopt_shape(cfg, shape, source)
+    _, weights, loaded = load_source(cfg.train.init_from, data_tokenizer, data_name)
     return weights, loaded
-
-
-def _checkpoint_to_resume(run_dir: Path | None, resume: str | None) -> Path | None:
-    if not resume:
-        return None
-    if resume != "auto":
-        return resolve_checkpoint(resume)
-    return newest_checkpoint(run_dir, warn=False) if run_dir is not None else None

@@ -7,7 +7,6 @@ the loss guard (guard.py) and the evaluations during training (eval/periodic.py)
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import time
@@ -18,13 +17,14 @@ import torch
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint, run_on_disk
-from gpt2train.config import Config, save_config, validate
+from gpt2train.config import Config, save_config
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.mixture import data_meta, open_loader
 from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.model import GPT
-from gpt2train.runtime import resolve_config, resolve_runtime, use_expandable_segments
+from gpt2train.runconfig import Environment, RunConfig, as_run
+from gpt2train.runtime import resolve_runtime, use_expandable_segments
 from gpt2train.training import init_from, runlock
 from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_start_over
 from gpt2train.training.console import Console, LogContinuity, say_already_finished
@@ -42,29 +42,28 @@ def seed_everything(seed: int):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: str | Path | None, resume: str | None = None):
+    def __init__(self, cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | None = None):
         self.run_dir = Path(run_dir) if run_dir else None
-        # The inputs first (a bad config or missing data stops before the run directory is made); the data sizes the vocab.
-        validate(cfg)
-        self.data_meta = data_meta(cfg.data)  # data.dir's, or the sources' (one tokenizer)
+        # The inputs first (a bad config or missing data stops before the run directory is made): the config
+        # resolved once (runconfig.py; a RunConfig is already), then the data it reads.
+        run = as_run(cfg, Environment.of_launch(self.run_dir, resume))
+        self.data_meta = data_meta(run.config.data)  # data.dir's, or the sources' (one tokenizer)
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
-        self.dist = D.init_distributed(cfg.train.device, cfg.train.collective_timeout_s)
+        self.dist = D.init_distributed(run.config.train.device, run.config.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # One live run per run directory, locked before it is read or written (close() unlocks); no new run over an old.
         self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main, lambda run_dir: refuse_to_start_over(
             run_dir, resume)) if self.run_dir else None
         try:
-            self._build(cfg, resume)
+            self._build(run, resume)
         except BaseException:
             self.close(failed=True)
             raise
 
-    def _build(self, cfg: Config, resume: str | None):
-        # The weights' source may set the model's shape; then what the config means on this device.
-        cfg = copy.deepcopy(cfg)
-        init_weights, self.init_source = init_from.prepare(cfg, self.run_dir, resume,  # the source's shape: cfg.model
-                                                           self.data_meta["tokenizer"])
-        self.cfg = cfg = resolve_config(cfg, int(self.data_meta["vocab_size"]))
+    def _build(self, run: RunConfig, resume: str | None):
+        # The weights of train.init_from (its shape is the config's already); then what the config means here.
+        self.run, self.cfg = run, (cfg := run.config)
+        init_weights, self.init_source = init_from.weights_to_start_from(run, self.data_meta["tokenizer"])
         self.runtime = runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
         runtime.apply()  # TF32
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=runtime.uses_grad_scaler)
@@ -226,8 +225,9 @@ def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
-def train(cfg: Config, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
-    """Build a Trainer, run it to max_steps (or a signal), and shut the process group down."""
+def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
+    """Build a Trainer, run it to max_steps (or a signal), and shut the process group down. A Config is
+    resolved for this launch (runconfig.resolve_run); a RunConfig is run as it is."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
     trainer = None
     try:
