@@ -236,7 +236,7 @@ def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = 
                              f"{engine.capacity} (--max-batch + --max-queue)")
         prompt_ids = await asyncio.to_thread(encode_prompts, engine, req)  # a long prompt holds up no other request
         inbox = Inbox()
-        jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stop, index=i * req.n + j)
+        jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stops, index=i * req.n + j)
                 for i, ids in enumerate(prompt_ids) for j in range(req.n)]
         try:
             engine.submit(jobs)
