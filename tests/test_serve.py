@@ -499,6 +499,38 @@ def test_a_refusal_says_what_the_field_takes_in_one_line(client, body, param, me
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": 400}}
 
 
+def test_the_api_key_is_checked_before_the_body():
+    """The body is read by the route's own dependency, after the key's: FastAPI reads a declared body before
+    any dependency runs, so a client without the key would learn what is wrong with its body (and have it read
+    whole, past the size limit) before being told of the key."""
+    with TestClient(tiny_app(api_key="s3cret", max_body_bytes=4096)) as client:
+        wait_ready(client)
+        for content, content_type in [(b"{not json", "application/json"), (b'{"prompt": 5}', "application/json"),
+                                      (json.dumps({"prompt": "a" * 5000}).encode(), "application/json"),
+                                      (b'{"prompt": "a"}', "text/plain")]:
+            r = client.post("/v1/completions", content=content, headers={"content-type": content_type})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+
+
+def test_a_bad_request_is_told_so_while_the_model_loads():
+    """The request is checked before the engine is asked for: a bad one gets its 400 at once, a good one the
+    503 that says to come back."""
+    loaded = threading.Event()
+
+    def slow_load():
+        loaded.wait(30)
+        return tiny_engine()
+
+    with TestClient(create_app(slow_load, model_id="tiny")) as client:
+        try:
+            bad = client.post("/v1/completions", json={"prompt": "a", "max_tokens": "3"})
+            good = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        finally:
+            loaded.set()
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert good.status_code == 503 and good.headers["retry-after"] == "5"
+
+
 def test_an_error_that_quotes_the_request_is_still_a_400():
     """A field named by a lone surrogate was a 500: its name went into `param`, which UTF-8 cannot encode."""
     with TestClient(tiny_app(), raise_server_exceptions=False) as client:
