@@ -468,6 +468,69 @@ def test_neutral_values_of_openai_fields_are_accepted(client):
     assert client.post("/v1/completions", json={**body, "echo": None}).status_code == 200  # null is the default
 
 
+# Refusals in the words the hand-written checks used before the pydantic model: its errors are translated,
+# not passed through ("Input should be a valid integer", one error per member of a union).
+WORDED = [  # (body, param, message)
+    ({"prompt": "a", "max_tokens": 2.0}, "max_tokens", "max_tokens must be an integer, not a number"),
+    ({"prompt": "a", "temperature": True}, "temperature", "temperature must be a number, not a boolean"),
+    ({"prompt": "a", "stream": 1}, "stream", "stream must be true or false, not an integer"),
+    ({"prompt": "a", "user": ["u"]}, "user", "user must be a string, not a list"),
+    ({"prompt": "a", "top_p": 0}, "top_p", "top_p 0 is out of range; it must be in (0, 1]"),  # the number as sent
+    ({"prompt": "a", "temperature": 10**400}, "temperature", "temperature is too large"),  # past a float's range
+    ({}, "prompt", "prompt is required: a string or a list of strings"),
+    ({"prompt": None}, "prompt", "prompt must be a string or a non-empty list of strings (token ids are not taken)"),
+    ({"prompt": ["a", 1]}, "prompt", "prompt must be a string or a non-empty list of strings (token ids are not taken)"),
+    ({"prompt": "a", "stop": ["a", None]}, "stop", "stop must be a string or a list of up to 4 strings"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage",
+     "include_usage must be true or false, not a string"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, "stream_options",
+     'stream_options must be an object like {"include_usage": true}'),
+    ({"prompt": "a", "echo": 0}, "echo", "echo is not supported; leave it out or give null or false"),  # 0 is no false
+    ({"prompt": "a", "color": None}, "color", "unknown field 'color'; this server takes prompt, max_tokens, "
+     "temperature, top_p, top_k, n, stop, stream, stream_options, seed (and ignores model, user)"),  # null too
+    (["a"], None, "the body must be a JSON object, not a list"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", WORDED, ids=[json.dumps(b)[:40] for b, _, _ in WORDED])
+def test_a_refusal_says_what_the_field_takes_in_one_line(client, body, param, message):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": 400}}
+
+
+def test_the_api_key_is_checked_before_the_body():
+    """The body is read by the route's own dependency, after the key's: FastAPI reads a declared body before
+    any dependency runs, so a client without the key would learn what is wrong with its body (and have it read
+    whole, past the size limit) before being told of the key."""
+    with TestClient(tiny_app(api_key="s3cret", max_body_bytes=4096)) as client:
+        wait_ready(client)
+        for content, content_type in [(b"{not json", "application/json"), (b'{"prompt": 5}', "application/json"),
+                                      (json.dumps({"prompt": "a" * 5000}).encode(), "application/json"),
+                                      (b'{"prompt": "a"}', "text/plain")]:
+            r = client.post("/v1/completions", content=content, headers={"content-type": content_type})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+
+
+def test_a_bad_request_is_told_so_while_the_model_loads():
+    """The request is checked before the engine is asked for: a bad one gets its 400 at once, a good one the
+    503 that says to come back."""
+    loaded = threading.Event()
+
+    def slow_load():
+        loaded.wait(30)
+        return tiny_engine()
+
+    with TestClient(create_app(slow_load, model_id="tiny")) as client:
+        try:
+            bad = client.post("/v1/completions", json={"prompt": "a", "max_tokens": "3"})
+            good = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        finally:
+            loaded.set()
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert good.status_code == 503 and good.headers["retry-after"] == "5"
+
+
 def test_an_error_that_quotes_the_request_is_still_a_400():
     """A field named by a lone surrogate was a 500: its name went into `param`, which UTF-8 cannot encode."""
     with TestClient(tiny_app(), raise_server_exceptions=False) as client:

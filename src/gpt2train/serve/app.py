@@ -1,15 +1,16 @@
 """The HTTP face of `gpt2train serve`: OpenAI's POST /v1/completions (one JSON answer, or server-sent events
 with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics (Prometheus text) and the
 playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its status: 400 a field's
-type or range (named), 401 the API key, 413 the body's size, 429 a full queue, 503 the model still loading;
-503 too once the engine has stopped on a failure it could not recover from; a request never reaches the
-engine unless it is good, and never gets a 500 for its own fault.
+type or range (named), 401 the API key, 413 the body's size, 415 a body not declared as JSON, 429 a full
+queue, 503 the model still loading, or stopped on a failure it could not recover from; a request never
+reaches the engine unless it is good, and never gets a 500 for its own fault.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hmac
 import importlib.resources
 import json
@@ -23,9 +24,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException
@@ -81,11 +83,28 @@ class Metrics:
 
 
 class Served:
-    """What the app serves: the engine once loaded, or why loading failed (or why the engine stopped)."""
+    """What the app serves, and how: the engine once loaded (or why loading failed, or why the engine stopped),
+    the model's id, the API key, the body limit and the metrics. The routes reach it as a dependency."""
 
-    def __init__(self):
+    def __init__(self, load: Callable[[], Engine], model_id: str, api_key: str | None, max_body_bytes: int,
+                 on_load_error: Callable[[BaseException], None] | None):
+        self.load, self.on_load_error = load, on_load_error
+        self.model_id, self.api_key, self.max_body_bytes = model_id, api_key, max_body_bytes
+        self.created = int(time.time())
         self.engine: Engine | None = None
         self.error: str | None = None
+        self.metrics = Metrics(self)
+
+    def load_engine(self) -> None:
+        """In a thread of its own, at startup: the engine, started, or the one-line reason it failed."""
+        try:
+            self.engine = self.load().start()
+            log.info("model %s loaded", self.model_id)
+        except Exception as e:  # noqa: BLE001 -- reported by /health and to whoever started the server
+            self.error = one_line(e)
+            log.error("the model failed to load: %s", self.error)
+            if self.on_load_error is not None:
+                self.on_load_error(e)
 
     def ready(self) -> Engine:
         if self.engine is None:
@@ -98,6 +117,10 @@ class Served:
     def failure(self) -> str | None:
         """Why the model is not served (it failed to load, or the engine stopped); None while it is or loads."""
         return self.engine.failure if self.engine is not None else self.error
+
+    def model_entry(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "gpt2train",
+                "context_length": self.ready().context}
 
 
 class CountRequests:
@@ -118,141 +141,172 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    """The model loads in a thread while the server already answers (/health is 503 until it is in)."""
+    served: Served = app.state.served
+    loader = threading.Thread(target=served.load_engine, name="gpt2train-load", daemon=True)
+    loader.start()
+    yield
+    # A model still loading is waited for (uvicorn stops at once when it cannot listen): a process that exits
+    # under a thread inside torch is aborted by glibc ("FATAL: exception not rethrown").
+    await asyncio.to_thread(loader.join)
+    if served.engine is not None:
+        served.engine.stop()
+
+
+# ---------------------------------------------------------------- what the routes depend on
+# async, all of them: FastAPI runs a plain `def` dependency in its thread pool, a hop per request.
+
+
+async def get_served(request: Request) -> Served:
+    return request.app.state.served
+
+
+ServedDep = Annotated[Served, Depends(get_served)]
+
+
+async def authorize(request: Request, served: ServedDep) -> None:
+    """With an API key set, a request must bear it (every /v1/ route depends on this, before anything else)."""
+    if served.api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), served.api_key.encode()):
+        raise ApiError(401, f"a valid API key is required: send `Authorization: Bearer <key>` (the server's "
+                       f"{API_KEY_ENV})", "authentication_error", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def ready_engine(served: ServedDep) -> Engine:
+    return served.ready()
+
+
+async def arrival() -> float:
+    return time.perf_counter()
+
+
+async def completion_request(request: Request, served: ServedDep) -> CompletionRequest:
+    """The body, checked: declared as JSON (415), within the size limit (413), JSON (400), good fields (400).
+    Read here rather than by FastAPI, which reads a body before any dependency runs (the API key's too) and
+    whole, however large."""
+    check_json_body(request)
+    body = await read_body(request, served.max_body_bytes)
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
+        raise BadRequest(None, "the body is not valid JSON") from None
+    return parse_completion_request(data)
+
+
+# ---------------------------------------------------------------- the routes
+
+pages = APIRouter()  # open to all: load balancers and Prometheus hold no key
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+
+@pages.get("/", include_in_schema=False)
+async def page():
+    return HTMLResponse(playground())
+
+
+@pages.api_route("/health", methods=["GET", "HEAD"])  # load balancers and uptime checks often send HEAD
+async def health(served: ServedDep):
+    if served.failure() is not None:
+        return JSONResponse({"status": "failed", "error": served.failure()}, 503)
+    if served.engine is None:
+        return JSONResponse({"status": "loading"}, 503)
+    return {"status": "ok", "model": served.model_id}
+
+
+@pages.get("/metrics")
+async def prometheus(served: ServedDep):
+    return Response(generate_latest(served.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@v1.get("/models")
+async def models(served: ServedDep):
+    return {"object": "list", "data": [served.model_entry()]}
+
+
+@v1.get("/models/{name:path}")  # a run directory's name has slashes
+async def one_model(name: str, served: ServedDep):
+    if name != served.model_id:
+        raise ApiError(404, f"model {name!r} is not served here; this server serves {served.model_id!r}",
+                       param="model")
+    return served.model_entry()
+
+
+@v1.post("/chat/completions")
+async def chat():  # what OpenAI's chat clients call first: say where to go instead
+    raise ApiError(404, "this server has no chat completions: GPT-2 is a base model, not tuned for chat "
+                   "messages; send a prompt to /v1/completions")
+
+
+@v1.post("/completions")
+async def completions(request: Request, served: ServedDep,
+                      started: Annotated[float, Depends(arrival)],  # before the body: its arrival counts in TTFT
+                      req: Annotated[CompletionRequest, Depends(completion_request)],
+                      engine: Annotated[Engine, Depends(ready_engine)]):
+    if req.choices > engine.capacity:  # before encoding, which costs CPU for every prompt
+        raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
+                         f"{engine.capacity} (--max-batch + --max-queue)")
+    prompt_ids = await asyncio.to_thread(encode_prompts, engine, req)  # a long prompt holds up no other request
+    inbox = Inbox()
+    jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stops, index=i * req.n + j)
+            for i, ids in enumerate(prompt_ids) for j in range(req.n)]
+    try:
+        engine.submit(jobs)
+    except QueueFull as e:
+        raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
+                       headers={"Retry-After": "1"}) from None
+    except EngineStopped as e:  # since ready_engine
+        raise ApiError(503, str(e), "server_error") from None
+    served.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
+    answer = Answer(f"cmpl-{uuid.uuid4().hex}", served.model_id, jobs, sum(len(ids) for ids in prompt_ids),
+                    served.metrics, started, engine)
+    if req.stream:
+        return EventStream(answer, req.include_usage)
+    return await answer.whole(request)
+
+
+# ---------------------------------------------------------------- every refusal in OpenAI's shape
+
+
+async def api_error(request: Request, e: ApiError):
+    return error_response(e.status, e.message, e.kind, e.param, e.headers)
+
+
+async def bad_request(request: Request, e: BadRequest):
+    return error_response(400, str(e), "invalid_request_error", e.param)
+
+
+async def http_error(request: Request, e: HTTPException):  # Starlette's: an unknown path, a method not allowed
+    return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
+
+
+async def internal_error(request: Request, e: Exception):  # a bug: still JSON, and counted
+    log.exception("internal error")
+    if request.url.path.startswith("/v1/"):
+        request.app.state.served.metrics.requests.labels("500").inc()
+    return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+
 def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
                on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app; `load` builds the engine in a thread at startup (/health answers 503 until it is done)."""
-    served = Served()
-    metrics = Metrics(served)
-    playground = importlib.resources.files("gpt2train.serve").joinpath("playground.html").read_text(encoding="utf-8")
-    created = int(time.time())
-
-    def load_in_background():
-        try:
-            served.engine = load().start()
-            log.info("model %s loaded", model_id)
-        except Exception as e:  # noqa: BLE001 -- reported by /health and to whoever started the server
-            served.error = one_line(e)
-            log.error("the model failed to load: %s", served.error)
-            if on_load_error is not None:
-                on_load_error(e)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loader = threading.Thread(target=load_in_background, name="gpt2train-load", daemon=True)
-        loader.start()
-        yield
-        # A model still loading is waited for (uvicorn stops at once when it cannot listen): a process that exits
-        # under a thread inside torch is aborted by glibc ("FATAL: exception not rethrown").
-        await asyncio.to_thread(loader.join)
-        if served.engine is not None:
-            served.engine.stop()
-
-    app = FastAPI(title="gpt2train", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(CountRequests, metrics=metrics)
-    app.state.served = served
-    app.state.metrics = metrics
-
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, f"a valid API key is required: send `Authorization: Bearer <key>` (the server's "
-                           f"{API_KEY_ENV})", "authentication_error", headers={"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        return error_response(e.status, e.message, e.kind, e.param, e.headers)
-
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, e: BadRequest):
-        return error_response(400, str(e), "invalid_request_error", e.param)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):  # a bug: still JSON, and counted
-        log.exception("internal error")
-        if request.url.path.startswith("/v1/"):
-            metrics.requests.labels("500").inc()
-        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
-
-    @app.get("/", include_in_schema=False)
-    async def page():
-        return HTMLResponse(playground)
-
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and uptime checks often send HEAD
-    async def health():
-        if served.failure() is not None:
-            return JSONResponse({"status": "failed", "error": served.failure()}, 503)
-        if served.engine is None:
-            return JSONResponse({"status": "loading"}, 503)
-        return {"status": "ok", "model": model_id}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_entry() -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "gpt2train",
-                "context_length": served.ready().context}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [model_entry()]}
-
-    @app.get("/v1/models/{name:path}")  # a run directory's name has slashes
-    async def one_model(name: str, request: Request):
-        authorize(request)
-        if name != model_id:
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {model_id!r}",
-                           param="model")
-        return model_entry()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):  # what OpenAI's chat clients call first: say where to go instead
-        authorize(request)
-        raise ApiError(404, "this server has no chat completions: GPT-2 is a base model, not tuned for chat "
-                       "messages; send a prompt to /v1/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        started = time.perf_counter()
-        authorize(request)
-        check_json_body(request)
-        body = await read_body(request, max_body_bytes)
-        engine = served.ready()
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
-            raise BadRequest(None, "the body is not valid JSON") from None
-        req = parse_completion_request(data)
-        if req.choices > engine.capacity:  # before encoding, which costs CPU for every prompt
-            raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
-                             f"{engine.capacity} (--max-batch + --max-queue)")
-        prompt_ids = await asyncio.to_thread(encode_prompts, engine, req)  # a long prompt holds up no other request
-        inbox = Inbox()
-        jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stop, index=i * req.n + j)
-                for i, ids in enumerate(prompt_ids) for j in range(req.n)]
-        try:
-            engine.submit(jobs)
-        except QueueFull as e:
-            raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
-                           headers={"Retry-After": "1"}) from None
-        except EngineStopped as e:  # since served.ready()
-            raise ApiError(503, str(e), "server_error") from None
-        metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
-        answer = Answer(f"cmpl-{uuid.uuid4().hex}", model_id, jobs, sum(len(ids) for ids in prompt_ids), metrics,
-                        started, engine)
-        if req.stream:
-            return EventStream(answer, req.include_usage)
-        return await answer.whole(request)
-
+    app = FastAPI(title="gpt2train", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  exception_handlers={ApiError: api_error, BadRequest: bad_request, HTTPException: http_error,
+                                      Exception: internal_error})
+    app.state.served = Served(load, model_id, api_key, max_body_bytes, on_load_error)
+    app.add_middleware(CountRequests, metrics=app.state.served.metrics)
+    app.include_router(pages)
+    app.include_router(v1)
     return app
+
+
+@functools.cache
+def playground() -> str:
+    return importlib.resources.files("gpt2train.serve").joinpath("playground.html").read_text(encoding="utf-8")
 
 
 def check_json_body(request: Request) -> None:

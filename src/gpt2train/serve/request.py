@@ -1,88 +1,201 @@
-"""A completion request's fields, checked: the JSON body of OpenAI's POST /v1/completions (plus top_k) into
-a CompletionRequest, or a BadRequest whose one-line message names the field. The numbers take the
-ranges `gpt2train sample` takes (ranges.py); what needs the tokenizer and the model (the prompt's length
-against the context) is checked by the app."""
+"""A completion request's fields, checked: the JSON body of OpenAI's POST /v1/completions (plus top_k) as a
+pydantic model, CompletionRequest; what it refuses is a BadRequest whose one-line message names the field.
+The numbers take the ranges `gpt2train sample` takes (ranges.py); what needs the tokenizer and the model (the
+prompt's length against the context) is checked by the app."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import Annotated, Any
 
-from gpt2train.ranges import NEW_TOKENS, SAMPLES, SEEDS, TEMPERATURES, TOP_K, TOP_P, Range
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+
+from gpt2train.ranges import NEW_TOKENS, SAMPLES, SEEDS, TEMPERATURES, TOP_K, TOP_P
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 200  # each is looked for in the text after every token
 
+RANGES = {"max_tokens": NEW_TOKENS, "temperature": TEMPERATURES, "top_p": TOP_P, "top_k": TOP_K, "n": SAMPLES,
+          "seed": SEEDS}
 # OpenAI's fields that change nothing at these values: accepted there, refused (not ignored) elsewhere.
 NEUTRAL = {"echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
            "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 IGNORED = ("model", "user")  # any string: one model is served, and users are not told apart
-FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options", "seed")
+# pydantic's refusals of a value's type, in this server's words: "<field> must be <this>, not <what came>"
+TYPES = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string"}
 
 
 class BadRequest(ValueError):
-    """A request's fault, answered with 400 and this message; `param` names the field."""
+    """A request's fault, answered with 400 and this message; `param` names the field. A ValueError: raised in
+    a validator, pydantic keeps it in its error, where `refusal` finds it again."""
 
     def __init__(self, param: str | None, message: str):
         super().__init__(message)
         self.param = param
 
 
-@dataclass
-class CompletionRequest:
-    prompts: list[str]
+def one_message(param: str, message: str) -> WrapValidator:
+    """Any fault of the field's value, in any part of it, as one message saying what the field takes
+    (pydantic has one error per member of a union, and per item)."""
+
+    def validate(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise BadRequest(param, message) from None
+
+    return WrapValidator(validate)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool | None = None  # a last chunk with the usage; null is false
+
+    @model_validator(mode="before")
+    @classmethod
+    def an_object(cls, data):
+        """Anything but an object of include_usage is refused whole, before pydantic reads its keys (one may be
+        no text: a lone surrogate)."""
+        if not isinstance(data, dict) or set(data) - {"include_usage"}:
+            raise BadRequest("stream_options", 'stream_options must be an object like {"include_usage": true}')
+        return data
+
+
+PROMPT = "prompt must be a string or a non-empty list of strings (token ids are not taken)"
+
+
+class CompletionRequest(BaseModel):
+    """The body of POST /v1/completions."""
+
+    # strict: JSON's types as they are (2.0 is no integer, "3" no number, true no 1); an unknown field is
+    # refused by known_fields, before pydantic would
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    prompt: Annotated[str | Annotated[list[str], Field(min_length=1)], one_message("prompt", PROMPT)]
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # not OpenAI's: 0 is no limit
     n: int = 1  # completions of each prompt
-    stop: tuple[str, ...] = ()
+    stop: Annotated[str | list[str] | None, one_message(
+        "stop", f"stop must be a string or a list of up to {MAX_STOPS} strings")] = None
     stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    stream_options: StreamOptions | None = None
     seed: int | None = None
+    # IGNORED: any string
+    model: str | None = None
+    user: str | None = None
+    # NEUTRAL: any JSON value, refused unless neutral
+    echo: Any = None
+    logprobs: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def known_fields(cls, data):
+        """An unknown field is refused by its name (pydantic's own refusal fails on a name that is no text, a
+        lone surrogate); a field given as null takes its default, as in OpenAI's API (the prompt has none)."""
+        if not isinstance(data, dict):
+            return data  # pydantic refuses it: the body must be an object
+        for name in data:
+            if name not in cls.model_fields:
+                raise BadRequest(name, f"unknown field {name!r}; this server takes {', '.join(FIELDS)} (and "
+                                 f"ignores {', '.join(IGNORED)})")
+        return {name: value for name, value in data.items() if value is not None or cls.model_fields[name].is_required()}
+
+    @field_validator(*RANGES, mode="wrap")
+    @classmethod
+    def in_range(cls, value, handler, info: ValidationInfo):
+        checked = handler(value)  # its type first
+        allowed = RANGES[info.field_name]
+        if value not in allowed:
+            raise BadRequest(info.field_name, f"{info.field_name} {value} is out of range; it must be {allowed}")
+        return checked
+
+    @field_validator("stop")
+    @classmethod
+    def few_short_stops(cls, value: str | list[str]) -> list[str]:
+        found = [value] if isinstance(value, str) else value
+        if len(found) > MAX_STOPS:
+            raise BadRequest("stop", f"stop has {len(found)} strings; at most {MAX_STOPS} are taken")
+        if not all(0 < len(s) <= MAX_STOP_CHARS for s in found):
+            raise BadRequest("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        return found
+
+    @field_validator(*NEUTRAL)
+    @classmethod
+    def neutral(cls, value, info: ValidationInfo):
+        name = info.field_name
+        if not any(same(value, allowed) for allowed in NEUTRAL[name]):
+            shown = " or ".join(json.dumps(v) for v in NEUTRAL[name])
+            raise BadRequest(name, f"{name} is not supported; leave it out or give {shown}")
+        return value
+
+    @model_validator(mode="after")
+    def stream_options_with_stream(self) -> CompletionRequest:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise BadRequest("stream_options", "stream_options is taken only with stream: true")
+        return self
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def choices(self) -> int:
         return len(self.prompts) * self.n
 
 
+# The fields a request may set, as the refusal of an unknown one lists them.
+FIELDS = tuple(name for name in CompletionRequest.model_fields if name not in NEUTRAL and name not in IGNORED)
+
+
 def parse_completion_request(data) -> CompletionRequest:
-    if not isinstance(data, dict):
-        raise BadRequest(None, f"the body must be a JSON object, not {kind(data)}")
-    for name in data:
-        check_known(name, data[name])
-    if "prompt" not in data:
-        raise BadRequest("prompt", "prompt is required: a string or a list of strings")
-    stream_options = options(data.get("stream_options"))
-    if stream_options and data.get("stream") is not True:
-        raise BadRequest("stream_options", "stream_options is taken only with stream: true")
-    return CompletionRequest(
-        prompts=prompts(data["prompt"]),
-        max_tokens=integer(data, "max_tokens", NEW_TOKENS, 16),
-        temperature=number(data, "temperature", TEMPERATURES, 1.0),
-        top_p=number(data, "top_p", TOP_P, 1.0),
-        top_k=integer(data, "top_k", TOP_K, 0),
-        n=integer(data, "n", SAMPLES, 1),
-        stop=stops(data.get("stop")),
-        stream=boolean(data, "stream"),
-        include_usage=boolean(stream_options, "include_usage"),
-        seed=integer(data, "seed", SEEDS, None),
-    )
+    """The request that a JSON body holds, or the BadRequest of its first fault."""
+    try:
+        return CompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise refusal(e.errors()[0]) from None
 
 
-def check_known(name: str, value) -> None:
-    if name in FIELDS:
-        return
-    if name in IGNORED:
-        if value is not None and not isinstance(value, str):
-            raise BadRequest(name, f"{name} must be a string, not {kind(value)}")
-        return
-    if name in NEUTRAL:
-        if not any(same(value, allowed) for allowed in NEUTRAL[name]):
-            shown = " or ".join(json.dumps(v) for v in NEUTRAL[name])
-            raise BadRequest(name, f"{name} is not supported; leave it out or give {shown}")
-        return
-    raise BadRequest(name, f"unknown field {name!r}; this server takes {', '.join(FIELDS)} (and ignores model, user)")
+def refusal(error: dict) -> BadRequest:
+    """One of pydantic's errors as this server's refusal, naming the field."""
+    raised = error.get("ctx", {}).get("error")
+    if isinstance(raised, BadRequest):  # one of CompletionRequest's own checks
+        return raised
+    given = error["input"]
+    if not error["loc"]:
+        return BadRequest(None, f"the body must be a JSON object, not {kind(given)}")
+    name = error["loc"][-1]  # the field, or the field within one (stream_options' include_usage)
+    if error["type"] == "missing":  # the prompt: no other field is required
+        return BadRequest(name, f"{name} is required: a string or a list of strings")
+    if error["type"] == "float_type" and type(given) is int:  # an integer beyond a float's range
+        return BadRequest(name, f"{name} is too large")
+    if error["type"] in TYPES:
+        return BadRequest(name, f"{name} must be {TYPES[error['type']]}, not {kind(given)}")
+    return BadRequest(name, f"{name}: {error['msg']}")
 
 
 def same(value, allowed) -> bool:
@@ -95,66 +208,3 @@ def same(value, allowed) -> bool:
 def kind(value) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object",
             type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def integer(data: dict, name: str, allowed: Range, default):
-    value = data.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(name, f"{name} must be an integer, not {kind(value)}")
-    if value not in allowed:
-        raise BadRequest(name, f"{name} {value} is out of range; it must be {allowed}")
-    return value
-
-
-def number(data: dict, name: str, allowed: Range, default: float) -> float:
-    value = data.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(name, f"{name} must be a number, not {kind(value)}")
-    if value not in allowed:
-        raise BadRequest(name, f"{name} {value} is out of range; it must be {allowed}")
-    try:
-        return float(value)
-    except OverflowError:  # an integer beyond float's range
-        raise BadRequest(name, f"{name} is too large") from None
-
-
-def boolean(data: dict, name: str) -> bool:
-    value = data.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise BadRequest(name, f"{name} must be true or false, not {kind(value)}")
-    return value
-
-
-def prompts(value) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-        return value
-    raise BadRequest("prompt", "prompt must be a string or a non-empty list of strings (token ids are not taken)")
-
-
-def stops(value) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    found = [value] if isinstance(value, str) else value
-    if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
-        raise BadRequest("stop", f"stop must be a string or a list of up to {MAX_STOPS} strings")
-    if len(found) > MAX_STOPS:
-        raise BadRequest("stop", f"stop has {len(found)} strings; at most {MAX_STOPS} are taken")
-    if not all(0 < len(s) <= MAX_STOP_CHARS for s in found):
-        raise BadRequest("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
-    return tuple(found)
-
-
-def options(value) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or set(value) - {"include_usage"}:
-        raise BadRequest("stream_options", 'stream_options must be an object like {"include_usage": true}')
-    return value
