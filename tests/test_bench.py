@@ -21,6 +21,7 @@ from gpt2train.bench.journey import (
     run_journey,
     write_synthetic_data,
 )
+from gpt2train.bench_results import read_final_mfu
 from gpt2train.config import TrainConfig
 from gpt2train.data.loader import TokenLoader
 from gpt2train.model import GPT, GPTConfig
@@ -109,7 +110,7 @@ def test_a_journey_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     md = (tmp_path / "journey.md").read_text()
     assert md.rstrip().endswith(journey.UNFINISHED) and f"| {calls[1]} |" in md
     with pytest.raises(ValueError, match="stopped before its last stage"):  # plan takes no MFU from it
-        journey.read_final_mfu(tmp_path / "journey.json")
+        read_final_mfu(tmp_path / "journey.json")
     run_journey(tiny_options(techniques=[]), tmp_path, progress=False)  # finished: the line goes
     assert json.loads((tmp_path / "journey.json").read_text())["finished"] is True
     assert journey.UNFINISHED not in (tmp_path / "journey.md").read_text()

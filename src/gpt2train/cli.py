@@ -517,8 +517,9 @@ def cmd_config_list(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from gpt2train.bench.memory import estimate_memory, find_batch_report
+    from gpt2train.bench.find_batch import find_batch_report
     from gpt2train.config import load_config
+    from gpt2train.memory import estimate_memory
 
     cfg = load_config(args.config, args.set or [])
     print(estimate_memory(cfg, args.world_size).format())

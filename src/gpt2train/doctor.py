@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpt2train.bench_results import newest_journey, read_final_mfu
 from gpt2train.config import Config, ConfigError, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
 from gpt2train.runlog import find_spikes, is_finite, load_metrics, object_field
@@ -105,12 +106,9 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
 def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
     """The MFU the run's device should reach: the all-techniques stage of the newest `gpt2train bench
     journey` beside the run (runs/bench-*/journey.json) measured on the same device, else a tuned GPT-2 run's."""
-    from gpt2train.bench.journey import read_final_mfu
-    from gpt2train.plan import newest_bench_json
-
     starts = _of(records, "run_start")
     device = object_field(starts[-1], "hardware").get("device_name") if starts else None
-    found = newest_bench_json(runs_dir)
+    found = newest_journey(runs_dir)
     if device and found is not None:
         try:
             mfu, bench_device = read_final_mfu(found)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2train.bench_results import JOURNEY_FILE
 from gpt2train.config import Config, TrainConfig
 from gpt2train.counting import flops_per_token
 from gpt2train.data.loader import TokenLoader
@@ -120,24 +121,6 @@ class JourneyResult:
     stages: list[StageResult]
     ablation: list[StageResult]
     markdown: str = ""
-
-
-def read_final_mfu(path: str | Path) -> tuple[float, str]:
-    """(MFU, device name) of the last measured cumulative stage (every technique on) of a saved journey.json;
-    the ablation rows, each with one technique off, do not count. ValueError, in one line, when unreadable."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-        mfus = [s["mfu"] for s in data["stages"] if isinstance(s.get("mfu"), (int, float))
-                and math.isfinite(s["mfu"]) and 0 < s["mfu"] <= 1]
-        device_name = str(data["environment"]["device_name"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} unreadable ({type(e).__name__})") from None
-    if data.get("finished") is False:  # its last row is not every technique on (files before the flag are whole)
-        raise ValueError(f"{path} is of a journey that stopped before its last stage")
-    if not mfus:
-        raise ValueError(f"{path} holds no MFU figure")
-    return mfus[-1], device_name
 
 
 # --- data ----------------------------------------------------------------------------------------------
@@ -471,7 +454,8 @@ UNFINISHED = "(unfinished: the journey stopped before its last row; these are th
 
 def write_result(out: Path, result: JourneyResult, finished: bool) -> None:
     write_text_atomic(out / "journey.md", result.markdown)
-    write_json_atomic(out / "journey.json", dataclasses.asdict(result) | {"markdown": None, "finished": finished})
+    # read by plan, doctor and the trainer through gpt2train.bench_results
+    write_json_atomic(out / JOURNEY_FILE, dataclasses.asdict(result) | {"markdown": None, "finished": finished})
 
 
 def _check_options(options: JourneyOptions):
