@@ -40,7 +40,7 @@ from gpt2train.data.shards import open_shard, write_shard
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.files import write_json_atomic, write_text_atomic
-from gpt2train.model import GPT, PRESETS, preset_config
+from gpt2train.model import GPT, preset_config
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
@@ -95,6 +95,15 @@ class JourneyOptions:
     data_tokens: int = 4_000_000  # size of the synthetic dataset
     techniques: list[str] | None = None  # journey stages to run after "naive" (default: all, in order)
     skip: list[str] = field(default_factory=list)  # techniques left off everywhere, shown as skipped
+
+    def __post_init__(self):
+        """UsageError, in one line, before any work, for what the arguments' types cannot see: the technique
+        names, and a seq_len beyond the preset's block_size (0: the block_size). Each number's own range is
+        checked once, by its type in cli.py."""
+        journey_stages(self)  # unknown technique names
+        block = preset_config(self.model).block_size
+        if self.seq_len > block:
+            raise UsageError(f"--seq-len {self.seq_len} must be between 1 and the preset's block_size {block}")
 
 
 @dataclass
@@ -351,7 +360,6 @@ def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
 
 def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
     """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
-    _check_options(options)  # every bad argument fails here, before any work, as a usage error (exit 2)
     if options.device == "auto":  # the journey times CUDA and CPU steps only (MPS would need its own sync)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -456,18 +464,6 @@ def write_result(out: Path, result: JourneyResult, finished: bool) -> None:
     write_text_atomic(out / "journey.md", result.markdown)
     # read by plan, doctor and the trainer through gpt2train.bench_results
     write_json_atomic(out / JOURNEY_FILE, dataclasses.asdict(result) | {"markdown": None, "finished": finished})
-
-
-def _check_options(options: JourneyOptions):
-    """UsageError, in one line, for anything the arguments' types could not refuse (seq_len 0: the preset's)."""
-    journey_stages(options)  # unknown technique names
-    if options.model not in PRESETS:
-        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
-    block = preset_config(options.model).block_size
-    if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0 or options.threads < 0:
-        raise UsageError("--micro-batch and --steps must be at least 1, --warmup and --threads at least 0")
-    if not 0 <= options.seq_len <= block:
-        raise UsageError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
 
 
 def _speedups(stages: list[StageResult]):
