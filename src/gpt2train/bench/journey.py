@@ -32,14 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2train.bench_results import JOURNEY_FILE
+from gpt2train.bench_results import CEILING_KEY, JOURNEY_FILE, MatmulCeiling
 from gpt2train.config import Config, TrainConfig
 from gpt2train.counting import flops_per_token
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
+from gpt2train.devices import cpu_name
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.files import write_json_atomic, write_text_atomic
+from gpt2train.mfu_basis import probe_cpu_ceiling
 from gpt2train.model import GPT, preset_config
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
@@ -374,7 +376,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     planned = [("naive", None)] + journey_stages(options)
     if options.ablate:
         planned += [("all on", "ablate")] + [(k, "ablate") for k, _ in TECHNIQUES]
-    peak, basis = mfu_basis(device)
+    peak, basis, ceiling = basis_of_rows(device)
     # The model's FLOPs, the same for every row (vocab 50257: padding adds work, not model FLOPs).
     model_flops = flops_per_token(preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=1),
                                   options.seq_len)
@@ -392,8 +394,9 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             _speedups(stages)
             if ablation:
                 _ablation_ratios(ablation)
-            partial = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
-                                    stages=stages, ablation=ablation)
+            partial = JourneyResult(options=dataclasses.asdict(options),
+                                    environment=environment(device, memory, basis, ceiling), stages=stages,
+                                    ablation=ablation)
             partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
             write_result(out, partial, finished=False)
 
@@ -449,8 +452,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             _ablation_ratios(ablation)
     bar.close()
 
-    result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
-                           stages=stages, ablation=ablation)
+    result = JourneyResult(options=dataclasses.asdict(options),
+                           environment=environment(device, memory, basis, ceiling), stages=stages, ablation=ablation)
     result.markdown = to_markdown(result)
     write_result(out, result, finished=True)
     plot_journey(result, out / "journey.png")
@@ -486,48 +489,30 @@ def _ablation_ratios(rows: list[StageResult]):
             s.speedup_vs_first = s.tokens_per_s / base.tokens_per_s
 
 
-def mfu_basis(device: torch.device) -> tuple[float | None, str]:
-    """(FLOP/s, what it is) that every row's MFU divides by: the GPU's dense bf16 peak from the device table,
-    or on a CPU the matmul ceiling measured here (its peak is on no data sheet we hold)."""
+def basis_of_rows(device: torch.device) -> tuple[float | None, str, MatmulCeiling | None]:
+    """(FLOP/s, what it is, the CPU ceiling) that every row's MFU divides by: the GPU's dense bf16 peak from the
+    device table, or on a CPU the matmul ceiling measured here (its peak is on no data sheet we hold), in bf16
+    where it is native, else fp32: the dtype a CPU run takes by default. journey.json records the ceiling, and a
+    training run on this CPU with the same threads and dtype takes it as its MFU's basis (gpt2train.mfu_basis)."""
     if device.type == "cuda":
         peak = device_peak_flops(device, torch.bfloat16)
         name = torch.cuda.get_device_name(device)
         if peak is None:
-            return None, f"no bf16 peak known for {name}: MFU not computed"
-        return peak, f"the dense bf16 peak of {name}, {peak / 1e12:,.0f} TFLOP/s"
-    flops, what = cpu_matmul_ceiling()
-    return flops, f"this CPU's matmul ceiling, measured: {flops / 1e9:,.0f} GFLOP/s ({what})"
+            return None, f"no bf16 peak known for {name}: MFU not computed", None
+        return peak, f"the dense bf16 peak of {name}, {peak / 1e12:,.0f} TFLOP/s", None
+    ceiling = probe_cpu_ceiling(torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    return (ceiling.flop_s, f"this CPU's matmul ceiling, measured: {ceiling.flop_s / 1e9:,.0f} GFLOP/s "
+                            f"({ceiling.describe()})", ceiling)
 
 
-def cpu_matmul_ceiling(n: int = 1024, repeats: int = 5) -> tuple[float, str]:
-    """The best FLOP/s of an n x n x n matmul on this CPU, in bf16 where it is native, else fp32."""
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best, f"{str(dtype).removeprefix('torch.')} {n}x{n}x{n}, {torch.get_num_threads()} threads"
-
-
-def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "") -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or _cpu_name())
+def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "",
+                ceiling: MatmulCeiling | None = None) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    recorded = {CEILING_KEY: dataclasses.asdict(ceiling)} if ceiling is not None else {}
     return {"date": format_utc(time.time()), "torch": torch.__version__, "device": str(device),
             "device_name": name, "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
             "timing": "CUDA events per step" if device.type == "cuda" else "time.perf_counter per step",
-            "memory": memory.method, "mfu_basis": mfu_basis}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
+            "memory": memory.method, "mfu_basis": mfu_basis, **recorded}
 
 
 # --- reporting ------------------------------------------------------------------------------------------------
