@@ -21,9 +21,13 @@ from gpt2train.bench.journey import (
     run_journey,
     write_synthetic_data,
 )
+from gpt2train.bench_results import read_cpu_ceiling, read_final_mfu
 from gpt2train.config import TrainConfig
+from gpt2train.counting import flops_per_token
 from gpt2train.data.loader import TokenLoader
-from gpt2train.model import GPT, GPTConfig
+from gpt2train.devices import cpu_name
+from gpt2train.mfu_basis import mfu_basis
+from gpt2train.model import GPT, GPTConfig, preset_config
 from gpt2train.runlog import load_metrics
 from gpt2train.training.loop import train
 from gpt2train.training.optim import make_optimizer
@@ -109,10 +113,28 @@ def test_a_journey_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     md = (tmp_path / "journey.md").read_text()
     assert md.rstrip().endswith(journey.UNFINISHED) and f"| {calls[1]} |" in md
     with pytest.raises(ValueError, match="stopped before its last stage"):  # plan takes no MFU from it
-        journey.read_final_mfu(tmp_path / "journey.json")
+        read_final_mfu(tmp_path / "journey.json")
     run_journey(tiny_options(techniques=[]), tmp_path, progress=False)  # finished: the line goes
     assert json.loads((tmp_path / "journey.json").read_text())["finished"] is True
     assert journey.UNFINISHED not in (tmp_path / "journey.md").read_text()
+
+
+def test_a_cpu_journey_records_the_ceiling_that_a_training_run_on_this_cpu_takes(tmp_path, monkeypatch):
+    """The journey's MFU column divides by this CPU's matmul ceiling; journey.json keeps it, and a run beside it
+    on this CPU, with the same threads and dtype, divides by the same figure (gpt2train.mfu_basis)."""
+    def measured(name, setup, options, data_dir, device, memory):
+        return StageResult(name=name, setup={}, step_ms=10.0, tokens_per_s=3.2, warmup_s=0.0, final_loss=10.0)
+
+    monkeypatch.setattr(journey, "measure_stage", measured)
+    result = run_journey(tiny_options(techniques=[]), tmp_path / "bench-1", progress=False)
+    ceiling, name = read_cpu_ceiling(tmp_path / "bench-1" / "journey.json")
+    assert name == cpu_name() and (ceiling.dtype, ceiling.threads) == ("bfloat16", torch.get_num_threads())
+    model_flops = flops_per_token(preset_config("gpt2-tiny", vocab_size=50257, pad_vocab_multiple=1), 16)
+    assert result.stages[0].mfu == pytest.approx(3.2 * model_flops / ceiling.flop_s)
+    basis = mfu_basis(CPU, torch.bfloat16, tf32=False, runs_dir=tmp_path)
+    assert basis.flop_s == ceiling.flop_s and str(tmp_path / "bench-1" / "journey.json") in basis.source
+    assert mfu_basis(CPU, torch.float32, tf32=False, runs_dir=tmp_path).source.endswith(
+        f"measured at start (float32 1024x1024x1024, {torch.get_num_threads()} threads)")  # another dtype: probed
 
 
 def test_a_failing_stage_is_reported_not_hidden(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from conftest import missing, run_cli
 from gpt2train.bench.generate import GenerateOptions, decode_bytes_per_step, run_generate_bench
 from gpt2train.devices import find_device
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.ranges import UsageError
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 ROW_KEYS = {"impl", "batch", "ttft_ms", "decode_tok_s", "bandwidth_gb_s", "bandwidth_util", "ttft_ms_all",
@@ -85,6 +86,15 @@ def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_the_options_check_only_how_they_go_together():
+    """Each option's own range is checked once, by its argparse type (the cases above); GenerateOptions checks
+    what no single type can see, on construction, for the library's callers too."""
+    with pytest.raises(UsageError, match="--prompt-tokens 100 \\+ --new-tokens 100 exceed gpt2-tiny's block_size 128"):
+        GenerateOptions(model="gpt2-tiny", prompt_tokens=100, new_tokens=100)
+    with pytest.raises(UsageError, match="--llama-cpp times batch 1"):
+        GenerateOptions(model="gpt2-tiny", batch_sizes=[2], compare_llama_cpp=True)
 
 
 def test_without_comparison_the_note_says_so(tmp_path):

@@ -215,6 +215,15 @@ def test_arguments_are_checked_before_any_work(args, message, tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ablate_with_recipe_only_is_refused_once_by_the_options(tmp_path, monkeypatch, capsys):
+    """argparse's mutually exclusive group and run_quality both refused it; QualityOptions alone does now."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "quality", "--ablate", "--recipe-only"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: --ablate and --recipe-only choose different rows: pass one of them"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_row_that_raises_is_reported_failed_and_a_stop_signal_stops_the_bench(pair, tmp_path, monkeypatch):
     base, recipe = pair
     options = QualityOptions(config=str(base), modern=str(recipe), eval_interval=2)

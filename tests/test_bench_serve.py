@@ -9,7 +9,8 @@ import pytest
 
 from conftest import REPO, run_cli
 from gpt2train import cli
-from gpt2train.bench.serve import Level, targets
+from gpt2train.bench.serve import Level, ServeBenchOptions, targets
+from gpt2train.ranges import UsageError
 
 LEVEL_KEYS = {"concurrency", "requests", "errors", "wall_s", "requests_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
               "itl_p50_ms", "itl_p99_ms", "completion_tokens", "plain_tok_s", "of_plain", "error_examples"}
@@ -56,6 +57,12 @@ def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     r = run_cli("bench", "serve", "--model", "gpt2-tiny", *args, "--out", str(tmp_path / "serve.json"))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_the_context_check_is_the_one_bench_generate_has():
+    """bench serve's options had a twin of bench generate's checks; both now call check_context."""
+    with pytest.raises(UsageError, match="--prompt-tokens 100 \\+ --new-tokens 100 exceed gpt2-tiny's block_size 128"):
+        ServeBenchOptions(model="gpt2-tiny", prompt_tokens=100, new_tokens=100)
 
 
 def test_benchmarks_readme_gives_the_default_of_requests_that_the_command_uses(capsys):

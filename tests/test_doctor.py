@@ -327,6 +327,15 @@ def test_cpu_run_without_mfu_is_healthy(tmp_path):
     assert diagnose(write_run(tmp_path / "cpu", single_launch(mutate))).healthy
 
 
+def test_a_cpu_runs_mfu_over_its_matmul_ceiling_is_not_judged_against_a_gpus(tmp_path):
+    """The trainer logs MFU on a CPU over the CPU's measured matmul ceiling (gpt2train.mfu_basis); 0.40, a
+    tuned GPU run's figure, says nothing of it."""
+    records = quickstart_cpu_run(lambda s: 3500)
+    for r in records[1:]:
+        r["mfu"] = 0.05
+    assert not any(f.rule == "low_mfu" for f in diagnose(write_run(tmp_path / "cpu", records)).findings)
+
+
 def quickstart_cpu_run(speed_at) -> list[dict]:
     """The quickstart's log on a CPU: 300 steps logged every 10, mfu null, tokens/s speed_at(step)."""
     steps = [1, *range(10, 301, 10)]

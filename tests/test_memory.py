@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import run_cli
-from gpt2train.bench.memory import accumulation_for, estimate_memory, suggest_micro_batch
 from gpt2train.config import Config, load_config
 from gpt2train.counting import parameter_count
+from gpt2train.memory import accumulation_for, estimate_memory, suggest_micro_batch
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.training.optim import make_optimizer
 from tensor_memory import TensorMemoryTracker

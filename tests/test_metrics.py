@@ -1,17 +1,24 @@
-"""FLOPs per token, MFU against the device's peak, the train records of metrics.jsonl, TensorBoard and W&B."""
+"""FLOPs per token, MFU against the device's peak (on a CPU its measured matmul ceiling), the train records of
+metrics.jsonl, TensorBoard and W&B."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import tiny_config
+from gpt2train.bench_results import CEILING_KEY, MatmulCeiling
 from gpt2train.checkpoint import read_meta
 from gpt2train.counting import flops_per_token
+from gpt2train.devices import cpu_name
+from gpt2train.mfu_basis import MfuBasis, mfu_basis, probe_cpu_ceiling
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.runlog import MetricsLogger, load_metrics
 from gpt2train.training.loop import Trainer, train
@@ -34,7 +41,7 @@ def test_flops_per_token_counts_every_parameter_but_position_embeddings(bias):
 
 def test_mfu_is_tokens_per_second_times_flops_over_peak(char_data, tmp_path):
     trainer = Trainer(tiny_config(char_data), tmp_path)
-    trainer.peak_flops = 1e12  # pretend a device with a known peak
+    trainer.mfu_basis = MfuBasis(1e12, "a pretend device's peak")
     out = {**trainer.train_step(), "seconds": 0.5}
     trainer._log_train(out, first_compiled=False)
     trainer.console.end(trainer.state.step, trainer.state.tokens, "done")
@@ -45,26 +52,31 @@ def test_mfu_is_tokens_per_second_times_flops_over_peak(char_data, tmp_path):
     assert rec["step_ms"] == 500 and rec["loss"] == out["loss"]
 
 
-def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_path, capsys):
+def test_train_records_follow_the_schema_and_cpu_mfu_is_over_the_measured_matmul_ceiling(char_data, tmp_path, capsys):
     cfg = tiny_config(char_data, max_steps=4)
     cfg.log.interval = 2
     cfg.checkpoint.every_steps = 0
-    trainer = Trainer(cfg, tmp_path)  # its cfg has the data's vocabulary filled in
+    trainer = Trainer(cfg, tmp_path / "run")  # its cfg has the data's vocabulary filled in
     trainer.fit()
     printed = capsys.readouterr().out
-    assert "mfu: unknown for cpu" in printed and "tok/s" in printed
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    ceiling = probe_cpu_ceiling(torch.float32)  # the run's dtype; measured once per process
+    assert (f"mfu: against {ceiling.flop_s / 1e9:,.1f} GFLOP/s per process, this CPU's float32 matmul ceiling, "
+            f"measured at start (float32 1024x1024x1024, {torch.get_num_threads()} threads)") in printed
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 4]  # the first step, then every interval, and the last
     for r in train:
         assert {"step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb"} <= r.keys()
-        assert r["mfu"] is None and r["peak_mem_mb"] is None and "compile_ms" not in r
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * 201_984 / ceiling.flop_s, rel=1e-9)
+        assert r["peak_mem_mb"] is None and "compile_ms" not in r
         assert r["tokens"] == r["step"] * 4 * 32 and r["tokens_per_s"] > 0
+        assert f"| mfu {100 * r['mfu']:.1f}% |" in printed
     start = next(r for r in records if r["kind"] == "run_start")
     # 6N + 12 L C T (docs/plan-and-doctor.md) for L = 2, C = 32, T = 32, the 66 characters padded to 128 rows:
     # N = L (12 C^2 + 13 C) + 2 C (ln_f) + 128 C (the tied head) = 29,568; 6N = 177,408; 12 L C T = 24,576
     assert trainer.cfg.model.padded_vocab_size == 128
-    assert start["flops_per_token"] == 201_984 and start["peak_flops"] is None
+    assert start["flops_per_token"] == 201_984 and start["peak_flops"] == ceiling.flop_s
+    assert start["mfu_basis"].startswith("this CPU's float32 matmul ceiling, measured at start")
     # what the report shows: hardware and the code's revision, recorded when the run starts
     assert start["hardware"] == {"device": "cpu", "device_name": "cpu", "torch": torch.__version__, "world_size": 1,
                                  "cuda": torch.version.cuda}
@@ -73,6 +85,65 @@ def test_train_records_follow_the_schema_and_cpu_mfu_is_unknown(char_data, tmp_p
     # Tiny Shakespeare in chars: one byte per character, so bits per byte is the loss in bits (the
     # end-of-text id, 0 bytes, never appears in one play)
     assert val["val_bpb"] == pytest.approx(val["val_loss"] / math.log(2), rel=1e-6)
+
+
+def write_cpu_journey(runs: Path, name: str, flop_s: float, threads: int, dtype: str = "float32",
+                      mtime: int = 1) -> Path:
+    """A journey.json as `gpt2train bench journey` writes it on this CPU: the ceiling its MFU column divides by."""
+    path = runs / name / "journey.json"
+    path.parent.mkdir(parents=True)
+    ceiling = MatmulCeiling(flop_s=flop_s, dtype=dtype, threads=threads, n=1024)
+    environment = {"device": "cpu", "device_name": cpu_name(), CEILING_KEY: dataclasses.asdict(ceiling)}
+    path.write_text(json.dumps({"environment": environment, "stages": [], "finished": True}))
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_a_cpu_run_takes_the_ceiling_of_a_journey_beside_it_on_this_cpu(char_data, tmp_path, capsys):
+    """The newest journey measured on this CPU with this run's threads and dtype is the basis; others are not."""
+    runs, threads = tmp_path / "runs", torch.get_num_threads()
+    taken = write_cpu_journey(runs, "bench-1", 2e9, threads, mtime=1)
+    write_cpu_journey(runs, "bench-2", 3e9, threads + 1, mtime=2)  # other threads: another ceiling
+    write_cpu_journey(runs, "bench-3", 4e9, threads, dtype="bfloat16", mtime=3)  # another dtype
+    trainer = Trainer(tiny_config(char_data, max_steps=1), runs / "run")
+    trainer.fit()
+    assert trainer.mfu_basis.flop_s == 2e9
+    assert (f"mfu: against 2.0 GFLOP/s per process, this CPU's float32 matmul ceiling, measured by gpt2train bench "
+            f"journey ({taken}: float32 1024x1024x1024, {threads} threads)") in capsys.readouterr().out
+    start, train = (next(r for r in load_metrics(runs / "run") if r["kind"] == kind) for kind in ("run_start", "train"))
+    assert start["peak_flops"] == 2e9 and str(taken) in start["mfu_basis"]
+    assert train["mfu"] == pytest.approx(train["tokens_per_s"] * 201_984 / 2e9, rel=1e-9)
+
+
+def test_without_a_basis_the_banner_says_why_once_and_the_step_lines_leave_mfu_out(char_data, tmp_path, capsys):
+    """They printed "mfu n/a" on every line; an MPS or an unknown GPU still has no basis."""
+    trainer = Trainer(tiny_config(char_data, max_steps=3), tmp_path)
+    trainer.mfu_basis = MfuBasis(None, "no peak FLOP/s known for mps (add its row to gpt2train.devices.DEVICES)")
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert ("mfu: not shown: no peak FLOP/s known for mps (add its row to gpt2train.devices.DEVICES); the step lines "
+            "report tokens/s only") in out
+    lines = [line for line in out.splitlines() if line.startswith("step ") and " tok/s " in line]
+    assert len(lines) == 3 and not any("mfu" in line for line in lines)
+    assert all(r["mfu"] is None for r in load_metrics(tmp_path) if r["kind"] == "train")
+
+
+def test_a_gpus_basis_is_still_its_data_sheet_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    basis = mfu_basis(torch.device("cuda"), torch.bfloat16, tf32=True)
+    assert basis.flop_s == 989e12 and basis.source == "the dense bf16 peak of NVIDIA H100 80GB HBM3 (gpt2train.devices)"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future Accelerator")
+    assert mfu_basis(torch.device("cuda"), torch.bfloat16, tf32=True).flop_s is None
+
+
+def test_the_ceiling_probe_leaves_the_runs_random_numbers_alone():
+    """It runs after the trainer seeded torch: a draw from the global generator would change the run."""
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    ceiling = probe_cpu_ceiling(torch.float32, n=64)
+    assert torch.equal(torch.rand(3), expected)
+    assert ceiling.flop_s > 0 and (ceiling.dtype, ceiling.n, ceiling.threads) == ("float32", 64, torch.get_num_threads())
 
 
 def test_tensorboard_writes_event_files(tmp_path):

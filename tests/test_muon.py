@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import one_line, tiny_config
-from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, ConfigError, TrainConfig
+from gpt2train.memory import estimate_memory
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.training import optim
 from gpt2train.training.loop import Trainer, train

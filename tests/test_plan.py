@@ -13,9 +13,9 @@ from conftest import REPO, run_cli
 from gpt2train import devices
 from gpt2train import plan as P
 from gpt2train.bench.journey import JourneyResult, StageResult
-from gpt2train.bench.memory import estimate_memory
 from gpt2train.config import Config, load_config
 from gpt2train.counting import flops_per_token, parameter_count
+from gpt2train.memory import estimate_memory
 from gpt2train.model import preset_config
 
 GPT2_TOML = REPO / "configs" / "gpt2.toml"
@@ -291,7 +291,7 @@ def test_options_already_on_are_not_suggested(monkeypatch):
 def test_memory_comes_from_the_estimator():
     cfg = resolved()
     fit = P.memory_fit(cfg, P.target_device("H100"), 1)
-    assert fit.total_bytes == estimate_memory(cfg, 1).total_bytes and fit.estimator == "gpt2train.bench.memory"
+    assert fit.total_bytes == estimate_memory(cfg, 1).total_bytes and fit.estimator == "gpt2train.memory"
 
 
 # --- CLI ---------------------------------------------------------------------------------------

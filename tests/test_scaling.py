@@ -412,6 +412,14 @@ def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, m
     assert message.endswith("); pass a new --out for this ladder")
 
 
+def test_scaling_options_check_how_depths_and_prediction_go_together():
+    """Each depth's and seed's own range is the argparse type's check; the options check the ladder's shape."""
+    with pytest.raises(UsageError, match="give at least three distinct depths"):
+        ScalingOptions(depths=[2, 3, 3])
+    with pytest.raises(UsageError, match="--predict 5: predict a rung deeper than the ladder's last, 5"):
+        ScalingOptions(depths=[3, 4, 5], predict=5)
+
+
 def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
     r = run_cli(*["bench", "scaling", "--depths", "2,x"])
     assert r.returncode == 2 and "give depths as comma-separated whole numbers" in r.stderr

@@ -10,6 +10,7 @@ import torch
 
 from conftest import tiny_config
 from gpt2train.checkpoint import ProcessRNG
+from gpt2train.mfu_basis import MfuBasis
 from gpt2train.runtime import resolve_runtime
 from gpt2train.training.checkpointing import RunState
 from gpt2train.training.console import Console, LogContinuity
@@ -106,7 +107,8 @@ def test_the_console_starts_from_plain_values(char_data, tmp_path, capsys):
     cfg.model.vocab_size = 66
     runtime = resolve_runtime(cfg, torch.device("cpu"), 1)
     console = Console(cfg, tmp_path, True, torch.device("cpu"))
-    console.start(3, runtime, flops_per_token=1e6, peak_flops=None, resumed_from="somewhere/step_00000003")
+    console.start(3, runtime, flops_per_token=1e6, basis=MfuBasis(None, "no peak known"),
+                  resumed_from="somewhere/step_00000003")
     console.end(3, 0, "done")
     out = capsys.readouterr().out
     assert "resumed from somewhere/step_00000003 at step 3" in out

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog",
-              "sections"}),
+              "sections", "bench_results", "mfu_basis"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture", "data.markov"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
@@ -24,8 +24,11 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
                   "training.loop", "runconfig"}),
-    ("tools", {"bench", "bench.journey", "bench.memory", "bench.generate", "bench.quality", "bench.serve",
-               "bench.prepare", "bench.scaling", "plan", "doctor", "report"}),
+    # What a config costs and what a run shows: they read a bench result through bench_results, never bench/.
+    ("tools", {"memory", "plan", "doctor", "report"}),
+    # The benchmarks measure the library from above it: nothing below imports them.
+    ("bench", {"bench", "bench.journey", "bench.find_batch", "bench.generate", "bench.quality", "bench.serve",
+               "bench.prepare", "bench.scaling"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "__main__"}),
@@ -134,6 +137,25 @@ def test_the_layer_check_can_fail(tmp_path):
     bad = tmp_path / "state.py"
     bad.write_text("from gpt2train.training.loop import Trainer\n")
     assert imported(bad) == {"training.loop"} and layer_of("training.loop") > layer_of("checkpoint.state")
+
+
+def test_the_layer_check_catches_a_tool_importing_the_benchmarks(tmp_path):
+    """plan imported bench.journey (for a journey's MFU) and bench.memory (the estimator), doctor imported plan
+    and bench.journey: bench/ sat below the commands that use it. Now they read journey.json through
+    bench_results, and the estimator is gpt2train.memory."""
+    bad = tmp_path / "plan.py"
+    bad.write_text("from gpt2train.bench.journey import read_final_mfu\n")
+    assert imported(bad) == {"bench.journey"} and layer_of("bench.journey") > layer_of("plan")
+    assert all(layer_of(name) < layer_of("bench") for name in ("plan", "doctor", "report", "memory", "training.loop"))
+
+
+def test_nothing_below_the_cli_imports_the_benchmarks():
+    """Only bench/ itself and the CLI (which runs them) import gpt2train.bench."""
+    def is_bench(name: str) -> bool:
+        return name == "bench" or name.startswith("bench.")
+
+    importers = {name for name, path in modules().items() if not is_bench(name) and any(map(is_bench, imported(path)))}
+    assert importers == {"cli"}, importers
 
 
 def test_one_file_calls_backward():

@@ -513,7 +513,8 @@ def cmd_config_list(args) -> int:
 
 
 def cmd_memory(args) -> int:
-    from gpt2train.bench.memory import estimate_memory, find_batch_report
+    from gpt2train.bench.find_batch import find_batch_report
+    from gpt2train.memory import estimate_memory
     from gpt2train.runconfig import Environment, resolve_run
 
     cfg = resolve_run(args.config, args.set or [], Environment(world_size=args.world_size)).config
@@ -931,10 +932,10 @@ def add_bench_quality(bench) -> None:
                    + " (default %(default)s)")
     p.add_argument("--modern", default="shakespeare-modern", help="the recipe, a file or preset (default "
                    "%(default)s); it may differ from --config only in the changes' keys")
-    rows = p.add_mutually_exclusive_group()
-    rows.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
-    rows.add_argument("--recipe-only", action="store_true", help="rows: GPT-2 and the full recipe only (the target "
-                      "over several seeds, for less time)")
+    # Whether --ablate and --recipe-only go together is QualityOptions' one check (the library's callers get it too).
+    p.add_argument("--ablate", action="store_true", help="rows: GPT-2, the full recipe, the recipe minus each change")
+    p.add_argument("--recipe-only", action="store_true", help="rows: GPT-2 and the full recipe only (the target "
+                   "over several seeds, for less time; not with --ablate)")
     p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every row trains once per seed "
                    "(default: the config's seed)")
     p.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every row (default: the config's)")

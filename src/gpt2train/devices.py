@@ -9,8 +9,10 @@ nothing else of gpt2train: it imports torch only.
 from __future__ import annotations
 
 import os
+import platform
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -79,6 +81,19 @@ def system_ram_bytes() -> int:
 
 def cpu_device() -> Device:
     return Device("CPU", None, system_ram_bytes(), None, ("cpu",))
+
+
+def cpu_name() -> str:
+    """This machine's CPU model ("Intel(R) Xeon(R) Platinum 8488C"): /proc/cpuinfo's model name on Linux (where
+    platform.processor() says "x86_64" or nothing), else what platform reports. A CPU's matmul ceiling measured
+    by a bench journey is taken for a run on the CPU of this name only."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def normalized_name(name: str) -> str:

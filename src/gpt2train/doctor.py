@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpt2train.bench_results import newest_journey, read_final_mfu
 from gpt2train.config import Config, ConfigError, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
 from gpt2train.runlog import find_spikes, is_finite, load_metrics, object_field
@@ -102,15 +103,16 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
                      device=run_device(records))
 
 
-def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float, str]:
+def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float | None, str]:
     """The MFU the run's device should reach: the all-techniques stage of the newest `gpt2train bench
-    journey` beside the run (runs/bench-*/journey.json) measured on the same device, else a tuned GPT-2 run's."""
-    from gpt2train.bench.journey import read_final_mfu
-    from gpt2train.plan import newest_bench_json
-
+    journey` beside the run (runs/bench-*/journey.json) measured on the same device, else a tuned GPT-2 run's.
+    None on a CPU: its MFU is over its own measured matmul ceiling, and a GPU's typical figure says nothing of it."""
     starts = _of(records, "run_start")
-    device = object_field(starts[-1], "hardware").get("device_name") if starts else None
-    found = newest_bench_json(runs_dir)
+    hardware = object_field(starts[-1], "hardware") if starts else {}
+    if str(hardware.get("device", "")).startswith("cpu"):
+        return None, "a CPU run: no typical MFU to expect"
+    device = hardware.get("device_name")
+    found = newest_journey(runs_dir)
     if device and found is not None:
         try:
             mfu, bench_device = read_final_mfu(found)
@@ -137,7 +139,7 @@ def run_config(run_dir: str | Path, records: list[dict]) -> tuple[Config, list[s
 
 
 def check_records(records: list[dict], cfg: Config,
-                  expected: tuple[float, str] = (ASSUMED_GPU_MFU, "a tuned GPT-2 run's typical figure")) -> list[Finding]:
+                  expected: tuple[float | None, str] = (ASSUMED_GPU_MFU, "a tuned GPT-2 run's typical figure")) -> list[Finding]:
     """Every finding, serious ones first. `expected`: the MFU the device should reach, and where it comes from."""
     divergence = check_divergence(records)
     resume = check_resume_gap(records)
@@ -379,11 +381,11 @@ def device_type(device: str | None) -> str | None:
     return device.split(":")[0] if device else None
 
 
-def check_mfu(records: list[dict], expected: float = ASSUMED_GPU_MFU,
+def check_mfu(records: list[dict], expected: float | None = ASSUMED_GPU_MFU,
               source: str = "a tuned GPT-2 run's typical figure") -> Finding | None:
     timed = [r for r in _steady_train(records) if is_finite(r.get("mfu"))]
-    if not timed:
-        return None  # the device's peak is unknown (a CPU, say): nothing to compare with
+    if not timed or expected is None:
+        return None  # the device's peak is unknown, or no figure to expect (a CPU): nothing to compare with
     mean = statistics.fmean(r["mfu"] for r in timed)
     if mean >= LOW_MFU_FRACTION * expected:
         return None

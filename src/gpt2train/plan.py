@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from gpt2train import devices, runtime
-from gpt2train.bench.journey import read_final_mfu
-from gpt2train.bench.memory import estimate_memory
+from gpt2train.bench_results import newest_journey, read_final_mfu
 from gpt2train.config import Config, ConfigError
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
+from gpt2train.memory import estimate_memory
 from gpt2train.model import GPT
 from gpt2train.runconfig import Environment, RunConfig, as_run, resolve_run
 from gpt2train.runtime import accumulation_steps, resolve_runtime
@@ -32,7 +32,6 @@ from gpt2train.units import format_bytes, format_count, format_duration, format_
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal training sees ~20 tokens per parameter
 MEMORY_HEADROOM = 0.90  # share of a device's memory a run may plan on: CUDA context, allocator fragmentation
 SUGGESTED_LOSS_CHUNK = 1024  # rows per cross-entropy chunk: (1024, 50304) fp32 logits are ~200 MB
-BENCH_GLOB = "bench-*/journey.json"  # what `gpt2train bench` writes under runs/
 
 
 # More epochs than this over one source of a mixture gets a warning: past about 4 repeats, more of the same text
@@ -117,11 +116,6 @@ def wall_seconds(tokens: float, flops_per_tok: float, peak: float, mfu: float, g
 # A measured MFU from `gpt2train bench`
 
 
-def newest_bench_json(runs_dir: str | Path = "runs") -> Path | None:
-    found = [p for p in Path(runs_dir).glob(BENCH_GLOB) if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
 def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
     """(MFU, why) from a bench journey.json: its final, tuned stage. None with the reason when the file holds
     none or was measured on another device."""
@@ -141,7 +135,7 @@ def bench_mfu(path: str | Path, device: Device) -> tuple[float | None, str]:
 def estimate_memory_bytes(cfg: Config, world_size: int) -> tuple[int, dict[str, int], str]:
     """(bytes per device, breakdown, which estimator) from the memory estimator of `gpt2train memory`."""
     est = estimate_memory(cfg, world_size)
-    return int(est.total_bytes), dict(est.breakdown), "gpt2train.bench.memory"
+    return int(est.total_bytes), dict(est.breakdown), "gpt2train.memory"
 
 
 @dataclass
@@ -440,7 +434,7 @@ def _choose_mfu(mfu: float | None, device: Device, bench_json, runs_dir, notes: 
         if measured is None:
             raise PlanError(f"--bench-json: {why}")
         return measured, why
-    found = newest_bench_json(runs_dir)
+    found = newest_journey(runs_dir)
     if found is not None:
         measured, why = bench_mfu(found, device)
         if measured is not None:

@@ -268,7 +268,8 @@ def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:
         _series_chart(runs, "tokens_per_s", "Throughput", "train", "tokens_per_s", "tokens / s",
                       "no train records with tokens_per_s yet.", skip_compile_step=True),
         _series_chart(runs, "mfu", "MFU", "train", "mfu", "MFU (%)",
-                      "MFU is null when the device's peak FLOP/s is unknown (on a CPU, for one).",
+                      "MFU is null when no peak FLOP/s is known for the device (MPS, a GPU not in the table, a CPU "
+                      "run logged before the trainer measured its matmul ceiling).",
                       scale=100.0, skip_compile_step=True),
         _series_chart(runs, "memory", "Peak memory", "train", "peak_mem_mb", "peak memory (GiB)",
                       "peak memory is only measured on CUDA devices.", scale=1 / 1024),

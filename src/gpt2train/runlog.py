@@ -47,7 +47,7 @@ COMMON_FIELDS = ("kind", "time")  # on every record; time is Unix seconds
 # The other fields of each kind. Some are null or only sometimes there (docs/metrics.md says when).
 FIELDS: dict[str, tuple[str, ...]] = {
     RUN_START: ("step", "config", "runtime", "hardware", "git", "version", "params", "params_non_embedding",
-                "flops_per_token", "peak_flops", "resumed_from"),
+                "flops_per_token", "peak_flops", "mfu_basis", "resumed_from"),
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
             "compile_ms"),
     VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb", "sources"),

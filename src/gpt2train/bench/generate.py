@@ -34,7 +34,7 @@ from gpt2train.files import write_json_atomic
 from gpt2train.generation import Decoder, generate_ids
 from gpt2train.gguf_export import export_gguf
 from gpt2train.hf import export_hf
-from gpt2train.model import GPT, PRESETS, preset_config
+from gpt2train.model import GPT, preset_config
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import resolve_dtype
 from gpt2train.units import format_utc
@@ -54,6 +54,13 @@ class GenerateOptions:
     dtype: str = "auto"  # the weights' dtype, ours and transformers' (auto: as `sample`, runtime.resolve_dtype)
     hf_dtype: str = ""  # transformers' alone ("": the same as ours)
     compare_llama_cpp: bool = False  # llama.cpp on the same weights (an f32 GGUF file), batch 1
+
+    def __post_init__(self):
+        """UsageError, in one line, before any work, for what one option's argparse type cannot see: how the
+        options go together. Each option's own range is checked once, by its type in cli.py."""
+        if self.compare_llama_cpp and 1 not in self.batch_sizes:
+            raise UsageError("--llama-cpp times batch 1 (llama-cpp-python decodes one sequence): add 1 to --batch-sizes")
+        check_context(self.model, self.prompt_tokens, self.new_tokens)
 
 
 @dataclass
@@ -156,24 +163,16 @@ def load_llama_cpp_copy(model: GPT, n_ctx: int, device: torch.device):
     return llm, None
 
 
-def check_options(options: GenerateOptions):
-    """UsageError, in one line, before any work: what the CLI's argument types cannot see on their own."""
-    if options.model not in PRESETS:
-        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
-    if not options.batch_sizes or min(options.batch_sizes) < 1:
-        raise UsageError(f"batch sizes {options.batch_sizes} must each be at least 1")
-    if options.prompt_tokens < 1 or options.new_tokens < 1 or options.repeats < 1 or options.threads < 0:
-        raise UsageError("--prompt-tokens, --new-tokens and --repeats must be at least 1, --threads at least 0")
-    block = preset_config(options.model).block_size  # neither model has positions beyond it
-    if options.compare_llama_cpp and 1 not in options.batch_sizes:
-        raise UsageError("--llama-cpp times batch 1 (llama-cpp-python decodes one sequence): add 1 to --batch-sizes")
-    if options.prompt_tokens + options.new_tokens > block:
-        raise UsageError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed "
-                         f"{options.model}'s block_size {block}")
+def check_context(model: str, prompt_tokens: int, new_tokens: int) -> None:
+    """UsageError unless a prompt and its new tokens fit the preset's positions (neither our model nor
+    transformers' has any beyond block_size). `bench generate` and `bench serve` both check this."""
+    block = preset_config(model).block_size
+    if prompt_tokens + new_tokens > block:
+        raise UsageError(f"--prompt-tokens {prompt_tokens} + --new-tokens {new_tokens} exceed {model}'s block_size "
+                         f"{block}")
 
 
 def run_generate_bench(options: GenerateOptions, out: Path | None = None, progress: bool = True) -> dict:
-    check_options(options)
     if options.threads:
         torch.set_num_threads(options.threads)
     device = resolve_device(options.device)

@@ -32,14 +32,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2train.bench_results import CEILING_KEY, JOURNEY_FILE, MatmulCeiling
 from gpt2train.config import Config, TrainConfig
 from gpt2train.counting import flops_per_token
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.shards import open_shard, write_shard
+from gpt2train.devices import cpu_name
 from gpt2train.devices import peak_flops as device_peak_flops
 from gpt2train.distributed import resolve_device
 from gpt2train.files import write_json_atomic, write_text_atomic
-from gpt2train.model import GPT, PRESETS, preset_config
+from gpt2train.mfu_basis import probe_cpu_ceiling
+from gpt2train.model import GPT, preset_config
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
@@ -95,6 +98,15 @@ class JourneyOptions:
     techniques: list[str] | None = None  # journey stages to run after "naive" (default: all, in order)
     skip: list[str] = field(default_factory=list)  # techniques left off everywhere, shown as skipped
 
+    def __post_init__(self):
+        """UsageError, in one line, before any work, for what the arguments' types cannot see: the technique
+        names, and a seq_len beyond the preset's block_size (0: the block_size). Each number's own range is
+        checked once, by its type in cli.py."""
+        journey_stages(self)  # unknown technique names
+        block = preset_config(self.model).block_size
+        if self.seq_len > block:
+            raise UsageError(f"--seq-len {self.seq_len} must be between 1 and the preset's block_size {block}")
+
 
 @dataclass
 class StageResult:
@@ -120,24 +132,6 @@ class JourneyResult:
     stages: list[StageResult]
     ablation: list[StageResult]
     markdown: str = ""
-
-
-def read_final_mfu(path: str | Path) -> tuple[float, str]:
-    """(MFU, device name) of the last measured cumulative stage (every technique on) of a saved journey.json;
-    the ablation rows, each with one technique off, do not count. ValueError, in one line, when unreadable."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-        mfus = [s["mfu"] for s in data["stages"] if isinstance(s.get("mfu"), (int, float))
-                and math.isfinite(s["mfu"]) and 0 < s["mfu"] <= 1]
-        device_name = str(data["environment"]["device_name"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path} unreadable ({type(e).__name__})") from None
-    if data.get("finished") is False:  # its last row is not every technique on (files before the flag are whole)
-        raise ValueError(f"{path} is of a journey that stopped before its last stage")
-    if not mfus:
-        raise ValueError(f"{path} holds no MFU figure")
-    return mfus[-1], device_name
 
 
 # --- data ----------------------------------------------------------------------------------------------
@@ -368,7 +362,6 @@ def journey_stages(options: JourneyOptions) -> list[tuple[str, str]]:
 
 def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = True) -> JourneyResult:
     """Measure the cumulative stages (and the ablation when asked); write journey.{md,json,png} to out_dir."""
-    _check_options(options)  # every bad argument fails here, before any work, as a usage error (exit 2)
     if options.device == "auto":  # the journey times CUDA and CPU steps only (MPS would need its own sync)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -383,7 +376,7 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     planned = [("naive", None)] + journey_stages(options)
     if options.ablate:
         planned += [("all on", "ablate")] + [(k, "ablate") for k, _ in TECHNIQUES]
-    peak, basis = mfu_basis(device)
+    peak, basis, ceiling = basis_of_rows(device)
     # The model's FLOPs, the same for every row (vocab 50257: padding adds work, not model FLOPs).
     model_flops = flops_per_token(preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=1),
                                   options.seq_len)
@@ -401,8 +394,9 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             _speedups(stages)
             if ablation:
                 _ablation_ratios(ablation)
-            partial = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
-                                    stages=stages, ablation=ablation)
+            partial = JourneyResult(options=dataclasses.asdict(options),
+                                    environment=environment(device, memory, basis, ceiling), stages=stages,
+                                    ablation=ablation)
             partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
             write_result(out, partial, finished=False)
 
@@ -458,8 +452,8 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
             _ablation_ratios(ablation)
     bar.close()
 
-    result = JourneyResult(options=dataclasses.asdict(options), environment=environment(device, memory, basis),
-                           stages=stages, ablation=ablation)
+    result = JourneyResult(options=dataclasses.asdict(options),
+                           environment=environment(device, memory, basis, ceiling), stages=stages, ablation=ablation)
     result.markdown = to_markdown(result)
     write_result(out, result, finished=True)
     plot_journey(result, out / "journey.png")
@@ -471,19 +465,8 @@ UNFINISHED = "(unfinished: the journey stopped before its last row; these are th
 
 def write_result(out: Path, result: JourneyResult, finished: bool) -> None:
     write_text_atomic(out / "journey.md", result.markdown)
-    write_json_atomic(out / "journey.json", dataclasses.asdict(result) | {"markdown": None, "finished": finished})
-
-
-def _check_options(options: JourneyOptions):
-    """UsageError, in one line, for anything the arguments' types could not refuse (seq_len 0: the preset's)."""
-    journey_stages(options)  # unknown technique names
-    if options.model not in PRESETS:
-        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
-    block = preset_config(options.model).block_size
-    if options.micro_batch < 1 or options.steps < 1 or options.warmup < 0 or options.threads < 0:
-        raise UsageError("--micro-batch and --steps must be at least 1, --warmup and --threads at least 0")
-    if not 0 <= options.seq_len <= block:
-        raise UsageError(f"--seq-len {options.seq_len} must be between 1 and the preset's block_size {block}")
+    # read by plan, doctor and the trainer through gpt2train.bench_results
+    write_json_atomic(out / JOURNEY_FILE, dataclasses.asdict(result) | {"markdown": None, "finished": finished})
 
 
 def _speedups(stages: list[StageResult]):
@@ -506,48 +489,30 @@ def _ablation_ratios(rows: list[StageResult]):
             s.speedup_vs_first = s.tokens_per_s / base.tokens_per_s
 
 
-def mfu_basis(device: torch.device) -> tuple[float | None, str]:
-    """(FLOP/s, what it is) that every row's MFU divides by: the GPU's dense bf16 peak from the device table,
-    or on a CPU the matmul ceiling measured here (its peak is on no data sheet we hold)."""
+def basis_of_rows(device: torch.device) -> tuple[float | None, str, MatmulCeiling | None]:
+    """(FLOP/s, what it is, the CPU ceiling) that every row's MFU divides by: the GPU's dense bf16 peak from the
+    device table, or on a CPU the matmul ceiling measured here (its peak is on no data sheet we hold), in bf16
+    where it is native, else fp32: the dtype a CPU run takes by default. journey.json records the ceiling, and a
+    training run on this CPU with the same threads and dtype takes it as its MFU's basis (gpt2train.mfu_basis)."""
     if device.type == "cuda":
         peak = device_peak_flops(device, torch.bfloat16)
         name = torch.cuda.get_device_name(device)
         if peak is None:
-            return None, f"no bf16 peak known for {name}: MFU not computed"
-        return peak, f"the dense bf16 peak of {name}, {peak / 1e12:,.0f} TFLOP/s"
-    flops, what = cpu_matmul_ceiling()
-    return flops, f"this CPU's matmul ceiling, measured: {flops / 1e9:,.0f} GFLOP/s ({what})"
+            return None, f"no bf16 peak known for {name}: MFU not computed", None
+        return peak, f"the dense bf16 peak of {name}, {peak / 1e12:,.0f} TFLOP/s", None
+    ceiling = probe_cpu_ceiling(torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    return (ceiling.flop_s, f"this CPU's matmul ceiling, measured: {ceiling.flop_s / 1e9:,.0f} GFLOP/s "
+                            f"({ceiling.describe()})", ceiling)
 
 
-def cpu_matmul_ceiling(n: int = 1024, repeats: int = 5) -> tuple[float, str]:
-    """The best FLOP/s of an n x n x n matmul on this CPU, in bf16 where it is native, else fp32."""
-    dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best, f"{str(dtype).removeprefix('torch.')} {n}x{n}x{n}, {torch.get_num_threads()} threads"
-
-
-def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "") -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or _cpu_name())
+def environment(device: torch.device, memory: ProcessMemory, mfu_basis: str = "",
+                ceiling: MatmulCeiling | None = None) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    recorded = {CEILING_KEY: dataclasses.asdict(ceiling)} if ceiling is not None else {}
     return {"date": format_utc(time.time()), "torch": torch.__version__, "device": str(device),
             "device_name": name, "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
             "timing": "CUDA events per step" if device.type == "cuda" else "time.perf_counter per step",
-            "memory": memory.method, "mfu_basis": mfu_basis}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
+            "memory": memory.method, "mfu_basis": mfu_basis, **recorded}
 
 
 # --- reporting ------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from gpt2train import runlog
 from gpt2train.config import Config, load_config, to_dict, validate
 from gpt2train.data.prepare import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
-from gpt2train.ranges import SEEDS, UsageError
+from gpt2train.ranges import UsageError
 from gpt2train.training.loop import train
 from gpt2train.units import format_count, format_duration, format_utc
 
@@ -70,6 +70,12 @@ class QualityOptions:
     val_batches: int | None = None  # None: the base config's eval.val_batches
     overrides: list[str] = field(default_factory=list)  # --set, applied to every row
     device: str = ""  # "": the config's train.device
+
+    def __post_init__(self):
+        """The one check of how the options go together; each option's own range is checked by its type in
+        cli.py (the seeds: distinct and in range)."""
+        if self.ablate and self.recipe_only:
+            raise UsageError("--ablate and --recipe-only choose different rows: pass one of them")
 
 
 @dataclass
@@ -284,13 +290,8 @@ class QualityResult:
 def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = True) -> QualityResult:
     """Train every row once per seed into OUT/runs/, score them; write quality.{md,json,png} to OUT."""
     base, modern = load_pair(options)
-    if options.ablate and options.recipe_only:
-        raise UsageError("--ablate and --recipe-only choose different rows: pass one of them")
     rows, notes = plan_rows(base, modern, options.ablate, options.recipe_only)
     seeds = options.seeds or [base.train.seed]
-    bad = [seed for seed in seeds if seed not in SEEDS or seeds.count(seed) > 1]
-    if bad:
-        raise UsageError(f"seed {bad[0]} is out of range or repeated; seeds must be distinct and {SEEDS}")
     out = Path(out_dir)
     if (out / "runs").exists():
         raise UsageError(f"{out / 'runs'} exists already (runs of an earlier bench): pass a new --out")

@@ -30,7 +30,7 @@ from gpt2train.config import Config, load_config
 from gpt2train.counting import flops_per_token
 from gpt2train.data.prepare import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
-from gpt2train.ranges import SEEDS, UsageError
+from gpt2train.ranges import UsageError
 from gpt2train.runconfig import RunConfig, resolve_run
 from gpt2train.sizing import scaling_parameters
 from gpt2train.units import format_count, format_duration, format_utc
@@ -48,6 +48,15 @@ class ScalingOptions:
     seeds: list[int] | None = None  # None: the config's train.seed
     floor: float | None = None  # a known lower bound on the loss; None: the data's (meta.json loss_floor) or 0
     overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        """The one check of how the depths and the prediction go together; each depth's and seed's own range is
+        checked by its type in cli.py."""
+        depths = sorted(set(self.depths))
+        if len(depths) < 3:
+            raise UsageError(f"--depths {self.depths}: give at least three distinct depths of 1 or more")
+        if self.predict is not None and self.predict <= depths[-1]:
+            raise UsageError(f"--predict {self.predict}: predict a rung deeper than the ladder's last, {depths[-1]}")
 
 
 @dataclass
@@ -179,14 +188,8 @@ def finished_rung(run_dir: Path, planned: Rung) -> Rung | None:
 def run_ladder(options: ScalingOptions, out_dir: str | Path, progress: bool = True) -> dict:
     """Every seed's ladder, fit and prediction; writes scaling.{json,md,png} to out_dir."""
     depths = sorted(set(options.depths))
-    if len(depths) < 3 or depths[0] < 1:
-        raise UsageError(f"--depths {options.depths}: give at least three distinct depths of 1 or more")
-    if options.predict is not None and options.predict <= depths[-1]:
-        raise UsageError(f"--predict {options.predict}: predict a rung deeper than the ladder's last, {depths[-1]}")
     base = load_config(options.config, options.overrides)
     seeds = options.seeds or [base.train.seed]
-    if any(s not in SEEDS or seeds.count(s) > 1 for s in seeds):
-        raise UsageError(f"--seeds {seeds}: seeds must be distinct and {SEEDS}")
     every = depths + ([options.predict] if options.predict else [])
     configs = {(d, s): rung_config(options, d, s) for d in every for s in seeds}
     if not (Path(base.data.dir) / "meta.json").is_file():  # the ladder's corpus, not the general hint of load_meta

@@ -32,14 +32,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2train.bench.generate import sync, write_result
+from gpt2train.bench.generate import check_context, sync, write_result
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.devices import describe
 from gpt2train.distributed import resolve_device
 from gpt2train.generation import Decoder, generate_ids
-from gpt2train.model import GPT, PRESETS, preset_config
-from gpt2train.ranges import COMPILE_SETTINGS, UsageError
+from gpt2train.model import GPT, preset_config
+from gpt2train.ranges import COMPILE_SETTINGS
 from gpt2train.runtime import resolve_dtype
 from gpt2train.tokenizer import GPT2Tokenizer
 from gpt2train.units import format_utc
@@ -59,6 +59,11 @@ class ServeBenchOptions:
     prefill_tokens: int = 0  # the server's --prefill-tokens (0: its default)
     repeats: int = 2  # timed runs of the ceiling, the median reported
     startup_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        """UsageError, in one line, before any work, for what one option's argparse type cannot see: whether the
+        prompt and the new tokens fit the model. Each option's own range is checked once, by its type in cli.py."""
+        check_context(self.model, self.prompt_tokens, self.new_tokens)
 
 
 @dataclass
@@ -89,18 +94,8 @@ class RequestResult:
     error: str = ""
 
 
-def check_serve_options(options: ServeBenchOptions) -> None:
-    """UsageError, in one line, before any work."""
-    if options.model not in PRESETS:
-        raise UsageError(f"unknown model preset {options.model!r}; choose one of {', '.join(PRESETS)}")
-    if not options.concurrency or min(options.concurrency) < 1:
-        raise UsageError(f"concurrency levels {options.concurrency} must each be at least 1")
-    if options.prompt_tokens < 1 or options.new_tokens < 1 or options.repeats < 1 or options.requests < 0:
-        raise UsageError("--prompt-tokens, --new-tokens and --repeats must be at least 1, --requests at least 0")
-    block = preset_config(options.model).block_size
-    if options.prompt_tokens + options.new_tokens > block:
-        raise UsageError(f"--prompt-tokens {options.prompt_tokens} + --new-tokens {options.new_tokens} exceed "
-                         f"{options.model}'s block_size {block}")
+def require_load_client() -> None:
+    """ImportError, in one line, before any work, when the load generator's client is missing."""
     try:
         import httpx  # noqa: F401 -- the load generator's client
     except ImportError:
@@ -251,7 +246,7 @@ def plain_tok_s(model: GPT, prompt_ids: list[int], batch: int, new_tokens: int, 
 
 
 def run_serve_bench(options: ServeBenchOptions, out: Path | None = None, progress: bool = True) -> dict:
-    check_serve_options(options)
+    require_load_client()
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device.type)
     tokenizer = GPT2Tokenizer()

@@ -1,5 +1,6 @@
 """What a run tells the person watching and the run log: the start banner, one line per logged step
-(loss, LR, grad norm, tokens/s, MFU, ETA), a progress bar on a terminal, and the metrics.jsonl records.
+(loss, LR, grad norm, tokens/s, MFU where its basis is known, ETA), a progress bar on a terminal, and the
+metrics.jsonl records.
 
 Only rank 0 prints and writes; on the other ranks every call is a no-op.
 """
@@ -16,6 +17,7 @@ import torch
 import gpt2train
 from gpt2train.config import Config, to_dict
 from gpt2train.counting import parameter_count
+from gpt2train.mfu_basis import MfuBasis
 from gpt2train.progress import on_terminal, terminal_bar
 from gpt2train.runlog import MetricsLogger
 from gpt2train.runtime import Runtime
@@ -87,10 +89,11 @@ class Console:
             print(text, flush=True)
 
     # --- a launch --------------------------------------------------------------------------------
-    def start(self, step: int, runtime: Runtime, flops_per_token: float, peak_flops: float | None,
+    def start(self, step: int, runtime: Runtime, flops_per_token: float, basis: MfuBasis,
               resumed_from: str | None = None, init_source: str | None = None):
-        """The run_start record and the banner: device, model, batch, MFU basis, and where the weights came from
-        (`resumed_from` a checkpoint, or `init_source` for train.init_from)."""
+        """The run_start record and the banner: device, model, batch, what MFU divides by (or, once, why no MFU
+        is shown), and where the weights came from (`resumed_from` a checkpoint, or `init_source` for
+        train.init_from)."""
         device, model = self.device, self.cfg.model
         params, params_non_embedding = parameter_count(model), parameter_count(model, non_embedding=True)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -98,8 +101,8 @@ class Console:
                     "world_size": runtime.world_size, "cuda": torch.version.cuda}
         self.log("run_start", step=step + 1, config=to_dict(self.cfg), runtime=runtime.record(), hardware=hardware,
                  git=git_revision(), version=gpt2train.__version__, params=params,
-                 params_non_embedding=params_non_embedding, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                 resumed_from=resumed_from)
+                 params_non_embedding=params_non_embedding, flops_per_token=flops_per_token, peak_flops=basis.flop_s,
+                 mfu_basis=basis.source, resumed_from=resumed_from)
         self.launch_start, self.first_step, self.pace_from = time.time(), step + 1, None
         if not self.is_main:
             return
@@ -108,11 +111,13 @@ class Console:
         print(f"model: {format_count(params)} parameters ({format_count(params_non_embedding)} without embeddings)")
         print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
               f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
-        if peak_flops:
-            print(f"mfu: against {peak_flops / 1e12:.0f} TFLOP/s per device, {flops_per_token / 1e6:.1f} MFLOP per token")
+        if basis.flop_s is None:  # said once here; the step lines then leave MFU out
+            print(f"mfu: not shown: {basis.source}; the step lines report tokens/s only")
+        elif device.type == "cpu":  # a measured ceiling, said with where it comes from: GFLOP/s, not TFLOP/s
+            print(f"mfu: against {basis.flop_s / 1e9:,.1f} GFLOP/s per process, {basis.source}; "
+                  f"{flops_per_token / 1e6:.1f} MFLOP per token")
         else:
-            print(f"mfu: unknown for {name} (no peak FLOP/s in gpt2train.devices.DEVICES); "
-                  "reporting tokens/s only")
+            print(f"mfu: against {basis.flop_s / 1e12:.0f} TFLOP/s per device, {flops_per_token / 1e6:.1f} MFLOP per token")
         if resumed_from:
             print(f"resumed from {resumed_from} at step {step}")
         elif init_source:
@@ -157,14 +162,14 @@ class Console:
         if first_compiled:
             record["compile_ms"] = seconds * 1000  # the first compiled step includes compilation
         self.log("train", **record)
-        mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+        mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""  # unknown: the banner said why, once
         line = (f"step {step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                f"norm {grad_norm:.2f} | {tok_s:,.0f} tok/s | mfu {mfu_text} | {seconds * 1000:.0f} ms | "
+                f"norm {grad_norm:.2f} | {tok_s:,.0f} tok/s{mfu_text} | {seconds * 1000:.0f} ms | "
                 f"eta {self.eta(step)}")
         if first_compiled:
             line += " (includes compilation)"
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s | mfu {mfu_text}", refresh=False)
+            self.bar.set_postfix_str(f"loss {loss:.3f} | {tok_s:,.0f} tok/s{mfu_text}", refresh=False)
             if self.cfg.log.progress == "bar":
                 return
         self.print(line)

@@ -20,8 +20,8 @@ from gpt2train.checkpoint import ProcessRNG, batch_layout, newest_checkpoint, ru
 from gpt2train.config import Config, save_config
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.mixture import data_meta, open_loader
-from gpt2train.devices import peak_flops
 from gpt2train.eval.periodic import PeriodicEvals
+from gpt2train.mfu_basis import mfu_basis
 from gpt2train.model import GPT
 from gpt2train.runconfig import Environment, RunConfig, as_run
 from gpt2train.runtime import resolve_runtime, use_expandable_segments
@@ -102,7 +102,7 @@ class Trainer:
         ckpt = self.checkpointer.resume(resume) if resume else None
         self.state.resumed_from = str(ckpt) if ckpt else None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = peak_flops(self.device, runtime.dtype, cfg.train.tf32)
+        self.mfu_basis = mfu_basis(self.device, runtime.dtype, cfg.train.tf32, self.run_dir and self.run_dir.parent)
         self.console = self.evals = None  # stay None for a run resumed at its end: it logs no launch, opens no logger
         if self.state.step >= cfg.train.max_steps:
             return
@@ -129,7 +129,7 @@ class Trainer:
             return say_already_finished(self.run_dir, state, cfg.train.max_steps, self.is_main)
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
-        console.start(state.step, self.runtime, self.flops_per_token, self.peak_flops, state.resumed_from, self.init_source)
+        console.start(state.step, self.runtime, self.flops_per_token, self.mfu_basis, state.resumed_from, self.init_source)
         state.launch_start = self.checkpointer.last_save = time.time()
         first_step, reason, val_loss = state.step + 1, "done", None
         with StopSignal() as stop_signal:
@@ -194,7 +194,7 @@ class Trainer:
     def _log_train(self, out: dict, first_compiled: bool):
         loss = float(D.all_reduce_mean(torch.tensor(out["loss"], device=self.device)))
         tok_s = self.runtime.tokens_per_step / out["seconds"]
-        mfu = tok_s * self.flops_per_token / (self.peak_flops * self.dist.world_size) if self.peak_flops else None
+        mfu = tok_s * self.flops_per_token / (self.mfu_basis.flop_s * self.dist.world_size) if self.mfu_basis.flop_s else None
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
                                 self.runtime.tokens_per_step, mfu, first_compiled)
 
