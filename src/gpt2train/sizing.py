@@ -2,7 +2,8 @@
 
 A key the user set (written in the file, with --set or in code) always wins over a rule; a rule fills only
 the keys nobody set. runconfig.resolve_run applies the rules once, after train.init_from's shape. Every
-value a rule sets is kept with the rule's words, which `plan` and `config show` print. docs/training.md ("One size dial") gives each rule's source.
+value a rule sets is kept with the rule's words, which `plan` and `config show` print. docs/training.md
+("One size dial") gives each rule's source.
 """
 
 from __future__ import annotations
