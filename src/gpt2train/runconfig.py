@@ -92,8 +92,9 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
     cfg, origins = copy.deepcopy(spec), {}
     resumed = checkpoint_to_resume(env)
 
-    adopt_source_shape(cfg, user, resumed, origins)
-    take_data_vocab(cfg, origins)
+    meta = prepared_meta(cfg)
+    adopt_source_shape(cfg, user, resumed, meta, origins)
+    take_data_vocab(cfg, meta, origins)
     if cfg.train.seq_len == 0:
         cfg.train.seq_len = cfg.model.block_size
         origins["train.seq_len"] = "model.block_size (train.seq_len = 0)"
@@ -137,9 +138,19 @@ def checkpoint_to_resume(env: Environment) -> Path | None:
         return None
 
 
-def adopt_source_shape(cfg: Config, user: frozenset[str], resumed: Path | None, origins: dict) -> None:
+def prepared_meta(cfg: Config) -> dict | None:
+    """The run's data's meta.json (data.dir's, or the sources' shared one); None while it is not prepared (plan
+    and config show still work; the trainer needs it and says so)."""
+    try:
+        return data_meta(cfg.data)
+    except (FileNotFoundError, ValueError):  # not prepared yet, or unreadable: the trainer says which
+        return None
+
+
+def adopt_source_shape(cfg: Config, user: frozenset[str], resumed: Path | None, meta: dict | None,
+                       origins: dict) -> None:
     """train.init_from's model shape into cfg.model: a resumed fine-tune's from its checkpoint, else the
-    source's. A shape key the user set must equal the source's."""
+    source's, whose tokenizer must be the data's. A shape key the user set must equal the source's."""
     source = cfg.train.init_from
     if init_from.is_scratch(source):
         return
@@ -149,7 +160,11 @@ def adopt_source_shape(cfg: Config, user: frozenset[str], resumed: Path | None, 
         except CheckpointError:
             return  # the trainer's resume names what is wrong with it
     else:
-        shape, where = init_from.source_shape(source), f"train.init_from = {source!r}"
+        shape, tokenizer = init_from.source_shape(source)
+        where = f"train.init_from = {source!r}"
+        if meta is not None:
+            data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
+            init_from.check_tokenizer(meta["tokenizer"], data_name, tokenizer, source)
     if "model.depth" in user and cfg.model.depth > 0:
         raise ConfigError(f"model.depth = {cfg.model.depth} sets a shape and train.init_from = {source!r} has its "
                           f"own; remove model.depth to fine-tune, or set train.init_from = \"scratch\"")
@@ -176,13 +191,9 @@ def recorded_speed(resumed: Path | None) -> tuple[float, str] | None:
     return None
 
 
-def take_data_vocab(cfg: Config, origins: dict) -> None:
-    """model.vocab_size 0 takes the prepared data's vocabulary (kept 0 while the data is not prepared: plan and
-    config show still work; the trainer needs the data); a set one must hold every id of the data."""
-    try:
-        meta = data_meta(cfg.data)
-    except (FileNotFoundError, ValueError):  # not prepared yet, or unreadable: the trainer says which
-        meta = None
+def take_data_vocab(cfg: Config, meta: dict | None, origins: dict) -> None:
+    """model.vocab_size 0 takes the prepared data's vocabulary (kept 0 while the data is not prepared); a set
+    one must hold every id of the data."""
     where = ", ".join(folder for folder in cfg.data.sources) or cfg.data.dir
     if cfg.model.vocab_size <= 0:
         if meta is not None:

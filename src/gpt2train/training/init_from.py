@@ -40,16 +40,21 @@ def is_ours(path: Path) -> bool:
     return (path / "meta.json").is_file() or (path / "checkpoints").is_dir() or path.name == "checkpoints"
 
 
-def source_shape(init_from: str) -> GPTConfig:
-    """The source's model shape, read without its weights: a run of ours from its checkpoint's meta.json, a
-    Hugging Face folder from its config.json, GPT-2's own Hub names from their known shapes (no download, so a
-    plan or `config show` works offline); another Hub name is fetched (config and tokenizer only)."""
+def source_shape(init_from: str) -> tuple[GPTConfig, dict]:
+    """The source's model shape and tokenizer spec, read without its weights: a run of ours from its checkpoint's
+    meta.json, a Hugging Face folder from its config.json, GPT-2's own Hub names from their known shapes (no
+    download, so a plan or `config show` works offline); another Hub name is fetched (config and tokenizer only)."""
     path = Path(init_from)
     if path.is_dir() and is_ours(path):
-        return config_from_resolved(read_meta(resolve_checkpoint(path))["config"]).model
+        meta = read_meta(resolve_checkpoint(path))
+        return config_from_resolved(meta["config"]).model, meta.get("tokenizer") or {"kind": "gpt2"}
     if not path.exists() and init_from in GPT2_HUB_SHAPES:
-        return GPTConfig(**GPT2_HUB_SHAPES[init_from], vocab_size=GPT2_VOCAB_SIZE, bias=True, pad_vocab_multiple=1)
-    return read_hf_shape(resolve_hf_folder(init_from, weights=False), init_from)
+        return (GPTConfig(**GPT2_HUB_SHAPES[init_from], vocab_size=GPT2_VOCAB_SIZE, bias=True, pad_vocab_multiple=1),
+                {"kind": "gpt2"})
+    folder = resolve_hf_folder(init_from, weights=False)
+    shape, tokenizer = read_hf_shape(folder, init_from), hf_tokenizer_spec(folder)
+    check_vocab_fits_tokenizer(shape.vocab_size, tokenizer, init_from)  # none: GPT-2's, for its vocabulary only
+    return shape, tokenizer or {"kind": "gpt2"}
 
 
 def read_hf_shape(folder: Path, init_from: str) -> GPTConfig:
