@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from conftest import DEVICES
 from gpt2train.checkpoint import model_state
 from gpt2train.classifier import chunked_cross_entropy
-from gpt2train.config import ConfigError, load_config
+from gpt2train.config import ConfigError
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.model import GPT, PRESETS, GPTConfig, KVCache, preset_config
+from gpt2train.runconfig import resolve_run
 
 
 def tiny(**overrides) -> GPTConfig:
@@ -128,7 +129,7 @@ def test_the_config_owns_the_shape_rules_a_run_config_and_a_model_say_alike(shap
         GPT(tiny(**shape))
     overrides = [f"model.{key}={value}" for key, value in shape.items()]
     with pytest.raises(ConfigError) as from_the_cli:
-        load_config(None, overrides)
+        resolve_run(None, overrides)
     assert str(built_in_code.value) == str(from_the_cli.value)
     assert "\n" not in str(built_in_code.value)
 

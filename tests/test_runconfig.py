@@ -90,9 +90,14 @@ def test_an_error_about_a_derived_value_says_where_it_came_from_and_what_to_set(
     assert "#   train.seq_len = 32  (model.block_size (train.seq_len = 0))" in out
 
 
-def test_the_dial_and_init_from_are_refused_together(source_run):
-    message = one_line(ConfigError, resolve_run, "shakespeare-cpu", [f"train.init_from={source_run}"])
-    assert message.startswith("model.depth = 4 sets a shape and train.init_from")
+def test_the_dial_keeps_a_sources_shape_and_sizes_the_rest_by_it(char_data, source_run):
+    """A fine-tune from the quickstart's preset (model.depth = 4): the shape is the source's, not the dial's."""
+    run = resolve_run("shakespeare-cpu", [f"train.init_from={source_run}", f"data.dir={char_data}",
+                                          "model.block_size=32", "train.seq_len=0"])  # the preset's 128: not the source's
+    assert (run.config.model.n_layer, run.config.model.n_embd) == (2, 32)
+    assert run.origin("model.n_embd") == f"train.init_from = '{source_run}'"
+    dial = {d.key: d for d in run.dial}
+    assert dial["model.n_embd"].explicit and dial["model.n_embd"].rule_value == 128  # depth 4's, not taken
 
 
 # --- a resolved config is read-only ---------------------------------------------------------------------

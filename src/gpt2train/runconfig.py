@@ -90,16 +90,19 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
         spec = load_config(config, list(overrides))
     user = written_keys(spec)
     cfg, origins = copy.deepcopy(spec), {}
-    resumed = checkpoint_to_resume(env)
+    # The checkpoint a resume continues matters for a fine-tune's shape and a time budget's speed only (finding
+    # it verifies its files, which the trainer's resume does again).
+    resumed = checkpoint_to_resume(env) if needs_resumed(cfg) else None
 
     meta = prepared_meta(cfg)
     adopt_source_shape(cfg, user, resumed, meta, origins)
+    fixed = user | {key for key, origin in origins.items() if origin}  # the dial's rules do not change a source's shape
     take_data_vocab(cfg, meta, origins)
     if cfg.train.seq_len == 0:
         cfg.train.seq_len = cfg.model.block_size
         origins["train.seq_len"] = "model.block_size (train.seq_len = 0)"
     try:
-        dial = sizing.derive(cfg, user, env.world_size, recorded_speed(resumed) or env.speed)
+        dial = sizing.derive(cfg, fixed, env.world_size, recorded_speed(resumed) or env.speed)
     except SpeedNeeded as e:
         e.shaped = copy.deepcopy(e.shaped)
         raise
@@ -122,7 +125,15 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
 
 def as_run(cfg: Config | RunConfig, env: Environment | None = None) -> RunConfig:
     """A RunConfig as it is; a Config resolved (the library's entry points take either)."""
-    return cfg if isinstance(cfg, RunConfig) else resolve_run(cfg, env=env)
+    if isinstance(cfg, RunConfig):
+        return cfg
+    if not isinstance(cfg, Config):  # a dict or a preset name: Python would name an attribute, or read a file
+        raise TypeError(f"a run takes a Config, not {type(cfg).__name__}: load_config(PATH_OR_PRESET) makes one")
+    return resolve_run(cfg, env=env)
+
+
+def needs_resumed(cfg: Config) -> bool:
+    return not init_from.is_scratch(cfg.train.init_from) or cfg.train.time_budget > 0
 
 
 def checkpoint_to_resume(env: Environment) -> Path | None:
@@ -165,9 +176,6 @@ def adopt_source_shape(cfg: Config, user: frozenset[str], resumed: Path | None, 
         if meta is not None:
             data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
             init_from.check_tokenizer(meta["tokenizer"], data_name, tokenizer, source)
-    if "model.depth" in user and cfg.model.depth > 0:
-        raise ConfigError(f"model.depth = {cfg.model.depth} sets a shape and train.init_from = {source!r} has its "
-                          f"own; remove model.depth to fine-tune, or set train.init_from = \"scratch\"")
     for key in SHAPE_KEYS:
         mine, theirs = getattr(cfg.model, key), getattr(shape, key)
         if f"model.{key}" in user and mine != theirs and not (key == "vocab_size" and mine <= 0):
