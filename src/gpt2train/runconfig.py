@@ -96,7 +96,7 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
 
     meta = prepared_meta(cfg)
     adopt_source_shape(cfg, user, resumed, meta, origins)
-    fixed = user | {key for key, origin in origins.items() if origin}  # the dial's rules do not change a source's shape
+    fixed = user | set(origins)  # the dial's rules leave a source's shape as it is
     take_data_vocab(cfg, meta, origins)
     if cfg.train.seq_len == 0:
         cfg.train.seq_len = cfg.model.block_size

@@ -208,7 +208,7 @@ def shared_settings(cfg: Config, options: QualityOptions) -> Config:
     cfg.checkpoint.save_best = cfg.checkpoint.save_final = False
     cfg.log.interval, cfg.log.progress = 1, "lines"
     cfg.log.tensorboard = cfg.log.wandb = False
-    return validate(cfg)
+    return validate(cfg, between_keys=False)  # each row is resolved when it trains
 
 
 # --- reading a run ---------------------------------------------------------------------------------------
