@@ -20,12 +20,12 @@ import pytest
 import gpt2train.data.prepare as prepare_module
 from conftest import one_line, run_cli
 from gpt2train.data.prepare import (
-    load_meta,
     prepare_documents,
     prepare_files,
     prepare_hf,
     shakespeare_text,
 )
+from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe

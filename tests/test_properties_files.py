@@ -31,7 +31,8 @@ import gpt2train.checkpoint as C
 from gpt2train.cli import main
 from gpt2train.config import Config, to_dict
 from gpt2train.data.loader import TokenLoader
-from gpt2train.data.prepare import load_meta, prepare_files
+from gpt2train.data.prepare import prepare_files
+from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.val import ValWindows
 from gpt2train.model import GPT, GPTConfig

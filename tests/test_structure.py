@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
-    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture", "data.markov"}),
+    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
+              "data.markov"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_for_inference, resolve_checkpoint
 from gpt2train.config import data_sources
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
