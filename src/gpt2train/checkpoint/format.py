@@ -42,9 +42,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
-from gpt2train.config import Config, ConfigError, config_from_resolved
+from gpt2train.config import ConfigError, config_from_resolved
+from gpt2train.data.prepared import is_prepared_data
 from gpt2train.model import GPT
-from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 
 LAYOUT_KEYS = ("tokens_per_step", "seq_len", "micro_batch", "grad_accum", "world_size")  # meta.json's `batch`
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
@@ -484,15 +484,6 @@ def not_a_checkpoint(path: Path) -> str | None:
     return None  # anything else, a damaged meta.json too: read_meta says which
 
 
-def is_prepared_data(folder: Path) -> bool:
-    """`gpt2train prepare`'s folder: its meta.json lists shards, and a checkpoint's has a step instead."""
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "shards" in meta and "step" not in meta
-
-
 def resolve_verified(path: str | Path) -> tuple[Path, dict]:
     """The checkpoint folder `path` names (see resolve_checkpoint) and its meta, its files verified once."""
     path = Path(path)
@@ -503,11 +494,12 @@ def resolve_verified(path: str | Path) -> tuple[Path, dict]:
 def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, dict | None, dict]:
     """(weights, state or None, meta) of a checkpoint; raises CheckpointError if it is damaged."""
     ckpt, meta = resolve_verified(path)
-    weights, state = _read_tensors(ckpt, with_state)
+    weights, state = read_tensors(ckpt, with_state)
     return weights, state, meta
 
 
-def _read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
+def read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
+    """(weights, state or None) of a verified checkpoint folder; CheckpointError if they do not load."""
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True) if with_state else None
@@ -516,31 +508,7 @@ def _read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
     return weights, state
 
 
-def load_for_inference(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
-    """A ready-to-use model (eval mode) from a run directory or checkpoint, with its config and meta."""
-    ckpt, meta = resolve_verified(path)
-    weights, _ = _read_tensors(ckpt, with_state=False)
-    cfg = config_from_resolved(meta["config"])
-    model = GPT(cfg.model)
-    load_model_state(model, weights, ckpt / "model.safetensors")
-    return model.to(device).eval(), cfg, meta
-
-
 def short_reason(e: Exception) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}"[:200]
-
-
-def run_on_disk(run_dir: Path) -> str | None:
-    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
-    logged a trained step. None for a missing or empty folder, or one holding only other files."""
-    root = run_dir / "checkpoints"
-    ring = ring_entries(root)
-    if ring:
-        return f"checkpoints up to {ring[0][1].name}"
-    if (root / "best").is_dir():
-        return "a best/ checkpoint"
-    if logs_a_trained_step(run_dir):
-        return f"trained steps in {METRICS_FILE}"
-    return None

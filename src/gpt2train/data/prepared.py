@@ -41,6 +41,15 @@ def load_meta(data_dir: str | Path) -> dict:
     return meta
 
 
+def is_prepared_data(folder: Path) -> bool:
+    """`gpt2train prepare`'s folder: its meta.json lists shards, and a checkpoint's has a step instead."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "shards" in meta and "step" not in meta
+
+
 def check_meta(meta, path: Path) -> None:
     """The keys readers rely on, with the right types: a damaged or hand-edited meta.json is one line, not a
     KeyError in the trainer."""
