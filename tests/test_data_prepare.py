@@ -290,8 +290,9 @@ def test_a_crash_while_moving_shards_into_place_is_finished_by_the_rerun(txt_fol
 
 def test_a_crash_inside_an_open_shard_resumes_identically_and_holds_no_shard_in_memory(txt_folder, tmp_path,
                                                                                       monkeypatch):
-    """Shards are written as their tokens arrive: a crash leaves a partial NAME.tmp that the next run starts
-    again, never a half shard under a shard's name; and no append holds more than one chunk's tokens."""
+    """Shards are written as their tokens arrive: a crash leaves a partial .NAME.<random>.tmp that the next run
+    deletes, starting the shard again, never a half shard under a shard's name; and no append holds more than
+    one chunk's tokens."""
     monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 1)  # a chunk: one document, at most a few hundred tokens
     fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
     appended, real_append = [], prepare_module.ShardWriter.append

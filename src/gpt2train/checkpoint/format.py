@@ -18,7 +18,7 @@ Layout of a run directory:
 
 How a save stays atomic: everything is written into a hidden `.tmp-NAME/` folder; meta.json goes in last and
 records the size and CRC-32 of every other file; all files and folders are fsynced; one rename publishes the
-folder; only then does `latest` move (itself a temporary file renamed over the old one). Readers look only at
+folder; only then does `latest` move (files.py's atomic write: a temporary file renamed over the old one). Readers look only at
 folders named `step_*` or `best`, which exist only complete, and check the recorded sizes and checksums, so a
 truncated file or a changed byte is caught before it is loaded.
 """
@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 import gpt2train
 from gpt2train.config import ConfigError, config_from_resolved
 from gpt2train.data.prepared import is_prepared_data
+from gpt2train.files import fsync_path, leftover_temp_files, write_text_atomic
 from gpt2train.model import GPT
 
 LAYOUT_KEYS = ("tokens_per_step", "seq_len", "micro_batch", "grad_accum", "world_size")  # meta.json's `batch`
@@ -107,23 +108,10 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_file(path: Path):
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path):
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that hold them
-        _fsync_dir(path) if path.is_dir() else _fsync_file(path)
-    _fsync_dir(folder)
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -204,7 +192,7 @@ def _swap_into_place(root: Path, name: str, staged: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, final)
-    _fsync_dir(root)
+    fsync_path(root)
     return final
 
 
@@ -225,11 +213,7 @@ def _link_copy(src: Path, root: Path, name: str) -> Path:
 
 
 def point_latest(root: Path, name: str) -> None:
-    tmp = root / ".latest.tmp"
-    tmp.write_text(name + "\n")
-    _fsync_file(tmp)
-    os.replace(tmp, root / "latest")
-    _fsync_dir(root)
+    write_text_atomic(root / "latest", name + "\n")
 
 
 def recover(root: Path) -> None:
@@ -245,7 +229,8 @@ def recover(root: Path) -> None:
             os.replace(old, final)
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    (root / ".latest.tmp").unlink(missing_ok=True)
+    for tmp in leftover_temp_files(root / "latest"):
+        tmp.unlink(missing_ok=True)
 
 
 def set_aside_newer(root: Path, step: int, why: str = "damaged") -> list[str]:
