@@ -15,7 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog"}),
+    ("base", {"gpt2train", "units", "files", "process_memory", "ranges", "progress", "devices", "tokenizer", "distributed",
+              "spikes", "runlog"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
               "data.markov"}),
