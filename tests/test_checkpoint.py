@@ -22,6 +22,7 @@ import gpt2train.checkpoint.format as checkpoint_format  # where the files are w
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train import cli
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.training.loop import Trainer, train
 
@@ -211,7 +212,7 @@ def test_every_file_of_a_run_and_its_export_is_as_readable_as_the_umask_allows(g
 
     with process_umask(umask):
         train(tiny_config(gpt2_data, max_steps=5), tmp_path / "run")
-        model, _, meta = C.load_for_inference(tmp_path / "run")
+        model, _, meta = load_for_inference(tmp_path / "run")
         export_hf(model, tmp_path / "hf", tokenizer_spec=meta["tokenizer"])
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
     assert {"run/checkpoints/step_00000005/model.safetensors", "run/checkpoints/step_00000005/meta.json",
@@ -272,7 +273,7 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, op
     final_b = load_file(tmp_path / "b" / "checkpoints" / "step_00000004" / "model.safetensors")
     assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
-    model, _, _ = C.load_for_inference(tmp_path / "a")  # full weights sit beside the shards, for sampling
+    model, _, _ = load_for_inference(tmp_path / "a")  # full weights sit beside the shards, for sampling
     # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
     # The same 256 tokens per step: 2 micro-batches in one process for 1 on each of 2 ranks.
     single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32, optimizer=optimizer),
@@ -327,12 +328,12 @@ def flip_a_byte(path: Path) -> None:
 
 def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 64)
-    assert "is a file, not a checkpoint" in one_line(C.CheckpointError, C.load_for_inference, tmp_path / "weights.bin")
+    assert "is a file, not a checkpoint" in one_line(C.CheckpointError, load_for_inference, tmp_path / "weights.bin")
 
 
 def test_a_data_folder_given_as_checkpoint_says_what_it_is(char_data):
     expected = f"{char_data} is a prepared data folder, not a checkpoint; pass a run directory or a checkpoints/step_* folder"
-    for load in (C.load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
+    for load in (load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
         assert one_line(C.CheckpointError, load, char_data) == expected
     r = run_cli("sample", "--ckpt", str(char_data), env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 1 and r.stderr == f"error: {expected}\n"
@@ -343,9 +344,9 @@ def test_a_hugging_face_folder_given_as_checkpoint_says_to_import_it(trained_run
     from gpt2train.hf import export_hf
 
     hf = tmp_path / "hf"
-    export_hf(C.load_for_inference(trained_run)[0], hf)  # config.json + model.safetensors, no meta.json
+    export_hf(load_for_inference(trained_run)[0], hf)  # config.json + model.safetensors, no meta.json
     expected = f"{hf} is a Hugging Face model folder; import it first: gpt2train import-hf {hf} --out RUN_DIR"
-    for load in (C.load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
+    for load in (load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
         assert one_line(C.CheckpointError, load, hf) == expected
     assert load_model(hf).config.n_layer == 2  # the library (and serve) read HF folders directly
     (hf / "model.safetensors").unlink()  # weights in another file (pytorch_model.bin): still a HF folder
@@ -357,7 +358,7 @@ def test_a_changed_byte_is_one_line_naming_the_file(trained_run, tmp_path, name)
     ckpt = copy_checkpoint(trained_run, tmp_path)
     flip_a_byte(ckpt / name)
     expected = f"{ckpt} is damaged: {name} changed after it was saved"
-    assert expected in one_line(C.CheckpointError, C.load_for_inference, ckpt)
+    assert expected in one_line(C.CheckpointError, load_for_inference, ckpt)
     assert expected in one_line(C.CheckpointError, C.load_training_checkpoint, ckpt, *live_model_and_optimizer(ckpt),
                                 sharded=False)
 
@@ -391,7 +392,7 @@ def test_weights_that_do_not_match_the_config_are_one_line(trained_run, tmp_path
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["config"]["model"]["n_embd"] = 64
     rewrite(ckpt, config=meta["config"])
-    msg = one_line(C.CheckpointError, C.load_for_inference, ckpt)
+    msg = one_line(C.CheckpointError, load_for_inference, ckpt)
     assert "model.safetensors: the weights do not match" in msg
     assert "transformer.wte.weight is (128, 32), the model needs (128, 64)" in msg
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import gpt2train.data.loader as loader_module
-import gpt2train.data.prepare as prepare_module
+import gpt2train.data.prepared as prepared_module
 from conftest import one_line, run_cli
 from gpt2train.data.loader import DataError, TokenLoader
-from gpt2train.data.prepare import load_meta, prepare_shakespeare
+from gpt2train.data.prepare import prepare_shakespeare
+from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import ShardError, write_shard
 from gpt2train.eval.val import ValWindows
 
@@ -223,7 +224,7 @@ def test_reads_build_nanogpt_npy(tmp_path, capsys):
     assert "no meta.json" in capsys.readouterr().err  # the note is printed once per folder
     load_meta(tmp_path)
     assert capsys.readouterr().err == ""
-    prepare_module._noted.clear()
+    prepared_module._noted.clear()
     check_layout(tmp_path, train, val, "npy", capsys)
 
 

@@ -20,12 +20,12 @@ import pytest
 import gpt2train.data.prepare as prepare_module
 from conftest import one_line, run_cli
 from gpt2train.data.prepare import (
-    load_meta,
     prepare_documents,
     prepare_files,
     prepare_hf,
     shakespeare_text,
 )
+from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
 from gpt2train.data.sources import DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
@@ -290,8 +290,9 @@ def test_a_crash_while_moving_shards_into_place_is_finished_by_the_rerun(txt_fol
 
 def test_a_crash_inside_an_open_shard_resumes_identically_and_holds_no_shard_in_memory(txt_folder, tmp_path,
                                                                                       monkeypatch):
-    """Shards are written as their tokens arrive: a crash leaves a partial NAME.tmp that the next run starts
-    again, never a half shard under a shard's name; and no append holds more than one chunk's tokens."""
+    """Shards are written as their tokens arrive: a crash leaves a partial .NAME.<random>.tmp that the next run
+    deletes, starting the shard again, never a half shard under a shard's name; and no append holds more than
+    one chunk's tokens."""
     monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 1)  # a chunk: one document, at most a few hundred tokens
     fresh = prepare_files([txt_folder], tmp_path / "fresh", workers=1, shard_tokens=4000, progress=False)
     appended, real_append = [], prepare_module.ShardWriter.append

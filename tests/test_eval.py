@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_for_inference, model_state, save_checkpoint
+from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.hellaswag import (
@@ -30,6 +30,7 @@ from gpt2train.eval.hellaswag import (
 )
 from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import GPT2Tokenizer, package_file
 from gpt2train.training.loop import train

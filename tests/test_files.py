@@ -1,4 +1,4 @@
-"""files.py: a small file is written whole or not at all."""
+"""files.py: a file is written whole or not at all, by every writer (text, streamed binary, by name)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from gpt2train.files import write_json_atomic, write_text_atomic
+from gpt2train.files import AtomicFile, leftover_temp_files, write_json_atomic, write_text_atomic
 
 
 def test_a_write_lands_whole_and_makes_its_folder(tmp_path):
@@ -38,3 +38,42 @@ def test_a_written_file_has_the_mode_a_plain_write_gives(tmp_path):
     (tmp_path / "plain.txt").write_text("x")
     atomic = write_text_atomic(tmp_path / "atomic.txt", "x")
     assert atomic.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode
+
+
+class Interrupted(Exception):
+    """Stands for anything that stops a writer midway."""
+
+
+def test_a_streamed_binary_write_lands_whole_and_an_exception_drops_it(tmp_path):
+    """A shard's writer: bytes arrive over time, the header is rewritten last (a seek back), and the file has
+    its name only once committed; an exception inside the block leaves the old file and no temporary one."""
+    path = tmp_path / "shard.bin"
+    with AtomicFile(path) as out:
+        out.file.write(b"....body")
+        assert not path.exists()  # not under its name before the commit
+        out.file.seek(0)
+        out.file.write(b"HEAD")
+    assert path.read_bytes() == b"HEADbody"
+    with pytest.raises(Interrupted), AtomicFile(path) as out:
+        out.file.write(b"half")
+        raise Interrupted
+    assert path.read_bytes() == b"HEADbody" and sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin"]
+
+
+def test_a_writer_that_opens_the_file_by_its_name_commits_it_too(tmp_path):
+    """GGUF's writer opens its file itself: the temporary file is handed over by name (mode=None)."""
+    out = AtomicFile(tmp_path / "model.gguf", mode=None)
+    out.temp.write_bytes(b"GGUF")
+    assert out.commit().read_bytes() == b"GGUF"
+    out.discard()  # after a commit: nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_a_killed_writers_temporary_file_is_found_by_its_target(tmp_path):
+    """A writer killed before commit or discard leaves its temporary file; leftover_temp_files names it (and only
+    the target's: checkpoints' recover and a rerun of prepare delete them)."""
+    killed, other = AtomicFile(tmp_path / "latest"), AtomicFile(tmp_path / "latest2")
+    assert leftover_temp_files(tmp_path / "latest") == [killed.temp]
+    killed.discard()
+    other.discard()
+    assert leftover_temp_files(tmp_path / "latest") == [] and list(tmp_path.iterdir()) == []

@@ -14,9 +14,10 @@ import torch
 
 from conftest import REPO, one_line, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import CheckpointError, load_for_inference
+from gpt2train.checkpoint import CheckpointError
 from gpt2train.config import ConfigError, dump_toml
 from gpt2train.hf import HFConversionError, import_hf_to_run
+from gpt2train.loading import load_for_inference
 from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from conftest import REPO, missing, one_line, run_cli, tiny_config
-from gpt2train.checkpoint import load_for_inference
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.data.shards import open_shard
 from gpt2train.generation import generate
 from gpt2train.gguf_export import GGUFExportError, export_gguf
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
 from gpt2train.tokenizer import GPT2_EOT, GPT2Tokenizer, tokenizer_from_spec, train_bpe

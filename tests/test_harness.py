@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from conftest import one_line, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import load_for_inference
 from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows, score_continuations
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
 from gpt2train.training.loop import train

@@ -13,11 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from conftest import one_line, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.checkpoint import CheckpointError, load_for_inference, read_meta, resolve_checkpoint
+from gpt2train.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.generation import generate
 from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import BPETokenizer, GPT2Tokenizer, train_bpe
 from gpt2train.training.loop import Trainer, train

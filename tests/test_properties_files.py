@@ -31,9 +31,11 @@ import gpt2train.checkpoint as C
 from gpt2train.cli import main
 from gpt2train.config import Config, to_dict
 from gpt2train.data.loader import TokenLoader
-from gpt2train.data.prepare import load_meta, prepare_files
+from gpt2train.data.prepare import prepare_files
+from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import open_shard
 from gpt2train.eval.val import ValWindows
+from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -294,7 +296,7 @@ def test_damaged_checkpoints_load_or_are_refused_in_one_line(checkpoint, data, t
             meta["files"][target] = (ckpt / target).stat().st_size
             meta["files_crc32"][target] = zlib.crc32((ckpt / target).read_bytes())
             (ckpt / "meta.json").write_text(json.dumps(meta))
-        loaded = assert_one_line_or_none(C.load_for_inference, ckpt)
+        loaded = assert_one_line_or_none(load_for_inference, ckpt)
         event("loaded" if loaded is not None else "refused")
         if loaded is not None:
             model = GPT(loaded[0].config)

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, run_cli
 from gpt2train import cli
 from gpt2train.bench.serve import free_port
-from gpt2train.hf import load_pretrained
+from gpt2train.loading import load_pretrained
 from serving import greedy, save_tiny_run
 
 KEY = "test-key-1"

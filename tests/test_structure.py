@@ -15,11 +15,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"gpt2train", "units", "files", "ranges", "progress", "devices", "tokenizer", "distributed", "spikes", "runlog",
-              "sections", "bench_results", "mfu_basis"}),
+    ("base", {"gpt2train", "units", "files", "process_memory", "ranges", "progress", "devices", "tokenizer", "distributed",
+              "spikes", "runlog", "sections", "bench_results", "mfu_basis"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
-    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.loader", "data.mixture", "data.markov"}),
-    ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "gguf_export"}),
+    ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
+              "data.markov"}),
+    ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "loading",
+                 "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",

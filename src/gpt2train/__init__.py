@@ -35,7 +35,7 @@ def __getattr__(name: str):
 
         return resolve_run
     if name == "load_model":
-        from gpt2train.hf import load_pretrained
+        from gpt2train.loading import load_pretrained
 
         return load_pretrained
     if name == "train":
@@ -47,7 +47,7 @@ def __getattr__(name: str):
 
         return generate
     if name == "load_tokenizer":
-        from gpt2train.hf import load_pretrained_tokenizer
+        from gpt2train.loading import load_pretrained_tokenizer
 
         return load_pretrained_tokenizer
     raise AttributeError(f"module 'gpt2train' has no attribute {name!r}")

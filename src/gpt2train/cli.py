@@ -245,9 +245,9 @@ def default_run_dir(config: str | None) -> Path:
 
 
 def cmd_sample(args) -> int:
-    from gpt2train.checkpoint import load_for_inference
     from gpt2train.distributed import resolve_device
     from gpt2train.generation import Decoder, TextStream, generate_batch, generate_stream, speed_report
+    from gpt2train.loading import load_for_inference
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
@@ -323,8 +323,8 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from gpt2train.checkpoint import load_for_inference
     from gpt2train.hf import export_hf, model_card
+    from gpt2train.loading import load_for_inference
 
     model, cfg, meta = load_for_inference(args.ckpt)
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
@@ -334,8 +334,8 @@ def cmd_export_hf(args) -> int:
 
 
 def cmd_export_gguf(args) -> int:
-    from gpt2train.checkpoint import load_for_inference
     from gpt2train.gguf_export import export_gguf
+    from gpt2train.loading import load_for_inference
 
     model, _, meta = load_for_inference(args.ckpt)
     out = export_gguf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)

@@ -17,12 +17,12 @@ they are refused, in one line naming them, before anything is written. The `gguf
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gpt2train.files import AtomicFile
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import GGUF_DTYPE_NAMES, UsageError
 from gpt2train.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_vocab_and_merges, tokenizer_from_spec
@@ -86,9 +86,8 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
     vocab = gguf_vocabulary(tokenizer_spec, cfg.vocab_size)
     tensors = gguf_tensors(model, dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(str(partial), ARCH)
+    partial = AtomicFile(out, mode=None)  # the gguf package opens the temporary file by its name
+    writer = gguf.GGUFWriter(str(partial.temp), ARCH)
     try:
         write_metadata(writer, cfg, dtype, name or out.stem)
         write_vocabulary(writer, vocab)
@@ -98,7 +97,7 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(partial, out)
+        partial.commit()
     except OSError as e:
         if e.filename is not None:  # names the file already
             raise
@@ -108,7 +107,7 @@ def export_gguf(model: torch.nn.Module, out_path: str | Path, tokenizer_spec: di
                       "written)") from None
     finally:
         writer.close()
-        partial.unlink(missing_ok=True)
+        partial.discard()  # nothing after a commit
     return out
 
 

@@ -294,27 +294,6 @@ def is_hf_folder(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
-def load_pretrained(path: str | Path, device="cpu") -> GPT:
-    """`gpt2train.load_model`: a model (eval mode) from a run directory, a checkpoint, a HF GPT-2 folder or a
-    Hub name ("gpt2", as transformers' from_pretrained takes)."""
-    if is_hf_folder(path) or is_hub_name(path):
-        model, _ = import_hf(path)
-        return model.to(device)
-    from gpt2train.checkpoint import load_for_inference
-
-    return load_for_inference(path, device=device)[0]
-
-
-def load_pretrained_tokenizer(path: str | Path):
-    """`gpt2train.load_tokenizer`: the tokenizer a run directory or checkpoint records, or the one a HF folder
-    or Hub name holds (GPT-2's when it holds none)."""
-    if is_hf_folder(path) or is_hub_name(path):
-        return tokenizer_from_spec(hf_tokenizer_spec(resolve_hf_folder(path, weights=False)) or {"kind": "gpt2"})
-    from gpt2train.checkpoint import read_meta, resolve_checkpoint
-
-    return tokenizer_from_spec(read_meta(resolve_checkpoint(path))["tokenizer"])
-
-
 # ----------------------------------------------------------------------------------------- export
 
 
@@ -400,7 +379,8 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
 def refuse_to_export_over_a_run(out: Path) -> None:
     """The export's model.safetensors would replace a checkpoint's own (same name, another layout), and a run
     directory is no place for a Hugging Face folder either. A wrong --out: a usage error (exit 2), as import-hf's."""
-    from gpt2train.checkpoint.format import is_prepared_data, run_on_disk
+    from gpt2train.checkpoint.inspect import run_on_disk
+    from gpt2train.data.prepared import is_prepared_data
 
     if is_prepared_data(out):
         raise UsageError(f"{out} is a prepared data folder; export into another folder")

@@ -413,7 +413,7 @@ def _read_sources(cfg: Config, notes: list[str]) -> list[tuple[SourceEpochs, dic
 
 
 def _read_meta(data_dir: str, required: bool, notes: list[str]) -> dict | None:
-    from gpt2train.data.prepare import load_meta
+    from gpt2train.data.prepared import load_meta
 
     try:
         return load_meta(data_dir)

@@ -21,7 +21,6 @@ import json
 import math
 import platform
 import random
-import resource
 import statistics
 import tempfile
 import time
@@ -43,6 +42,7 @@ from gpt2train.distributed import resolve_device
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.mfu_basis import probe_cpu_ceiling
 from gpt2train.model import GPT, preset_config
+from gpt2train.process_memory import current_rss, peak_rss, reset_peak_rss
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import Runtime, cpu_has_native_bf16, keep_freed_cpu_memory, resolve_runtime
@@ -240,21 +240,17 @@ class ProcessMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             return True
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            return True
-        except OSError:
-            return False
+        return reset_peak_rss()
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        return peak_rss()
 
     def floor(self) -> int:
         """RSS once everything of a stage is freed (CPU)."""
         _trim_heap()
-        return _current_rss()
+        return current_rss()
 
 
 def _trim_heap():
@@ -262,16 +258,6 @@ def _trim_heap():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _current_rss() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def measure_stage(name: str, setup: Setup, options: JourneyOptions, data_dir: Path, device: torch.device,

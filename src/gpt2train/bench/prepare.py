@@ -20,7 +20,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2train.files import write_json_atomic
+from gpt2train.process_memory import can_read_pss, children_peak_rss, tree_pss
 from gpt2train.units import format_utc
 
 SYNTHETIC_FILES = 4
@@ -110,32 +110,6 @@ def plain_loop(paths: list[Path], out_dir: Path, workers: int, shard_tokens: int
 
 
 # --- measuring a run ----------------------------------------------------------------------------------
-def _tree(pid: int) -> list[int]:
-    pids, i = [pid], 0
-    while i < len(pids):
-        for task in Path(f"/proc/{pids[i]}/task").glob("*"):
-            try:
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-        i += 1
-    return pids
-
-
-def _pss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def has_proc() -> bool:
-    return Path(f"/proc/{os.getpid()}/smaps_rollup").is_file()
-
-
 def measure(cmd: list[str], env: dict, memory: bool) -> tuple[float, float, str]:
     """(wall seconds, peak MiB, stderr) of a command run to its end; ChildProcessError with its last line when
     it fails. Sampling memory slows the run (reading a process's PSS walks its page tables), so a run measures
@@ -147,10 +121,10 @@ def measure(cmd: list[str], env: dict, memory: bool) -> tuple[float, float, str]
 
     def sample():
         while not done.wait(0.02):
-            peak[0] = max(peak[0], sum(_pss_kib(p) for p in _tree(proc.pid)))
+            peak[0] = max(peak[0], tree_pss(proc.pid))
 
     sampler = threading.Thread(target=sample, daemon=True)
-    if memory and has_proc():
+    if memory and can_read_pss():
         sampler.start()
     _, stderr = proc.communicate()
     wall = time.perf_counter() - start
@@ -160,10 +134,9 @@ def measure(cmd: list[str], env: dict, memory: bool) -> tuple[float, float, str]
     if proc.returncode != 0:
         last = stderr.strip().splitlines()[-1].removeprefix("error: ") if stderr.strip() else f"exit {proc.returncode}"
         raise ChildProcessError(f"{' '.join(cmd[1:5])} ...: {last}")
-    if memory and not has_proc():  # the largest single child's peak RSS (KiB on Linux, bytes on macOS)
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        peak[0] = rss // 1024 if sys.platform == "darwin" else rss
-    return wall, peak[0] / 1024, stderr
+    if memory and not can_read_pss():  # the largest single child's peak RSS
+        peak[0] = children_peak_rss()
+    return wall, peak[0] / 2**20, stderr
 
 
 def run_ours(paths: list[Path], out: Path, workers: int, env: dict, memory: bool) -> tuple[int, float, float]:
@@ -251,7 +224,7 @@ def run_prepare_bench(options: PrepareBenchOptions, out_path: str | Path) -> dic
                     what = f"peak {peak:,.0f} MiB" if memory else f"{tokens / wall:,.0f} tokens/s, {wall:.2f} s"
                     print(f"  {name}: {impl} {what}", file=sys.stderr, flush=True)
     result = {"workers": workers, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "memory": "PSS summed over the run's processes" if has_proc() else "largest process's peak RSS",
+              "memory": "PSS summed over the run's processes" if can_read_pss() else "largest process's peak RSS",
               "repeats": options.repeats, "date": format_utc(time.time()), "runs": [asdict(r) for r in runs],
               "summary": summary(runs)}
     result["markdown"] = to_markdown(result)

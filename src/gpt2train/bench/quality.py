@@ -28,7 +28,7 @@ import torch
 
 from gpt2train import runlog
 from gpt2train.config import Config, load_config, to_dict, validate
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.training.loop import train

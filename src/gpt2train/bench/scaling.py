@@ -28,7 +28,7 @@ import torch
 from gpt2train import runlog
 from gpt2train.config import Config, load_config
 from gpt2train.counting import flops_per_token
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.runconfig import RunConfig, resolve_run

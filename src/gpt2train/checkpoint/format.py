@@ -18,7 +18,7 @@ Layout of a run directory:
 
 How a save stays atomic: everything is written into a hidden `.tmp-NAME/` folder; meta.json goes in last and
 records the size and CRC-32 of every other file; all files and folders are fsynced; one rename publishes the
-folder; only then does `latest` move (itself a temporary file renamed over the old one). Readers look only at
+folder; only then does `latest` move (files.py's atomic write: a temporary file renamed over the old one). Readers look only at
 folders named `step_*` or `best`, which exist only complete, and check the recorded sizes and checksums, so a
 truncated file or a changed byte is caught before it is loaded.
 """
@@ -42,9 +42,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import gpt2train
-from gpt2train.config import Config, ConfigError, config_from_resolved
+from gpt2train.config import ConfigError, config_from_resolved
+from gpt2train.data.prepared import is_prepared_data
+from gpt2train.files import fsync_path, leftover_temp_files, write_text_atomic
 from gpt2train.model import GPT
-from gpt2train.runlog import METRICS_FILE, logs_a_trained_step
 
 LAYOUT_KEYS = ("tokens_per_step", "seq_len", "micro_batch", "grad_accum", "world_size")  # meta.json's `batch`
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight (when the head is tied)
@@ -107,23 +108,10 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_file(path: Path):
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path):
     for path in sorted(folder.rglob("*"), reverse=True):  # files before the folders that hold them
-        _fsync_dir(path) if path.is_dir() else _fsync_file(path)
-    _fsync_dir(folder)
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -204,7 +192,7 @@ def _swap_into_place(root: Path, name: str, staged: Path) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, final)
-    _fsync_dir(root)
+    fsync_path(root)
     return final
 
 
@@ -225,11 +213,7 @@ def _link_copy(src: Path, root: Path, name: str) -> Path:
 
 
 def point_latest(root: Path, name: str) -> None:
-    tmp = root / ".latest.tmp"
-    tmp.write_text(name + "\n")
-    _fsync_file(tmp)
-    os.replace(tmp, root / "latest")
-    _fsync_dir(root)
+    write_text_atomic(root / "latest", name + "\n")
 
 
 def recover(root: Path) -> None:
@@ -245,7 +229,8 @@ def recover(root: Path) -> None:
             os.replace(old, final)
     for tmp in root.glob(".tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
-    (root / ".latest.tmp").unlink(missing_ok=True)
+    for tmp in leftover_temp_files(root / "latest"):
+        tmp.unlink(missing_ok=True)
 
 
 def set_aside_newer(root: Path, step: int, why: str = "damaged") -> list[str]:
@@ -484,15 +469,6 @@ def not_a_checkpoint(path: Path) -> str | None:
     return None  # anything else, a damaged meta.json too: read_meta says which
 
 
-def is_prepared_data(folder: Path) -> bool:
-    """`gpt2train prepare`'s folder: its meta.json lists shards, and a checkpoint's has a step instead."""
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and "shards" in meta and "step" not in meta
-
-
 def resolve_verified(path: str | Path) -> tuple[Path, dict]:
     """The checkpoint folder `path` names (see resolve_checkpoint) and its meta, its files verified once."""
     path = Path(path)
@@ -503,11 +479,12 @@ def resolve_verified(path: str | Path) -> tuple[Path, dict]:
 def load_checkpoint(path: str | Path, with_state: bool = True) -> tuple[dict, dict | None, dict]:
     """(weights, state or None, meta) of a checkpoint; raises CheckpointError if it is damaged."""
     ckpt, meta = resolve_verified(path)
-    weights, state = _read_tensors(ckpt, with_state)
+    weights, state = read_tensors(ckpt, with_state)
     return weights, state, meta
 
 
-def _read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
+def read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
+    """(weights, state or None) of a verified checkpoint folder; CheckpointError if they do not load."""
     try:
         weights = load_file(str(ckpt / "model.safetensors"))
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True) if with_state else None
@@ -516,31 +493,7 @@ def _read_tensors(ckpt: Path, with_state: bool) -> tuple[dict, dict | None]:
     return weights, state
 
 
-def load_for_inference(path: str | Path, device="cpu") -> tuple[GPT, Config, dict]:
-    """A ready-to-use model (eval mode) from a run directory or checkpoint, with its config and meta."""
-    ckpt, meta = resolve_verified(path)
-    weights, _ = _read_tensors(ckpt, with_state=False)
-    cfg = config_from_resolved(meta["config"])
-    model = GPT(cfg.model)
-    load_model_state(model, weights, ckpt / "model.safetensors")
-    return model.to(device).eval(), cfg, meta
-
-
 def short_reason(e: Exception) -> str:
     """An exception as one short line: its type and the first line of its message."""
     text = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {text}"[:200]
-
-
-def run_on_disk(run_dir: Path) -> str | None:
-    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
-    logged a trained step. None for a missing or empty folder, or one holding only other files."""
-    root = run_dir / "checkpoints"
-    ring = ring_entries(root)
-    if ring:
-        return f"checkpoints up to {ring[0][1].name}"
-    if (root / "best").is_dir():
-        return "a best/ checkpoint"
-    if logs_a_trained_step(run_dir):
-        return f"trained steps in {METRICS_FILE}"
-    return None

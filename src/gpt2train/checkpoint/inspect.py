@@ -1,5 +1,7 @@
-"""What `gpt2train ckpt inspect` prints of a checkpoint: where, step, tokens, losses, when, model, tokenizer,
-the config in short, what ran, the format, and the ring around it."""
+"""What a checkpoint or a run directory holds, in words a person reads: what `gpt2train ckpt inspect` prints of a
+checkpoint (where, step, tokens, losses, when, model, tokenizer, the config in short, what ran, the format, and
+the ring around it), and the few words naming the run a folder holds that refuse a launch, an import or an
+export over it (run_on_disk)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 from pathlib import Path
 
 from gpt2train.checkpoint.format import resolve_verified, ring_entries
-from gpt2train.runlog import RUNTIME_FIELDS, ran_and_asked, setting_text
+from gpt2train.runlog import METRICS_FILE, RUNTIME_FIELDS, logs_a_trained_step, ran_and_asked, setting_text
 from gpt2train.units import format_bytes, format_count, format_duration, format_utc
 
 
@@ -72,3 +74,17 @@ def _ran(runtime, train: dict, imported_from) -> str:
 
 def _loss(x) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def run_on_disk(run_dir: Path) -> str | None:
+    """What of a run `run_dir` holds, in a few words: checkpoints (damaged ones too), or a metrics.jsonl that
+    logged a trained step. None for a missing or empty folder, or one holding only other files."""
+    root = run_dir / "checkpoints"
+    ring = ring_entries(root)
+    if ring:
+        return f"checkpoints up to {ring[0][1].name}"
+    if (root / "best").is_dir():
+        return "a best/ checkpoint"
+    if logs_a_trained_step(run_dir):
+        return f"trained steps in {METRICS_FILE}"
+    return None

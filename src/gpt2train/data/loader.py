@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from gpt2train.data.prepare import load_meta, open_split, split_paths
+from gpt2train.data.prepared import load_meta, open_split, split_paths
 from gpt2train.data.shards import check_ids_below
 
 RAM_FRACTION = 4  # auto mode loads shards into RAM when all ranks together need under 1/4 of what is free

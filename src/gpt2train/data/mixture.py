@@ -26,7 +26,7 @@ import torch
 
 from gpt2train.config import ConfigError, DataConfig, data_sources
 from gpt2train.data.loader import DataError, TokenLoader
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepared import load_meta
 from gpt2train.tokenizer import prepare_option, tokenizer_difference
 
 

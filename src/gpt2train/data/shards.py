@@ -12,11 +12,12 @@ Two headerless layouts from other projects are read too (`open_tokens`): nanoGPT
 
 from __future__ import annotations
 
-import os
 import zlib
 from pathlib import Path
 
 import numpy as np
+
+from gpt2train.files import AtomicFile, leftover_temp_files
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -64,14 +65,16 @@ def tokens_crc32(tokens: np.ndarray, chunk: int = 1 << 25) -> int:
 
 class ShardWriter:
     """One shard written as its tokens arrive, so no more than the tokens of one `append` are ever held:
-    the header's count is filled in at `close`, and the file, written beside as NAME.tmp, is renamed into
-    place only then (a crash never leaves half a shard under the shard's name). Keeps the CRC-32 and the
-    largest id of what it wrote (prepare records both)."""
+    the header's count is filled in at `close`, and the file, written beside as files.py's temporary file,
+    is renamed into place only then (a crash never leaves half a shard under the shard's name). Keeps the
+    CRC-32 and the largest id of what it wrote (prepare records both)."""
 
     def __init__(self, path: str | Path, vocab_size: int):
         self.path, self.vocab_size, self.dtype = Path(path), vocab_size, token_dtype(vocab_size)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in close() or abandon()
+        for partial in leftover_temp_files(self.path):  # a killed writer's (prepare reruns into its staging folder)
+            partial.unlink(missing_ok=True)
+        self.out = AtomicFile(self.path)  # committed in close(), discarded in abandon()
+        self.file = self.out.file
         self.file.write(bytes(HEADER_BYTES))
         self.count, self.crc, self.max_id = 0, 0, -1
 
@@ -98,15 +101,11 @@ class ShardWriter:
         header[:3] = (magic, FORMATS[magic][0], self.count)
         self.file.seek(0)
         self.file.write(header.tobytes())
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
+        self.out.commit()
         return self.crc
 
     def abandon(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        self.out.discard()
 
 
 def write_shard(path: str | Path, tokens, vocab_size: int) -> int:

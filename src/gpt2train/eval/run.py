@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from gpt2train import distributed as D
-from gpt2train.checkpoint import load_for_inference, resolve_checkpoint
+from gpt2train.checkpoint import resolve_checkpoint
 from gpt2train.config import data_sources
-from gpt2train.data.prepare import load_meta
+from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic
+from gpt2train.loading import load_for_inference
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec

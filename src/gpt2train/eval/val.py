@@ -22,7 +22,7 @@ import torch
 
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.mixture import MixtureLoader
-from gpt2train.data.prepare import load_meta, open_split, split_paths
+from gpt2train.data.prepared import load_meta, open_split, split_paths
 from gpt2train.data.shards import check_ids_below
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
 from gpt2train.progress import show_progress

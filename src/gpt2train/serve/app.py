@@ -503,7 +503,7 @@ def engine_loader(ckpt: str | Path, device: torch.device, dtype: torch.dtype, **
     """What create_app loads for `serve --ckpt`: a run directory, one of its checkpoints/step_* folders, or a
     Hugging Face GPT-2 folder. Its tokenizer is read now (a bad path fails here, in one line), its weights
     when the returned function is called; engine_options go to Engine."""
-    from gpt2train.hf import load_pretrained, load_pretrained_tokenizer
+    from gpt2train.loading import load_pretrained, load_pretrained_tokenizer
 
     tokenizer = load_pretrained_tokenizer(ckpt)
 
