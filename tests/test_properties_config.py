@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from conftest import REPO, tiny_config
 from gpt2train import cli
-from gpt2train.config import RANGES, Config, ConfigError, dump_toml, from_dict, load_config, to_dict, validate
+from gpt2train.config import RANGES, Config, ConfigError, dump_toml, from_dict, to_dict, validate
+from gpt2train.runconfig import Environment, resolve_run
 
 CHECKS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 SECTIONS = list(to_dict(Config()))
@@ -65,11 +66,11 @@ overrides = st.lists(st.one_of(good_override, any_override), max_size=4)
 @given(overrides)
 def test_any_override_gives_a_valid_config_or_one_config_error(items):
     try:
-        cfg = load_config(None, items)
+        cfg = resolve_run(None, items, Environment()).config  # SpeedNeeded, a time budget's, is a ConfigError too
     except ConfigError as e:
         assert str(e) and "\n" not in str(e)
         return
-    validate(cfg)  # what load_config accepts passes the check every command and the trainer run
+    validate(cfg)  # what the resolution accepts passes the check every command and the trainer run
     for name, allowed in RANGES.items():
         section, key = name.split(".")
         assert getattr(getattr(cfg, section), key) in allowed

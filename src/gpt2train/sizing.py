@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gpt2train.config import ConfigError
 from gpt2train.counting import parameter_count
 
 # GPT-2 124M's AdamW learning rate at its width (GPT-3's Table 2.1, 6e-4 at 768), scaled as 1/width.
@@ -29,7 +30,7 @@ class Derived:
     rule_value: object = None
 
 
-class SizingError(ValueError):
+class SizingError(ConfigError):
     """A dial setting no model can take (the message names the key)."""
 
 
