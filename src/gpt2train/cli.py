@@ -515,9 +515,10 @@ def cmd_config_list(args) -> int:
 def cmd_memory(args) -> int:
     from gpt2train.bench.find_batch import find_batch_report
     from gpt2train.memory import estimate_memory
-    from gpt2train.runconfig import Environment, resolve_run
+    from gpt2train.plan import resolve_measuring
+    from gpt2train.runconfig import Environment
 
-    cfg = resolve_run(args.config, args.set or [], Environment(world_size=args.world_size)).config
+    cfg = resolve_measuring(args.config, args.set or [], Environment(world_size=args.world_size)).config
     print(estimate_memory(cfg, args.world_size).format())
     if args.find_batch:
         print(find_batch_report(cfg, args.headroom, args.world_size, args.gpu_memory_gib))
