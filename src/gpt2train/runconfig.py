@@ -174,8 +174,7 @@ def adopt_source_shape(cfg: Config, user: frozenset[str], resumed: Path | None, 
         shape, tokenizer = init_from.source_shape(source)
         where = f"train.init_from = {source!r}"
         if meta is not None:
-            data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
-            init_from.check_tokenizer(meta["tokenizer"], data_name, tokenizer, source)
+            init_from.check_tokenizer(meta["tokenizer"], init_from.data_name(cfg.data), tokenizer, source)
     for key in SHAPE_KEYS:
         mine, theirs = getattr(cfg.model, key), getattr(shape, key)
         if f"model.{key}" in user and mine != theirs and not (key == "vocab_size" and mine <= 0):

@@ -90,6 +90,11 @@ def load_source(init_from: str, data_tokenizer: dict, data_name: str) -> tuple[G
     return shape, weights, loaded
 
 
+def data_name(data) -> str:
+    """The run's data as a tokenizer refusal names it."""
+    return "data.sources" if data.sources else f"data.dir {data.dir}"
+
+
 def check_tokenizer(data_tokenizer: dict, data_name: str, source_tokenizer: dict, source: str) -> None:
     """The weights' ids must mean the data's text: a GPT-2 trained on char ids would learn another model."""
     difference = tokenizer_difference(data_tokenizer, source_tokenizer)
@@ -117,6 +122,5 @@ def weights_to_start_from(run, data_tokenizer: dict) -> tuple[dict[str, torch.Te
     cfg = run.config
     if is_scratch(cfg.train.init_from) or run.resumed is not None:
         return None, None
-    data_name = "data.sources" if cfg.data.sources else f"data.dir {cfg.data.dir}"
-    _, weights, loaded = load_source(cfg.train.init_from, data_tokenizer, data_name)
+    _, weights, loaded = load_source(cfg.train.init_from, data_tokenizer, data_name(cfg.data))
     return weights, loaded
