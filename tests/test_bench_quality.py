@@ -16,13 +16,12 @@ from gpt2train.bench.quality import (
     SeedRun,
     aggregate,
     cell,
-    flat,
-    plan_rows,
     reach,
     run_quality,
     score,
     step_seconds,
 )
+from gpt2train.bench.recipe import flat, plan_rows
 from gpt2train.config import Config, load_config, save_config
 from gpt2train.ranges import UsageError
 

@@ -484,6 +484,22 @@ def cmd_bench_scaling(args) -> int:
     return 0
 
 
+def cmd_bench_multiplier(args) -> int:
+    from gpt2train.bench.multiplier import MultiplierOptions, multiplier_summary, run_multiplier
+
+    defaults = MultiplierOptions()
+    form = "ablate" if args.ablate else "journey" if args.journey else "pair"
+    options = MultiplierOptions(base=args.base, candidate=args.candidate, form=form,
+                                depths=args.depths or defaults.depths, seeds=args.seeds or defaults.seeds,
+                                floor=args.floor, overrides=args.set or [])
+    out = Path(args.out) if args.out else Path("runs") / "bench-multiplier"
+    result = run_multiplier(options, out)
+    print(result["markdown"])
+    print(multiplier_summary(result))
+    print(f"wrote {out}/multiplier.md, multiplier.json, multiplier.png; each rung's run in {out}/<recipe>/seed<S>/depth<d>/")
+    return 0
+
+
 def cmd_config_show(args) -> int:
     from gpt2train.config import dump_toml
     from gpt2train.plan import resolve_measuring
@@ -805,7 +821,7 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality, add_bench_scaling,
-                          add_bench_prepare):
+                          add_bench_multiplier, add_bench_prepare):
         add_benchmark(bench)
 
 
@@ -924,6 +940,31 @@ def add_bench_scaling(bench) -> None:
     p.add_argument("--out", type=OUT_FOLDER, help="output folder; run again with the same one to continue an interrupted ladder "
                    "(default runs/bench-scaling)")
     p.set_defaults(func=cmd_bench_scaling)
+
+
+def add_bench_multiplier(bench) -> None:
+    p = bench.add_parser("multiplier", help="a candidate recipe's compute multiplier over a base recipe: both train a "
+                         "ladder of model.depth rungs, each ladder is fitted, and the candidate's fit is solved for the "
+                         "base's loss on its largest rung")
+    p.add_argument("--base", default="ladder-2024", help="the reference recipe: " + CONFIG_HELP
+                   + " (default %(default)s)")
+    p.add_argument("--candidate", default="ladder-modern", help="the recipe measured against it, a file or preset "
+                   "(default %(default)s); it may differ from --base only in the recipe changes' keys")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--ablate", action="store_true", help="rows: the candidate, and the candidate minus each "
+                      "change; each change's multiplier (the base is not trained)")
+    form.add_argument("--journey", action="store_true", help="rows: the base, then one more change per row; each "
+                      "row's multiplier over the row before")
+    p.add_argument("--depths", type=depth_list, help="each ladder's rungs, at least three (default 3,4,5)")
+    p.add_argument("--seeds", type=seed_list, help="comma-separated train.seed values; every ladder trains once per "
+                   "seed, and seed s of the candidate is compared with seed s of the base (default 1,2)")
+    p.add_argument("--floor", type=ranged(float, at_least(0.0)), help="a known lower bound on the validation loss "
+                   "that the fits keep their E above (default: the data's loss_floor in meta.json, else 0)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every rung "
+                   "(repeatable) (default: none)")
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder; run again with the same one to continue, and to "
+                   "reuse the ladders another form trained there (default runs/bench-multiplier)")
+    p.set_defaults(func=cmd_bench_multiplier)
 
 
 def add_bench_quality(bench) -> None:

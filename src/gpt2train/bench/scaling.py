@@ -116,12 +116,16 @@ def fit_power_law(xs, ys, variable: str = "compute", floor: float = 0.0) -> Fit:
 
 
 def rung_config(options: ScalingOptions, depth: int, seed: int) -> RunConfig:
-    """The run config with model.depth = depth and train.seed = seed; refused in one line where the config
-    itself sets a key the ladder derives per rung."""
-    run = resolve_run(options.config, [*options.overrides, f"model.depth={depth}", f"train.seed={seed}"])
+    return ladder_rung(options.config, options.overrides, depth, seed)
+
+
+def ladder_rung(config: str | Config, overrides: list[str], depth: int, seed: int, name: str = "") -> RunConfig:
+    """The run config (a file, a preset or a Config) with model.depth = depth and train.seed = seed; refused in
+    one line where the config itself sets a key the ladder derives per rung."""
+    run = resolve_run(config, [*overrides, f"model.depth={depth}", f"train.seed={seed}"])
     fixed = [d.key for d in run.dial if d.explicit and d.key in LADDER_KEYS]
     if fixed:
-        raise UsageError(f"{options.config} sets {', '.join(fixed)}, which the ladder derives for each rung from "
+        raise UsageError(f"{name or config} sets {', '.join(fixed)}, which the ladder derives for each rung from "
                          "model.depth: remove {} from the config".format("it" if len(fixed) == 1 else "them"))
     return run
 

@@ -1,0 +1,304 @@
+"""The compute multiplier: how much less training compute a candidate recipe needs than a base recipe to reach
+the same loss, measured on a ladder of sizes rather than at one.
+
+Each recipe (a config) trains a ladder of `model.depth` rungs at their compute-optimal budgets, with bench
+scaling's rungs and rules (the dial sets each rung's shape, learning rate, batch and steps), once per seed.
+Each ladder is fitted with L(C) = E + A C^-alpha. The target is the base's loss on its largest rung, L*; the
+base spends that rung's compute C_base on it; the candidate needs C_cand = its fit solved for L*. The
+multiplier is C_base / C_cand: above 1, the candidate reaches the base's loss with less compute. The time
+multiplier is the same with each rung's training seconds in place of its FLOPs, so a change that saves FLOPs
+but costs time says so. Seeds pair up (the base's seed s against the candidate's seed s): the spread of the
+per-seed multipliers is the seeds' spread.
+
+Three forms, as in bench quality (bench/recipe.py makes the rows):
+  pair     the base and the candidate;
+  ablate   the candidate, and the candidate minus each change: a change's multiplier is the full candidate's
+           over the candidate without it;
+  journey  the base, then one more change per row: each row's multiplier over the row before.
+
+A row's rungs live in OUT/<row>-<hash of its config>/seed<S>/depth<d>/ (bench scaling's layout under it), so
+an interrupted bench resumes, and a row already trained by another form in the same OUT (the candidate of a
+pair is the full recipe of an ablation) is read rather than trained again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpt2train.bench.recipe import Row, flat, plan_rows
+from gpt2train.bench.scaling import (
+    Fit,
+    check_floor,
+    check_fresh_data,
+    describe_rung,
+    finished_rung,
+    fit_floor,
+    fit_power_law,
+    ladder_rung,
+    train_rung,
+)
+from gpt2train.config import load_config
+from gpt2train.data.prepared import load_meta
+from gpt2train.files import write_json_atomic, write_text_atomic
+from gpt2train.ranges import UsageError
+from gpt2train.units import format_duration, format_utc
+
+FORMS = ("pair", "ablate", "journey")
+LAW_RMS, LAW_HELD_OUT = 0.01, 0.02  # issue 45: rungs further than these from the fitted law do not follow it
+
+
+@dataclass
+class MultiplierOptions:
+    base: str = "ladder-2024"  # a file or a preset
+    candidate: str = "ladder-modern"
+    form: str = "pair"
+    depths: list[int] = field(default_factory=lambda: [3, 4, 5])
+    seeds: list[int] = field(default_factory=lambda: [1, 2])
+    floor: float | None = None  # as bench scaling's --floor
+    overrides: list[str] = field(default_factory=list)  # --set, applied to every row
+
+    def __post_init__(self):
+        """The one check of how the options go together; each depth's and seed's own range is checked by its
+        type in cli.py."""
+        if self.form not in FORMS:
+            raise UsageError(f"form {self.form!r}: use one of {', '.join(FORMS)}")
+        if len(set(self.depths)) < 3:
+            raise UsageError(f"--depths {self.depths}: give at least three distinct depths of 1 or more")
+        if not self.seeds:
+            raise UsageError("--seeds: give at least one seed (two or more measure the seeds' spread)")
+
+
+@dataclass
+class Comparison:
+    """The candidate's multiplier over the reference for one seed."""
+
+    reference: str
+    candidate: str
+    seed: int
+    target_loss: float  # the reference's loss on its largest rung
+    reference_flops: float
+    candidate_flops: float | None  # None: the candidate's fit never comes down to target_loss
+    flops_multiplier: float | None
+    interpolated: bool  # candidate_flops lies within the candidate's rungs (not an extrapolation)
+    reference_s: float | None = None
+    candidate_s: float | None = None
+    time_multiplier: float | None = None
+
+
+def row_dir_name(row: Row) -> str:
+    """The row's slug and a hash of its whole config: a row with other settings never reads these rungs."""
+    settings = json.dumps(flat(row.cfg), sort_keys=True, default=str)
+    return f"{row.slug}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+
+
+def config_slug(name: str) -> str:
+    stem = Path(name).stem if name.endswith(".toml") else name
+    return re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-") or "config"
+
+
+def plan(options: MultiplierOptions) -> tuple[list[Row], list[tuple[int, int]], list[str]]:
+    """The rows to train, the comparisons (reference row index, candidate row index) and notes."""
+    base = load_config(options.base, options.overrides)
+    candidate = load_config(options.candidate, options.overrides)
+    base_slug, candidate_slug = config_slug(options.base), config_slug(options.candidate)
+    rows, notes = plan_rows(base, candidate, ablate=options.form == "ablate", recipe_only=options.form == "pair",
+                            base_name=options.base, base_slug=base_slug)
+    for row in rows:
+        if row.name == "full recipe":
+            row.name, row.slug = options.candidate, candidate_slug
+        elif row.slug.startswith("recipe-minus-"):
+            row.slug = f"{candidate_slug}-minus-{row.slug.removeprefix('recipe-minus-')}"
+        elif row.name.startswith("+ "):
+            row.slug = f"{base_slug}-plus-{row.slug}"
+    if options.form == "pair":
+        return rows, [(0, 1)], notes
+    if options.form == "ablate":  # rows: base, full, minus each change; the base trains only in the pair form
+        return rows[1:], [(i, 0) for i in range(1, len(rows) - 1)], notes
+    return rows, [(i - 1, i) for i in range(1, len(rows))], notes
+
+
+def compute_to_reach(fit: Fit, loss: float) -> float | None:
+    """The x where the fitted law comes down to `loss`; None where it never does (loss at or below E)."""
+    if loss <= fit.E:
+        return None
+    return (fit.A / (loss - fit.E)) ** (1 / fit.alpha)
+
+
+def compare(reference: dict, candidate: dict, seed: int) -> Comparison:
+    """reference, candidate: {"name", "rungs": [Rung...], "fit", "time_fit"} of one seed."""
+    top = max(reference["rungs"], key=lambda r: r.flops)
+    flops = compute_to_reach(candidate["fit"], top.val_loss)
+    xs = [r.flops for r in candidate["rungs"]]
+    out = Comparison(reference["name"], candidate["name"], seed, top.val_loss, top.flops, flops,
+                     top.flops / flops if flops else None,
+                     flops is not None and min(xs) <= flops <= max(xs))
+    if candidate.get("time_fit") and top.wall_s:
+        seconds = compute_to_reach(candidate["time_fit"], top.val_loss)
+        out.reference_s, out.candidate_s = top.wall_s, seconds
+        out.time_multiplier = top.wall_s / seconds if seconds else None
+    return out
+
+
+def spread(values: list[float | None]) -> dict | None:
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return {"mean": statistics.fmean(known), "min": min(known), "max": max(known), "n": len(known), "of": len(values)}
+
+
+def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bool = True) -> dict:
+    """Train (or read) every row's ladders, fit them, compare; writes multiplier.{json,md,png} to out_dir."""
+    rows, pairs, notes = plan(options)
+    depths, seeds = sorted(set(options.depths)), list(dict.fromkeys(options.seeds))
+    data_dir = rows[0].cfg.data.dir
+    if not (Path(data_dir) / "meta.json").is_file():
+        raise UsageError(f"{data_dir} holds no prepared data; make the ladder's corpus first (docs/benchmarks.md, "
+                         "\"The compute multiplier\"): gpt2train prepare pydocs --out data/pydocs")
+    meta = load_meta(data_dir)
+    floor = fit_floor(options, meta, data_dir)
+    check_floor(floor, int(meta["vocab_size"]))
+    configs = {(i, d, s): ladder_rung(row.cfg, [], d, s, row.name)
+               for i, row in enumerate(rows) for d in depths for s in seeds}
+    planned = {key: describe_rung(run, key[2]) for key, run in configs.items()}
+    train_tokens = check_fresh_data(list(planned.values()), rows[0].cfg, meta)
+    out = Path(out_dir)
+    ladders: dict[tuple[int, int], dict] = {}
+    for i, row in enumerate(rows):
+        for seed in seeds:
+            rungs = []
+            for depth in depths:
+                run_dir = out / row_dir_name(row) / f"seed{seed}" / f"depth{depth}"
+                rung = finished_rung(run_dir, planned[i, depth, seed])
+                if rung is None:
+                    if progress:
+                        r = planned[i, depth, seed]
+                        print(f"{row.name}, seed {seed}, depth {depth}: {r.params:,} params, {r.tokens:,} tokens, "
+                              f"{r.steps:,} steps ...", flush=True)
+                    rung = train_rung(configs[i, depth, seed], planned[i, depth, seed], run_dir)
+                if progress:
+                    print(f"{row.name}, seed {seed}, depth {depth}: val loss {rung.val_loss:.4f} "
+                          f"({format_duration(rung.wall_s)})", flush=True)
+                rungs.append(rung)
+            ladders[i, seed] = {"name": row.name, "rungs": rungs,
+                                "fit": fit_power_law([r.flops for r in rungs], [r.val_loss for r in rungs],
+                                                     "compute", floor["value"]),
+                                "time_fit": fit_power_law([r.wall_s for r in rungs], [r.val_loss for r in rungs],
+                                                          "seconds", floor["value"])}
+    comparisons = []
+    for ref, cand in pairs:
+        per_seed = [compare(ladders[ref, s], ladders[cand, s], s) for s in seeds]
+        comparisons.append({"reference": rows[ref].name, "candidate": rows[cand].name,
+                            "seeds": [dataclasses.asdict(c) for c in per_seed],
+                            "flops_multiplier": spread([c.flops_multiplier for c in per_seed]),
+                            "time_multiplier": spread([c.time_multiplier for c in per_seed]),
+                            "interpolated": all(c.interpolated for c in per_seed)})
+    result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
+              "cpu_threads": torch.get_num_threads(), "data": data_dir, "train_tokens": train_tokens,
+              "floor": floor, "notes": notes,
+              "rows": [{"name": row.name, "dir": row_dir_name(row), "changes": row.changes,
+                        "ladders": [{"seed": s, "rungs": [dataclasses.asdict(r) for r in ladders[i, s]["rungs"]],
+                                     "fit": dataclasses.asdict(ladders[i, s]["fit"]),
+                                     "time_fit": dataclasses.asdict(ladders[i, s]["time_fit"])} for s in seeds]}
+                       for i, row in enumerate(rows)],
+              "comparisons": comparisons}
+    result["law"] = law_check(result, len(depths))
+    result["markdown"] = multiplier_markdown(result)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "multiplier.json", result)
+    write_text_atomic(out / "multiplier.md", result["markdown"])
+    plot(result, out / "multiplier.png")
+    return result
+
+
+def law_check(result: dict, rungs: int) -> str:
+    """Whether the ladders follow their fitted laws: three rungs fit three parameters exactly, so only a
+    fourth rung can tell."""
+    if rungs <= 3:
+        return (f"{rungs} rungs fit E, A and alpha exactly: nothing checks that they follow the law (add a rung "
+                f"to --depths)")
+    worst = max((ladder["fit"]["rms_log_error"], row["name"], ladder["seed"])
+                for row in result["rows"] for ladder in row["ladders"])
+    if worst[0] > LAW_RMS:
+        return (f"{worst[1]} (seed {worst[2]}) does not follow its fitted law: rms error {worst[0]:.2%} over "
+                f"{LAW_RMS:.0%}; its multipliers are not extrapolated")
+    return f"every ladder within {LAW_RMS:.0%} rms of its fitted law (worst {worst[0]:.2%}, {worst[1]} seed {worst[2]})"
+
+
+def multiplier_text(stats: dict | None) -> str:
+    if stats is None:
+        return "never reached"
+    if stats["n"] == 1:
+        return f"{stats['mean']:.2f}x" + ("" if stats["of"] == 1 else f" (1 of {stats['of']} seeds)")
+    return f"{stats['mean']:.2f}x ({stats['min']:.2f}-{stats['max']:.2f})"
+
+
+def multiplier_markdown(result: dict) -> str:
+    seeds = result["options"]["seeds"]
+    depths = sorted(set(result["options"]["depths"]))
+    lines = [f"Ladders of depths {', '.join(map(str, depths))}, seeds {', '.join(map(str, seeds))}, on "
+             f"{result['data']}; fits of L = E + A C^-alpha with E at least {result['floor']['value']:.4f} "
+             f"(floor: {result['floor']['from']}). {result['law']}.", "",
+             "| recipe | seed | " + " | ".join(f"depth {d}" for d in depths) + " | E | A | alpha | rms | time |",
+             "|---|---:|" + "---:|" * len(depths) + "---:|---:|---:|---:|---:|"]
+    for row in result["rows"]:
+        for ladder in row["ladders"]:
+            fit = ladder["fit"]
+            losses = " | ".join(f"{r['val_loss']:.4f}" for r in ladder["rungs"])
+            seconds = sum(r["wall_s"] or 0 for r in ladder["rungs"])
+            lines.append(f"| {row['name']} | {ladder['seed']} | {losses} | {fit['E']:.3f} | {fit['A']:.4g} | "
+                         f"{fit['alpha']:.4f} | {fit['rms_log_error']:.2%} | {format_duration(seconds)} |")
+    lines += ["", "| candidate | over | target loss | compute multiplier | time multiplier | where |",
+              "|---|---|---:|---:|---:|---|"]
+    for c in result["comparisons"]:
+        target = statistics.fmean(s["target_loss"] for s in c["seeds"])
+        lines.append(f"| {c['candidate']} | {c['reference']} | {target:.4f} | {multiplier_text(c['flops_multiplier'])} | "
+                     f"{multiplier_text(c['time_multiplier'])} | "
+                     f"{'within its rungs' if c['interpolated'] else 'extrapolated beyond its rungs'} |")
+    lines += ["", "Multipliers: mean over the seeds (min-max); the candidate's compute (time) to reach the reference's "
+              "loss on its largest rung, from its fit, against the reference's on that rung."]
+    lines += [f"- {note}" for note in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    """Validation loss against compute: every row's rungs (one marker per seed) and fits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    markers = "os^vD"
+    for row in result["rows"]:
+        color = None
+        for k, ladder in enumerate(row["ladders"]):
+            xs = [r["flops"] for r in ladder["rungs"]]
+            grid = np.geomspace(min(xs), max(xs), 60)
+            fit = Fit(**ladder["fit"])
+            line, = ax.plot(grid, [fit(x) for x in grid], linewidth=1, color=color,
+                            label=row["name"] if k == 0 else None)
+            color = line.get_color()
+            ax.plot(xs, [r["val_loss"] for r in ladder["rungs"]], markers[k % len(markers)], color=color, markersize=4)
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute C (FLOPs)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"compute multiplier ladders on {result['data']}", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def multiplier_summary(result: dict) -> str:
+    return "; ".join(f"{c['candidate']} over {c['reference']}: {multiplier_text(c['flops_multiplier'])} compute, "
+                     f"{multiplier_text(c['time_multiplier'])} time" for c in result["comparisons"])
