@@ -104,21 +104,23 @@ def test_the_first_step_counts_at_the_median_of_the_others():
     assert step_seconds(records[:1]) == {1: 5.0}  # nothing else to compare with
 
 
-def curve(seed: int, losses: list[float], train_s: list[float]) -> SeedRun:
-    run = SeedRun(seed, f"runs/s{seed}", steps=[1, 2], tokens=[100, 200], val_loss=losses, train_s=train_s)
+def curve(seed: int, losses: list[float], train_s: list[float], flops_per_token: float = 100.0) -> SeedRun:
+    run = SeedRun(seed, f"runs/s{seed}", steps=[1, 2], tokens=[100, 200], val_loss=losses, train_s=train_s,
+                  flops_per_token=flops_per_token)
     run.final_val_loss, run.total_tokens, run.total_train_s = losses[-1], 200, train_s[-1]
     return run
 
 
 def test_score_against_the_gpt2_row_of_the_same_seed_and_aggregate_the_seeds():
     gpt2 = [curve(1, [2.0, 1.5], [1.0, 2.0]), curve(2, [2.0, 1.4], [1.0, 4.0])]
-    recipe = [curve(1, [1.7, 1.2], [0.5, 1.0]), curve(2, [1.5, 1.45], [1.0, 2.0])]
+    recipe = [curve(1, [1.7, 1.2], [0.5, 1.0], flops_per_token=110.0), curve(2, [1.5, 1.45], [1.0, 2.0])]
     for run, base in zip(recipe, gpt2):
         score(run, base)
     first, second = recipe
     assert first.target == 1.5 and first.reach_tokens == pytest.approx(140.0)  # 100 + 100 * 0.2 / 0.5
     assert first.reach_s == pytest.approx(0.7)
     assert first.tokens_ratio == pytest.approx(140 / 200) and first.time_ratio == pytest.approx(0.7 / 2.0)
+    assert first.flops_ratio == pytest.approx(140 * 110 / (200 * 100))  # 10% more FLOPs per token than GPT-2's row
     assert second.target == 1.4 and second.reach_tokens is None and second.time_ratio is None  # never below 1.45
     summary = aggregate(recipe)
     assert summary["final_val_loss"] == pytest.approx({"mean": 1.325, "min": 1.2, "max": 1.45, "n": 2})
@@ -179,9 +181,10 @@ def test_the_command_prints_the_table_and_refuses_what_it_cannot_compare(pair, t
     r = run_cli("bench", "quality", "--config", str(base), "--modern", str(recipe), "--ablate", "--steps", "4",
                 "--eval-interval", "2", "--val-batches", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert "| row | final val loss | tokens to GPT-2's loss | x GPT-2 tokens | time to it | x GPT-2 time |" in r.stdout
+    assert ("| row | final val loss | tokens to GPT-2's loss | x GPT-2 tokens | x GPT-2 FLOPs | time to it | "
+            "x GPT-2 time |") in r.stdout
     assert "| GPT-2 |" in r.stdout and "| full recipe |" in r.stdout and "| - WSD schedule |" in r.stdout
-    assert "(target <= 0.5)" in r.stdout
+    assert "FLOPs (target <= 0.2)" in r.stdout
     assert {p.name for p in out.iterdir()} == {"quality.md", "quality.json", "quality.png", "runs"}
     saved = json.loads((out / "quality.json").read_text())
     assert saved["target"]["row"] == "full recipe"  # with --ablate the recipe is the second row, not the last

@@ -35,7 +35,7 @@ from gpt2train.ranges import UsageError
 from gpt2train.training.loop import train
 from gpt2train.units import format_count, format_duration, format_utc
 
-TOKENS_TARGET, TIME_TARGET = 0.5, 0.6  # issue 20: the recipe's share of GPT-2's tokens and time
+FLOPS_TARGET, TIME_TARGET = 0.2, 0.3  # issue 45: the recipe's share of GPT-2's training FLOPs and time
 
 
 @dataclass
@@ -78,6 +78,8 @@ class SeedRun:
     reach_tokens: float | None = None
     reach_s: float | None = None
     tokens_ratio: float | None = None  # of the GPT-2 row's total tokens
+    flops_per_token: float | None = None  # the run's, as its run_start record gives it
+    flops_ratio: float | None = None  # the reach's training FLOPs, of the GPT-2 row's total
     time_ratio: float | None = None  # of the GPT-2 row's total training time
 
 
@@ -147,6 +149,8 @@ def read_seed_run(run_dir: Path, seed: int) -> SeedRun:
     out = SeedRun(seed, str(run_dir), steps=[r["step"] for r in vals], tokens=[r["tokens"] for r in vals],
                   val_loss=[r["val_loss"] for r in vals])
     out.train_s = [sum(s for step, s in seconds.items() if step <= at) for at in out.steps]
+    starts = [r["flops_per_token"] for r in run.of(runlog.RUN_START) if runlog.is_finite(r.get("flops_per_token"))]
+    out.flops_per_token = float(starts[-1]) if starts else None
     out.final_val_loss, out.total_tokens, out.total_train_s = out.val_loss[-1], out.tokens[-1], out.train_s[-1]
     return out
 
@@ -160,10 +164,12 @@ def score(run: SeedRun, gpt2: SeedRun | None) -> None:
     run.reach_s = reach(run.train_s, run.val_loss, run.target)
     if run.reach_tokens is not None:
         run.tokens_ratio = run.reach_tokens / gpt2.total_tokens
+        if run.flops_per_token and gpt2.flops_per_token:  # the recipes may spend other FLOPs per token
+            run.flops_ratio = run.tokens_ratio * run.flops_per_token / gpt2.flops_per_token
         run.time_ratio = run.reach_s / gpt2.total_train_s if gpt2.total_train_s else None
 
 
-MEASURES = ("final_val_loss", "reach_tokens", "tokens_ratio", "reach_s", "time_ratio", "wall_s")
+MEASURES = ("final_val_loss", "reach_tokens", "tokens_ratio", "flops_ratio", "reach_s", "time_ratio", "wall_s")
 
 
 def aggregate(runs: list[SeedRun]) -> dict:
@@ -276,8 +282,9 @@ def describe_run(run: SeedRun) -> str:
 
 
 def target_summary(full: RowResult) -> dict:
-    tokens, times = full.summary.get("tokens_ratio"), full.summary.get("time_ratio")
-    return {"row": full.name, "tokens_ratio": tokens["mean"] if tokens else None, "tokens_target": TOKENS_TARGET,
+    tokens, flops, times = (full.summary.get(k) for k in ("tokens_ratio", "flops_ratio", "time_ratio"))
+    return {"row": full.name, "tokens_ratio": tokens["mean"] if tokens else None,
+            "flops_ratio": flops["mean"] if flops else None, "flops_target": FLOPS_TARGET,
             "time_ratio": times["mean"] if times else None, "time_target": TIME_TARGET}
 
 
@@ -286,8 +293,10 @@ def target_line(target: dict) -> str:
     if target["tokens_ratio"] is None:
         return "full recipe does not reach GPT-2's loss"
     time_part = f"{target['time_ratio']:.2f}x" if target["time_ratio"] is not None else "n/a"
-    return (f"full recipe reaches GPT-2's loss in {target['tokens_ratio']:.2f}x of the tokens "
-            f"(target <= {target['tokens_target']}) and {time_part} of the time (target <= {target['time_target']})")
+    flops_part = f"{target['flops_ratio']:.2f}x" if target.get("flops_ratio") is not None else "n/a"
+    return (f"full recipe reaches GPT-2's loss in {target['tokens_ratio']:.2f}x of the tokens, {flops_part} of the "
+            f"training FLOPs (target <= {target['flops_target']}) and {time_part} of the time "
+            f"(target <= {target['time_target']})")
 
 
 def command_line(options: QualityOptions, out: Path) -> str:
@@ -322,18 +331,19 @@ def cell(stats: dict | None, fmt, seeds: int) -> str:
 
 
 def table(result: QualityResult) -> str:
-    lines = ["| row | final val loss | tokens to GPT-2's loss | x GPT-2 tokens | time to it | x GPT-2 time | "
-             "row wall time |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| row | final val loss | tokens to GPT-2's loss | x GPT-2 tokens | x GPT-2 FLOPs | time to it | "
+             "x GPT-2 time | row wall time |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in result.rows:
         s, n = row.summary, len(row.runs)
         failed = [r for r in row.runs if r.status != "ok"]
         if len(failed) == n:
-            lines.append(f"| {row.name} | failed | | | | | {cell(s['wall_s'], seconds, n)} |")
+            lines.append(f"| {row.name} | failed | | | | | | {cell(s['wall_s'], seconds, n)} |")
             continue
         lines.append("| " + " | ".join([
             row.name, cell(s["final_val_loss"], lambda v: f"{v:.4f}", n),
             cell(s["reach_tokens"], format_count, n), cell(s["tokens_ratio"], lambda v: f"{v:.2f}x", n),
+            cell(s["flops_ratio"], lambda v: f"{v:.2f}x", n),
             cell(s["reach_s"], seconds, n), cell(s["time_ratio"], lambda v: f"{v:.2f}x", n),
             cell(s["wall_s"], seconds, n)]) + " |")
     return "\n".join(lines)
