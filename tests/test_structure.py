@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
               "spikes", "runlog", "sections", "bench_results", "mfu_basis"}),
     ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
-              "data.markov"}),
+              "data.markov", "data.pydocs"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "loading",
                  "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),

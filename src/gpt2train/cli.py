@@ -64,6 +64,8 @@ SEED = ranged(int, SEEDS)
 SHARE = ranged(float, between(0, 1, low_open=True, high_open=True))  # a part of the whole, never all of it
 PROBABILITY_MASS = ranged(float, between(0, 1, low_open=True))  # top-p, MFU
 WORKERS = ranged(int, between(1, 1024))  # processes or threads: more than any machine's cores floods it
+# A BPE's vocabulary: 256 bytes, a merge, EOT at least; at most 2^24, where the trainer's tables already take a GB
+BPE_VOCAB_SIZE = ranged(int, between(258, 2**24))
 
 
 def output_path(kind: str):
@@ -90,6 +92,16 @@ def output_path(kind: str):
 
 
 OUT_FOLDER, OUT_FILE = output_path("folder"), output_path("file")
+
+
+def named_folder(text: str) -> tuple[str, str]:
+    """--roots: NAME=FOLDER, an existing folder under a name."""
+    name, _, folder = text.partition("=")
+    if not name or not folder:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=FOLDER, e.g. myproject=src/myproject")
+    if not Path(folder).is_dir():
+        raise argparse.ArgumentTypeError(f"{folder} is not a folder; give NAME=FOLDER with a folder of .py files")
+    return name, folder
 
 
 def device_name(text: str) -> str:
@@ -142,7 +154,7 @@ def cmd_prepare_shakespeare(args) -> int:
 
 def prepare_options(args) -> dict:
     return dict(val_fraction=args.val_fraction, val_tokens=args.val_tokens, workers=args.workers,
-                shard_tokens=args.shard_tokens, dedup=args.dedup)
+                shard_tokens=args.shard_tokens, dedup=getattr(args, "dedup", False))
 
 
 def print_prepared(out, meta: dict) -> None:
@@ -181,6 +193,20 @@ def cmd_prepare_hf(args) -> int:
     meta = prepare_hf(args.name, args.out, config=args.config, split=args.split, tokenizer=args.tokenizer,
                       text_field=args.text_field, **prepare_options(args))
     print_prepared(args.out, meta)
+    return 0
+
+
+def cmd_prepare_pydocs(args) -> int:
+    from gpt2train.data.pydocs import prepare_pydocs
+
+    meta = prepare_pydocs(args.out, vocab_size=args.vocab_size, min_chars=args.min_chars, roots=args.roots,
+                          **prepare_options(args))
+    corpus, tokens = meta["pydocs"], meta["tokens"]
+    text_tokens = tokens["train"] + tokens["val"] - corpus["documents"]  # without the EOT in front of each document
+    print(f"wrote {args.out}: {corpus['documents']:,} documents, {corpus['chars']:,} characters from "
+          f"{len(corpus['sources'])} source(s); {tokens['train']:,} train and {tokens['val']:,} val tokens; "
+          f"byte-level BPE vocab {meta['vocab_size']:,} ({meta['tokenizer']['path']}), "
+          f"{corpus['chars'] / max(1, text_tokens):.2f} characters per token")
     return 0
 
 
@@ -647,26 +673,38 @@ def add_prepare(sub) -> None:
     split.add_argument("--val-tokens", type=POSITIVE_INT,
                        help="the first documents, until val holds N tokens, go to val (default: none, --val-fraction decides)")
     common.add_argument("--workers", type=WORKERS, help="tokenizer workers: threads for gpt2, processes for char and bpe "
-                        "(default: all CPU cores)")
+                        "(pydocs: its parsing too) (default: all CPU cores)")
     common.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000,
                         help="tokens per shard (default %(default)s)")
-    common.add_argument("--dedup", action="store_true",
-                        help="drop exact duplicate documents (same text), keeping the first; holds a 16-byte "
-                             "digest per distinct document in memory, about 80 bytes each (0.8 GB per 10M)")
+    # pydocs drops its duplicates itself; the other sources take --dedup
+    dedup = argparse.ArgumentParser(add_help=False)
+    dedup.add_argument("--dedup", action="store_true",
+                       help="drop exact duplicate documents (same text), keeping the first; holds a 16-byte "
+                            "digest per distinct document in memory, about 80 bytes each (0.8 GB per 10M)")
     # Only the sources of your own text choose a tokenizer and a field; markov's text is char-tokenized.
     text = argparse.ArgumentParser(add_help=False)
     text.add_argument("--tokenizer", default="gpt2", help=TOKENIZER_HELP)
     text.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)
-    f = prep.add_parser("files", parents=[text, common], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
+    f = prep.add_parser("files", parents=[text, common, dedup], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
-    m = prep.add_parser("markov", parents=[common], help="any amount of text sampled from Tiny Shakespeare's "
+    m = prep.add_parser("markov", parents=[common, dedup], help="any amount of text sampled from Tiny Shakespeare's "
                         "character Markov chain (the scaling ladder's corpus); the char tokenizer")
     m.add_argument("--chars", type=POSITIVE_INT, required=True, help="characters of text to make")
     m.add_argument("--order", type=POSITIVE_INT, default=5, help="characters of context of the chain (default %(default)s)")
     m.add_argument("--seed", type=COUNT, default=0, help="the sampling seed (default %(default)s)")
     m.set_defaults(func=cmd_prepare_markov)
-    h = prep.add_parser("hf", parents=[text, common], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
+    d = prep.add_parser("pydocs", parents=[common], help="the docstrings of the Python standard library and of "
+                        "installed packages (read, not imported; no download) and a byte-level BPE learned from them")
+    d.add_argument("--vocab-size", type=BPE_VOCAB_SIZE, default=1024, help="the BPE's vocabulary (default "
+                   "%(default)s: small enough that the output layer does not outweigh a small model)")
+    d.add_argument("--min-chars", type=POSITIVE_INT, default=200,
+                   help="the shortest docstring kept, in characters (default %(default)s)")
+    d.add_argument("--roots", type=named_folder, nargs="+", metavar="NAME=FOLDER",
+                   help="read these folders' .py files instead of the standard library and the packages (for "
+                        "tests and custom corpora)")
+    d.set_defaults(func=cmd_prepare_pydocs)
+    h = prep.add_parser("hf", parents=[text, common, dedup], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
     h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
     h.add_argument("--config", help="dataset configuration, e.g. sample-10BT (default: the dataset's default)")
     h.add_argument("--split", default="train", help="dataset split (default %(default)s)")
@@ -678,8 +716,7 @@ def add_tokenizer(sub) -> None:
     tk = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     t = tk.add_parser("train", help="train and write a tokenizer.json (with <|endoftext|>)")
     t.add_argument("files", nargs="+", metavar="PATH", help="the same inputs `prepare files` reads")
-    # 256 bytes, a merge, EOT at least; at most 2^24, where the trainer's tables already take about a GB
-    t.add_argument("--vocab-size", type=ranged(int, between(258, 2**24)), required=True,
+    t.add_argument("--vocab-size", type=BPE_VOCAB_SIZE, required=True,
                    help="e.g. 32768; above 65535 shards use uint32")
     t.add_argument("--out", type=OUT_FILE, required=True, help="tokenizer.json to write")
     t.add_argument("--text-field", default="text", help=TEXT_FIELD_HELP)

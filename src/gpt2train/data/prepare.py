@@ -139,11 +139,11 @@ def tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(flat, dtype=np.uint32), lengths
 
 
-def ordered_map(fn, items, workers: int, tokenizer):
+def ordered_map(fn, items, workers: int, tokenizer=None):
     """map(fn, items) over `workers` threads or processes, results in input order, at most 2 * workers chunks in
     flight (Pool.imap would read the whole corpus ahead into memory). Threads where the tokenizer encodes without
     holding the GIL (tiktoken): nothing is copied between processes and the tokenizer is held once; processes
-    for the others."""
+    for the others, each given the tokenizer once (none for work without one: pydocs' parsing)."""
     global _worker_tokenizer
     if workers <= 1:
         _worker_tokenizer = tokenizer
@@ -160,7 +160,8 @@ def ordered_map(fn, items, workers: int, tokenizer):
 
     # fork where there is one: spawn would re-run a user's script that lacks an `if __name__ == "__main__"` guard
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    with mp.get_context(method).Pool(workers, initializer=_init_worker, initargs=(tokenizer.spec(),)) as pool:
+    setup = {} if tokenizer is None else {"initializer": _init_worker, "initargs": (tokenizer.spec(),)}
+    with mp.get_context(method).Pool(workers, **setup) as pool:
         yield from _in_order(lambda f, x: pool.apply_async(f, (x,)), fn, items, workers, lambda result: result.get())
 
 
@@ -374,11 +375,12 @@ def dataset_is_complete(out: Path, meta: dict) -> bool:
         return False
 
 
-def prepare_documents(reader, out_dir: str | Path, tokenizer: str = "gpt2", *, val_fraction: float | None = None,
+def prepare_documents(reader, out_dir: str | Path, tokenizer="gpt2", *, val_fraction: float | None = None,
                       val_tokens: int | None = None, workers: int | None = None,
                       shard_tokens: int = DEFAULT_SHARD_TOKENS, source: str = "", progress: bool = True,
                       dedup: bool = False) -> dict:
     """Tokenize the reader's documents into OUT/{train,val}_NNNNNN.bin + meta.json; returns the meta dict.
+    `tokenizer`: a name (gpt2, char, bpe:PATH) or a tokenizer object.
 
     A re-run with the same inputs and options finds meta.json up to date and returns at once; a run that
     was interrupted resumes after the last shard it wrote. dedup: drop exact duplicate documents (DedupReader).
@@ -415,14 +417,16 @@ def writing_lock(out: Path):
         lock.release()
 
 
-def _prepare(reader, out: Path, tokenizer: str, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
+def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, shard_tokens: int, source: str,
              progress: bool) -> dict:
     if not 1 <= shard_tokens < 2**31:
         raise ValueError(f"--shard-tokens {shard_tokens} must be in [1, 2**31): the llm.c header counts tokens in int32")
     workers = max(1, workers or os.cpu_count() or 1)
     rule = SplitRule(val_fraction, val_tokens)
     check_enough_documents(reader, rule)  # before the tokenizer reads the corpus (char) or anything is tokenized
-    tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None)
+    # a name, or a tokenizer the caller built (pydocs trains its BPE on the train documents first)
+    tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None) \
+        if isinstance(tokenizer, str) else tokenizer
     if tokenizer == "char" and not tok.chars:
         raise SourceError(f"no text found in {source}: the corpus is empty; check the input paths and --text-field")
     key = fingerprint(reader, tok, rule, shard_tokens)
