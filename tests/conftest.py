@@ -92,6 +92,12 @@ def other_char_data(tmp_path_factory) -> Path:
     return root / "data"
 
 
+# The modern recipe's Muon, as tiny_config(**MUON_RECIPE) or setattr on cfg.train: Polar Express, NorMuon (a second
+# moment per neuron, in the checkpoint), cautious weight decay (with a weight decay for it to gate).
+MUON_RECIPE = {"optimizer": "muon", "muon_orthogonalizer": "polar_express", "muon_normalize": True,
+               "muon_weight_decay": 0.1, "cautious_weight_decay": True}
+
+
 def tiny_config(data_dir: Path, **train) -> Config:
     """A 2-layer, 32-wide model on CPU in fp32, eager, logging every step; train kwargs override."""
     cfg = Config()

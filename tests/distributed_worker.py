@@ -2,7 +2,7 @@
 writes the losses, the val loss and the full (gathered) weights to OUT with torch.save.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/distributed_worker.py \
-        DATA_DIR OUT --strategy fsdp --micro-batch 2 --accum 2 --steps 3 [--optimizer muon]
+        DATA_DIR OUT --strategy fsdp --micro-batch 2 --accum 2 --steps 3 [--optimizer muon [--muon-recipe]]
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import collections
 import torch
 import torch.distributed as dist
 
-from conftest import WELL_CONDITIONED_EPS, tiny_config  # this script's folder (tests/) is first on sys.path
+from conftest import MUON_RECIPE, WELL_CONDITIONED_EPS, tiny_config  # this script's folder (tests/) is first on sys.path
 from gpt2train import distributed as D
 from gpt2train.training.loop import Trainer
-from gpt2train.training.optim import newton_schulz
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -41,17 +40,21 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--ns-float64", action="store_true", help="Muon's Newton-Schulz in float64 (see below)")
+    p.add_argument("--muon-recipe", action="store_true", help="conftest.MUON_RECIPE's Muon")
     args = p.parse_args()
-    if args.ns_float64:
-        # torch orthogonalizes in bf16, where a rounding difference in one gradient element can move an update
-        # by 1e-3; in float64 runs that sum in another order agree to 1e-7, so a comparison sees the distributed
-        # arithmetic (a DTensor's matmuls across FSDP shards) itself.
-        torch.optim._muon._zeropower_via_newtonschulz = newton_schulz(torch.float64)
     trainer = None
     try:
         cfg = worker_config(args.data_dir, args.strategy, args.micro_batch, args.accum, args.steps, world_size=2)
         cfg.train.dtype, cfg.train.optimizer = args.dtype, args.optimizer
+        if args.muon_recipe:
+            for key, value in MUON_RECIPE.items():
+                setattr(cfg.train, key, value)
         trainer = Trainer(cfg, None)
+        if args.ns_float64:
+            # Muon orthogonalizes in bf16, where a rounding difference in one gradient element can move an update
+            # by 1e-3; in float64 runs that sum in another order agree to 1e-7, so a comparison sees the
+            # distributed arithmetic (a DTensor's matmuls across FSDP shards) itself.
+            trainer.optimizer.muon.orthogonalize_in = torch.float64
         reductions = count_gradient_reductions()
         seen_dtypes = record_weight_dtype_in_forward(trainer.raw_model.transformer.h[0].attn.c_attn)
         losses, per_step = [], []

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
 import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
-from conftest import REPO, one_line, run_cli, tiny_config
+from conftest import MUON_RECIPE, REPO, one_line, run_cli, tiny_config
 from gpt2train import cli
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.loading import load_for_inference
@@ -241,12 +241,13 @@ def test_inspect_and_the_run_log_show_what_ran_beside_what_was_asked(char_data, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, optimizer):
+@pytest.mark.parametrize("settings", [{"optimizer": "adamw"}, {"optimizer": "muon"}, MUON_RECIPE],
+                         ids=["adamw", "muon", "muon-recipe"])
+def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, settings):
     """Two CPU processes over gloo with FSDP2: every rank writes its shards through DCP; a resumed run ends
     with the same weights as the uninterrupted one; a sharded checkpoint also loads into a single process.
-    Muon + AdamW saves and loads as the list of its two optimizers."""
-    cfg = tiny_config(char_data, max_steps=4, optimizer=optimizer)
+    Muon + AdamW saves and loads as the list of its two optimizers (NorMuon's second moment with them)."""
+    cfg = tiny_config(char_data, max_steps=4, **settings)
     cfg.train.distributed = "fsdp"
     cfg.checkpoint.every_steps, cfg.eval.interval = 2, 2
     config = tmp_path / "fsdp.toml"
@@ -276,13 +277,17 @@ def test_fsdp_saves_sharded_with_dcp_and_resumes_exactly(char_data, tmp_path, op
     model, _, _ = load_for_inference(tmp_path / "a")  # full weights sit beside the shards, for sampling
     # One process (no FSDP) resumes the sharded checkpoint through DCP's resharding.
     # The same 256 tokens per step: 2 micro-batches in one process for 1 on each of 2 ranks.
-    single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32, optimizer=optimizer),
+    single = Trainer(tiny_config(char_data, max_steps=6, total_batch_tokens=2 * 4 * 32, **settings),
                      tmp_path / "single",
                      resume=str(tmp_path / "a"))
     assert single.state.step == 4
     for key, value in C.model_state(single.raw_model).items():
         assert torch.equal(value, final_a[key]), key
     assert len(single.optimizer.state) == len(list(single.raw_model.parameters()))
+    if settings.get("muon_normalize"):
+        second = [single.optimizer.muon.state[p]["second_moment"] for p in single.optimizer.muon.param_groups[0]["params"]]
+        assert [tuple(v.shape) for v in second] == [(96, 1), (32, 1), (128, 1), (1, 128)] * 2
+        assert all(v.min() > 0 for v in second)  # the saved moments, not fresh zeros
 
 
 def test_saves_by_wall_clock_go_into_the_ring(char_data, tmp_path):

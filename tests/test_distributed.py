@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import REPO, WELL_CONDITIONED_EPS, one_line, run_cli, tiny_config
+from conftest import MUON_RECIPE, REPO, WELL_CONDITIONED_EPS, one_line, run_cli, tiny_config
 from distributed_worker import full_state_dict, worker_config
 from gpt2train import distributed as D
 from gpt2train.checkpoint import load_checkpoint, newest_checkpoint
@@ -28,7 +28,6 @@ from gpt2train.config import dump_toml, load_config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.ranges import UsageError
 from gpt2train.training.loop import Trainer, train
-from gpt2train.training.optim import newton_schulz
 
 # The ranks run with one thread each (torchrun sets OMP_NUM_THREADS=1); so does the single-process
 # reference, so that no thread-count-dependent reduction order separates them.
@@ -317,23 +316,28 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_muon_two_processes_equal_one_process(char_data, tmp_path, monkeypatch, strategy):
+@pytest.mark.parametrize("strategy,recipe", [("ddp", False), ("fsdp", False), ("fsdp", True)],
+                         ids=["ddp", "fsdp", "fsdp-recipe"])
+def test_muon_two_processes_equal_one_process(char_data, tmp_path, strategy, recipe):
     """train.optimizer = muon under DDP and under FSDP2, whose matrices are sharded DTensors: Newton-Schulz
-    must orthogonalize each whole matrix, not each rank's shard. With torch's bf16 Newton-Schulz the weights
+    must orthogonalize each whole matrix, not each rank's shard. With bf16 Newton-Schulz the weights
     here differ from one process's by up to 1.7e-3 (DDP) and 1.8e-3 (FSDP) after 3 steps, rounding amplified,
-    so both sides orthogonalize in float64 (newton_schulz(torch.float64)); a shard-wise one would be off by
-    the size of an update."""
+    so both sides orthogonalize in float64 (Muon.orthogonalize_in); a shard-wise one would be off by the size of
+    an update. The recipe's options (Polar Express, NorMuon's per-neuron second moment over a sharded matrix,
+    cautious weight decay) go through DTensor alike."""
     out = tmp_path / f"{strategy}-muon.pt"
     r = torchrun(str(REPO / "tests" / "distributed_worker.py"), str(char_data), str(out), "--strategy", strategy,
-                 "--micro-batch", "2", "--accum", "2", "--steps", "3", "--optimizer", "muon", "--ns-float64")
+                 "--micro-batch", "2", "--accum", "2", "--steps", "3", "--optimizer", "muon", "--ns-float64",
+                 *(["--muon-recipe"] if recipe else []))
     assert r.returncode == 0, r.stderr[-3000:]
     two = torch.load(out, weights_only=False)
 
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz(torch.float64))
     cfg = worker_config(char_data, strategy, micro_batch=4, accum=2, steps=3, world_size=1)
     cfg.train.optimizer = "muon"
+    for key, value in (MUON_RECIPE if recipe else {}).items():
+        setattr(cfg.train, key, value)
     ref = Trainer(cfg, None)
+    ref.optimizer.muon.orthogonalize_in = torch.float64
     np.testing.assert_allclose(two["losses"], [ref.train_step()["loss"] for _ in range(3)], rtol=0, atol=TOL)
     assert_close(two["weights"], full_state_dict(ref.raw_model))
 

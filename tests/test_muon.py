@@ -1,26 +1,30 @@
 """train.optimizer = "muon": Muon for the blocks' weight matrices, AdamW for the rest, stepped as one optimizer
-by the trainer, the LR schedule, the grad scaler, checkpoints and the memory estimator."""
+by the trainer, the LR schedule, the grad scaler, checkpoints and the memory estimator; our Muon against
+torch.optim.Muon, and the recipe's options (Polar Express, NorMuon, cautious weight decay) against updates
+written out by hand."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
 
 from conftest import one_line, tiny_config
-from gpt2train.config import Config, ConfigError, TrainConfig
+from gpt2train.config import CHOICES, Config, ConfigError, TrainConfig, validate
 from gpt2train.memory import estimate_memory
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.training import optim
 from gpt2train.training.loop import Trainer, train
 from gpt2train.training.optim import (
-    TORCH_NEWTON_SCHULZ,
+    ORTHOGONALIZERS,
+    Muon,
     MuonAdamW,
     lr_at,
     make_optimizer,
     muon_parameter_count,
-    newton_schulz,
+    orthogonalize,
     set_lr,
 )
 
@@ -118,82 +122,225 @@ def test_muon_update_of_a_matrix_is_orthogonalized():
     torch.testing.assert_close(model.transformer.wte.weight.detach(), wte * (1 - 6e-4 * 0.1), rtol=0, atol=1e-9)
 
 
-def test_torchs_muon_still_calls_the_orthogonalization_we_swap(monkeypatch):
-    """optim swaps torch's private torch.optim._muon._zeropower_via_newtonschulz for an fp32 one where bf16 is
-    emulated. If a torch upgrade renames it or stops looking it up there, this fails and says so (instead of the
-    swap silently doing nothing)."""
-    assert TORCH_NEWTON_SCHULZ is not None, \
-        "torch.optim._muon._zeropower_via_newtonschulz is gone: update gpt2train.training.optim.orthogonalization_in"
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return TORCH_NEWTON_SCHULZ(*args, **kwargs)
-
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", counting)
-    weight = torch.nn.Parameter(torch.randn(8, 4))
-    weight.grad = torch.randn(8, 4)
-    torch.optim.Muon([weight], lr=0.01).step()
-    assert calls, "torch's Muon no longer calls _zeropower_via_newtonschulz: update gpt2train.training.optim"
-
-
-# --- where bf16 is emulated: the orthogonalization in fp32 ------------------------------------------------
-def test_newton_schulz_in_any_dtype_is_torchs_iteration():
-    """The same iteration as torch's: in bf16 it gives torch's update up to bf16 rounding (torch fuses the
-    multiply-adds into addmm); in fp32 it agrees with float64 to fp32 rounding. Wide and tall matrices."""
+def matrices(shapes=((24, 8), (8, 24), (16, 16)), dtype=torch.float32) -> list[torch.nn.Parameter]:
+    """A tall, a wide and a square weight."""
     torch.manual_seed(0)
-    for shape in [(32, 96), (128, 32)]:
-        grad = torch.randn(shape)
-        ours = newton_schulz(torch.bfloat16)(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
-        theirs = TORCH_NEWTON_SCHULZ(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
-        # elements are about 0.06 in size; the two bf16 roundings differ by up to 0.022 here
-        torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=0.03)
-        fp32 = newton_schulz(torch.float32)(grad, (3.4445, -4.775, 2.0315), 5, 1e-7)
-        torch.testing.assert_close(fp32, theirs.float(), rtol=0, atol=0.015)  # fp32 is off bf16 by 0.011 at most
-        fp64 = newton_schulz(torch.float64)(grad.double(), (3.4445, -4.775, 2.0315), 5, 1e-7)
-        assert fp32.dtype == torch.float32 and fp32.shape == shape
-        torch.testing.assert_close(fp32.double(), fp64, rtol=0, atol=1e-5)
+    return [torch.nn.Parameter(torch.randn(shape, dtype=dtype)) for shape in shapes]
+
+
+def step_with(optimizers_and_params, grads):
+    """Give each optimizer's parameters the same gradients, then step each."""
+    for opt, params in optimizers_and_params:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_our_muon_steps_as_torchs_muon(nesterov):
+    """With torch's defaults (Newton-Schulz in bf16, Nesterov, the sqrt(max(1, rows / cols)) LR, decoupled weight
+    decay), three steps of ours equal three of torch.optim.Muon's bit for bit on fp32 weights: the same
+    operations in the same order, both orthogonalizing in bf16."""
+    ours, theirs = matrices(), matrices()
+    ours_opt = Muon(ours, lr=0.02, weight_decay=0.1, nesterov=nesterov, orthogonalize_in=torch.bfloat16)
+    theirs_opt = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, nesterov=nesterov)
+    for _ in range(3):
+        step_with([(ours_opt, ours), (theirs_opt, theirs)], [torch.randn(p.shape) for p in ours])
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+            assert torch.equal(ours_opt.state[a]["momentum_buffer"], theirs_opt.state[b]["momentum_buffer"])
+
+
+def test_a_checkpoint_of_torchs_muon_loads_and_steps_on_as_torchs_would():
+    """gpt2train's checkpoints before its own Muon hold torch.optim.Muon's state ({"muon": ..., "adamw": ...}):
+    ours loads it (momentum buffers, LR, momentum, weight decay; torch's own orthogonalizer keys dropped) and its
+    next step is the one torch's Muon would have taken."""
+    model, opt = muon_model(muon_weight_decay=0.1)
+    opt.muon.orthogonalize_in = torch.bfloat16  # torch's, also where bf16 is emulated
+    torch.manual_seed(1)
+    old_model = GPT(MODEL)
+    old_model.load_state_dict(model.state_dict())
+    named = list(old_model.named_parameters())
+    old_muon = torch.optim.Muon([p for n, p in named if n in BLOCK_MATRICES], lr=0.02, weight_decay=0.1)
+    old_adamw = optim.make_adamw([p for n, p in named if n not in BLOCK_MATRICES], TrainConfig(), "cpu")
+    x = torch.randint(0, 66, (2, 32))
+
+    def one_step(model, optimizers):
+        for o in optimizers:
+            o.zero_grad()
+        model(x, x)[1].backward()
+        for o in optimizers:
+            o.step()
+
+    for _ in range(2):
+        one_step(old_model, [old_muon, old_adamw])
+    state_pt = io.BytesIO()  # through torch.save / torch.load as a checkpoint's state.pt
+    torch.save({"muon": old_muon.state_dict(), "adamw": old_adamw.state_dict()}, state_pt)
+    state_pt.seek(0)
+    model.load_state_dict(old_model.state_dict())
+    opt.load_state_dict(torch.load(state_pt, weights_only=True))
+    assert set(opt.muon.param_groups[0]) == {"params", "lr", "momentum", "weight_decay", "nesterov", "eps"}
+    assert opt.muon.param_groups[0]["weight_decay"] == 0.1
+    one_step(old_model, [old_muon, old_adamw])
+    one_step(model, [opt])
+    for (name, a), b in zip(model.named_parameters(), old_model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_muon_takes_matrices_only_and_its_own_orthogonalizers():
+    with pytest.raises(ValueError, match=r"2-D weights only, not shapes \[\(4,\)\]"):
+        Muon([torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="'cubic' is not one of newton_schulz, polar_express"):
+        Muon(matrices(), orthogonalizer="cubic")
+
+
+# --- the orthogonalization: Newton-Schulz, Polar Express, in bf16 or fp32 ---------------------------------
+def spread_singular_values(rows: int, cols: int, decades: float = 1.5) -> torch.Tensor:
+    """A full-rank matrix whose singular values span 1 to 10^-decades."""
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, k, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64))
+    return u @ torch.diag(torch.logspace(0, -decades, k, dtype=torch.float64)) @ v.T
+
+
+@pytest.mark.parametrize("shape", [(32, 96), (128, 32)], ids=["wide", "tall"])
+def test_orthogonalize_in_fp32_is_the_float64_iteration(shape):
+    """The fp32 path (a CPU without native bf16) agrees with float64 to fp32 rounding and with bf16 to bf16's."""
+    torch.manual_seed(0)
+    grad = torch.randn(shape)
+    fp32 = orthogonalize(grad, dtype=torch.float32)
+    assert fp32.dtype == torch.float32 and fp32.shape == shape
+    torch.testing.assert_close(fp32.double(), orthogonalize(grad.double(), dtype=torch.float64), rtol=0, atol=1e-5)
+    bf16 = orthogonalize(grad, dtype=torch.bfloat16)  # elements about 0.06; bf16 is off fp32 by 0.011 at most
+    torch.testing.assert_close(bf16.float(), fp32, rtol=0, atol=0.015)
+
+
+def test_polar_express_is_the_published_schedule():
+    """A loop written out with Amsel et al.'s coefficients as modded-nanogpt prints them (5 iterations, a 2%
+    safety margin): X / (1.02 |X|_F), then X <- a X + b (X Xᵀ) X + c (X Xᵀ)² X, one (a, b, c) per iteration."""
+    published = [(8.156554524902461, -22.48329292557795, 15.878769915207462),
+                 (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+                 (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+                 (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+                 (2.3465413258596377, -1.7097828382687081, 0.42323551169305323)]
+    torch.manual_seed(0)
+    for rows, cols in [(6, 10), (10, 6)]:
+        m = torch.randn(rows, cols, dtype=torch.float64)
+        x = m if rows <= cols else m.T
+        x = x / (1.02 * torch.linalg.matrix_norm(x))
+        for a, b, c in published:
+            gram = x @ x.T
+            x = a * x + b * gram @ x + c * gram @ gram @ x
+        expected = x if rows <= cols else x.T
+        torch.testing.assert_close(orthogonalize(m, "polar_express", torch.float64), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_polar_express_brings_singular_values_nearer_1_than_newton_schulz(dtype):
+    """Singular values spread over 1.5 decades: Polar Express lands them within 15% of 1 (its last polynomial
+    equioscillates about 1: [0.86, 1.14] measured), Newton-Schulz in about [0.68, 1.14]."""
+    torch.manual_seed(0)
+    for shape in [(32, 96), (128, 32), (64, 64)]:
+        m = spread_singular_values(*shape).float()
+        polar = torch.linalg.svdvals(orthogonalize(m, "polar_express", dtype).float())
+        newton = torch.linalg.svdvals(orthogonalize(m, "newton_schulz", dtype).float())
+        assert 0.85 < polar.min() and polar.max() < 1.15, (shape, polar.min(), polar.max())
+        assert 0.6 < newton.min() < 0.75 and newton.max() < 1.2, (shape, newton.min(), newton.max())
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_a_cpu_that_emulates_bf16_orthogonalizes_in_fp32(monkeypatch, native_bf16):
     """make_optimizer picks fp32 where oneDNN has no bf16 (emulated bf16 made a modern-recipe step 1.9x slower on
-    an AVX2 CPU); a step then equals torch's Muon running newton_schulz(fp32), differs from its bf16 step, and
-    leaves torch's own function in place."""
+    an AVX2 CPU), bf16 (torch's Muon's choice) elsewhere; a step then follows that dtype."""
     monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: native_bf16)
     model, opt = muon_model()
-    assert opt.orthogonalize_in == (None if native_bf16 else torch.float32)
-    if native_bf16:
-        return
+    assert opt.muon.orthogonalize_in == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert make_optimizer(model, TrainConfig(optimizer="muon"), "cuda").muon.orthogonalize_in == torch.bfloat16
     x = torch.randint(0, 66, (2, 32))
 
-    def one_step(model, opt):
-        _, loss = model(x, x)
-        loss.backward()
+    def one_step(dtype):
+        model, opt = muon_model()
+        opt.muon.orthogonalize_in = dtype
+        model(x, x)[1].backward()
         opt.step()
         return [p.detach().clone() for p in model.parameters()]
 
-    fp32_step = one_step(model, opt)
-    assert torch.optim._muon._zeropower_via_newtonschulz is TORCH_NEWTON_SCHULZ
-    stock_model, stock = muon_model()
-    stock.orthogonalize_in = None
-    bf16_step = one_step(stock_model, stock)
-    by_hand_model, by_hand = muon_model()
-    by_hand.orthogonalize_in = None
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz(torch.float32))
-    by_hand_step = one_step(by_hand_model, by_hand)
-    assert all(torch.equal(a, b) for a, b in zip(fp32_step, by_hand_step))
-    assert not all(torch.equal(a, b) for a, b in zip(fp32_step, bf16_step))
+    fp32, bf16 = one_step(torch.float32), one_step(torch.bfloat16)
+    assert not all(torch.equal(a, b) for a, b in zip(fp32, bf16))
 
 
-def test_an_orthogonalization_put_there_by_someone_else_stays(monkeypatch):
-    """A test's float64 iteration (the DDP/FSDP comparisons put one there) is not replaced by the fp32 one."""
-    float64 = newton_schulz(torch.float64)
-    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", float64)
-    called = []
-    with optim.orthogonalization_in(torch.float32):
-        called.append(torch.optim._muon._zeropower_via_newtonschulz)
-    assert called == [float64] and torch.optim._muon._zeropower_via_newtonschulz is float64
+# --- NorMuon and cautious weight decay ---------------------------------------------------------------------
+def test_normuon_update_by_hand_over_three_steps():
+    """NorMuon written out for a tall (3 x 2: a second moment per row) and a wide (2 x 3: per column) matrix in
+    float64: v <- beta2 v + (1 - beta2) (the mean square of each neuron's orthogonalized update), each neuron's
+    update divided by sqrt(v), the whole scaled back to the orthogonalized update's Frobenius norm."""
+    lr, momentum, beta2 = 0.1, 0.9, 0.8
+    params = matrices(((3, 2), (2, 3)), torch.float64)
+    by_hand = [p.detach().clone() for p in params]
+    opt = Muon(params, lr=lr, momentum=momentum, normalize=True, beta2=beta2, orthogonalize_in=torch.float64)
+    buffers = [torch.zeros_like(p) for p in by_hand]
+    second = [torch.zeros(3, 1, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)]
+    for _ in range(3):
+        grads = [torch.randn(p.shape, dtype=torch.float64) for p in params]
+        step_with([(opt, params)], grads)
+        for i, (w, g) in enumerate(zip(by_hand, grads)):
+            buffers[i] = momentum * buffers[i] + (1 - momentum) * g
+            o = orthogonalize((1 - momentum) * g + momentum * buffers[i], dtype=torch.float64)
+            if i == 0:  # tall: one neuron per row
+                per_neuron = torch.stack([sum(o[r, c] ** 2 for c in range(2)) / 2 for r in range(3)]).reshape(3, 1)
+            else:  # wide: one per column
+                per_neuron = torch.stack([sum(o[r, c] ** 2 for r in range(2)) / 2 for c in range(3)]).reshape(1, 3)
+            second[i] = beta2 * second[i] + (1 - beta2) * per_neuron
+            normalized = o / second[i].sqrt()
+            normalized = normalized * torch.linalg.matrix_norm(o) / torch.linalg.matrix_norm(normalized)
+            by_hand[i] = w - lr * max(1, w.shape[0] / w.shape[1]) ** 0.5 * normalized
+        for p, w, v in zip(params, by_hand, second):
+            torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-12)
+            torch.testing.assert_close(opt.state[p]["second_moment"], v, rtol=0, atol=1e-15)
+
+
+def test_cautious_weight_decay_by_hand():
+    """Decay only where the update (what is subtracted) and the weight have the same sign: there the step already
+    moves the weight towards 0; elsewhere the decay would undo part of the step. Two steps, 4 x 4."""
+    lr, decay = 0.05, 0.5
+    (param,) = matrices(((4, 4),), torch.float64)
+    w = param.detach().clone()
+    opt = Muon([param], lr=lr, weight_decay=decay, momentum=0.0, cautious_weight_decay=True,
+               orthogonalize_in=torch.float64)
+    masks = []
+    for _ in range(2):
+        grad = torch.randn(4, 4, dtype=torch.float64)
+        step_with([(opt, [param])], [grad])
+        update = orthogonalize(grad, dtype=torch.float64)  # momentum 0: the gradient itself
+        same_sign = torch.tensor([[float(update[r, c] * w[r, c] >= 0) for c in range(4)] for r in range(4)],
+                                 dtype=torch.float64)
+        masks.append(same_sign)
+        w = w - lr * decay * same_sign * w - lr * update
+        torch.testing.assert_close(param.detach(), w, rtol=0, atol=1e-12)
+    assert all(0 < m.sum() < 16 for m in masks)  # both cases were there
+
+
+def test_cautious_weight_decay_without_weight_decay_changes_nothing():
+    plain, cautious = matrices(), matrices()
+    plain_opt = Muon(plain, orthogonalize_in=torch.float32)
+    cautious_opt = Muon(cautious, cautious_weight_decay=True, orthogonalize_in=torch.float32)
+    step_with([(plain_opt, plain), (cautious_opt, cautious)], [torch.randn(p.shape) for p in plain])
+    assert all(torch.equal(a, b) for a, b in zip(plain, cautious))
+
+
+def test_the_recipe_keys_reach_muon_and_are_checked():
+    model, opt = muon_model(muon_orthogonalizer="polar_express", muon_normalize=True, muon_beta2=0.9,
+                            cautious_weight_decay=True)
+    assert (opt.muon.orthogonalizer, opt.muon.normalize, opt.muon.beta2, opt.muon.cautious_weight_decay) == \
+        ("polar_express", True, 0.9, True)
+    assert opt.adamw.param_groups[0]["weight_decay"] == 0.1  # AdamW's groups: plain decoupled decay, as before
+    assert CHOICES["train.muon_orthogonalizer"] == tuple(ORTHOGONALIZERS)
+    for key, value, message in [("muon_orthogonalizer", "cubic", "train.muon_orthogonalizer"),
+                                ("muon_beta2", 1.0, "train.muon_beta2"),
+                                ("muon_normalize", "yes", "train.muon_normalize")]:
+        cfg = Config()
+        setattr(cfg.train, key, value)
+        assert message in one_line(ConfigError, validate, cfg, between_keys=False)
 
 
 # --- the schedule ------------------------------------------------------------------------------------------
@@ -269,11 +416,28 @@ def test_resuming_under_the_other_optimizer_is_one_line(char_data, tmp_path):
         assert f'set train.optimizer = "{saved}"' in message
 
 
-def test_a_muon_checkpoint_holds_muon_momentum(char_data, tmp_path):
-    train(tiny_config(char_data, optimizer="muon", max_steps=2, warmup_steps=1), tmp_path)
+@pytest.mark.parametrize("normalize", [False, True], ids=["muon", "normuon"])
+def test_a_muon_checkpoint_holds_muon_momentum(char_data, tmp_path, normalize):
+    """Muon's momentum under torch's Muon's name; NorMuon's second moment beside it, one per neuron, and it loads
+    back (the checkpoint's check of moments against their parameters' shapes lets a neuron statistic through)."""
+    cfg = tiny_config(char_data, optimizer="muon", max_steps=2, warmup_steps=1, muon_normalize=normalize)
+    train(cfg, tmp_path)
     saved = torch.load(tmp_path / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)["optimizer"]
     assert saved.keys() == {"muon", "adamw"}
-    assert [set(s) for s in saved["muon"]["state"].values()] == [{"momentum_buffer"}] * len(BLOCK_MATRICES)
+    kept = {"momentum_buffer", "second_moment"} if normalize else {"momentum_buffer"}
+    assert [set(s) for s in saved["muon"]["state"].values()] == [kept] * len(BLOCK_MATRICES)
+    if normalize:  # c_attn (96 x 32), attn.c_proj (32 x 32), c_fc (128 x 32): rows; mlp.c_proj (32 x 128): columns
+        shapes = [tuple(s["second_moment"].shape) for s in saved["muon"]["state"].values()]
+        assert shapes == [(96, 1), (32, 1), (128, 1), (1, 128)] * 2
+    trainer = Trainer(tiny_config(char_data, optimizer="muon", max_steps=3, muon_normalize=normalize), tmp_path,
+                      resume="auto")
+    try:
+        assert trainer.state.step == 2
+        assert all(torch.equal(trainer.optimizer.muon.state[p][k], s[k])
+                   for p, s in zip(trainer.optimizer.muon.param_groups[0]["params"], saved["muon"]["state"].values())
+                   for k in kept)
+    finally:
+        trainer.close()
 
 
 def test_a_rollback_restores_muon_momentum(char_data, tmp_path):

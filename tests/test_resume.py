@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, one_line, run_cli, tiny_config
+from conftest import MUON_RECIPE, REPO, one_line, run_cli, tiny_config
 from gpt2train import cli
 from gpt2train.checkpoint import CheckpointError, newest_checkpoint
 from gpt2train.config import ConfigError, dump_toml
@@ -59,13 +59,14 @@ def optimizer_moments(state_pt) -> dict:
     return {(i, k): v for i, part in enumerate(parts) for k, v in part["state"].items()}
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, optimizer):
-    cfg = tiny_config(char_data, max_steps=12, optimizer=optimizer)
+@pytest.mark.parametrize("settings", [{"optimizer": "adamw"}, {"optimizer": "muon"}, MUON_RECIPE],
+                         ids=["adamw", "muon", "muon-recipe"])
+def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, settings):
+    cfg = tiny_config(char_data, max_steps=12, **settings)
     straight = train(cfg, tmp_path / "straight")
     assert straight["step"] == 12
 
-    cfg = tiny_config(char_data, max_steps=12, optimizer=optimizer)
+    cfg = tiny_config(char_data, max_steps=12, **settings)
     trainer = Trainer(cfg, tmp_path / "resumed")
     stop_with_sigterm_at(trainer, 6)
     first = trainer.fit()
@@ -73,7 +74,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, opti
     assert (tmp_path / "resumed" / "checkpoints" / "step_00000006").is_dir()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the run put the default handler back
 
-    second = train(tiny_config(char_data, max_steps=12, optimizer=optimizer), tmp_path / "resumed", resume="auto")
+    second = train(tiny_config(char_data, max_steps=12, **settings), tmp_path / "resumed", resume="auto")
     assert second["step"] == 12 and second["reason"] == "done"
 
     losses_a, losses_b = train_losses(tmp_path / "straight"), train_losses(tmp_path / "resumed")
@@ -86,6 +87,7 @@ def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, opti
     assert opt_a.keys() == opt_b.keys() and len(opt_a) == len(load_file(final_a / "model.safetensors"))
     for i in opt_a:
         assert_same_tensors(opt_a[i], opt_b[i])
+    assert any("second_moment" in moments for moments in opt_a.values()) == settings.get("muon_normalize", False)
     assert second["best_val_loss"] == straight["best_val_loss"]
 
     starts = records(tmp_path / "resumed", "run_start")

@@ -267,8 +267,6 @@ def test_no_module_shadows_a_name_of_a_module_it_imports(tmp_path):
 # Private attributes of other libraries that the library still reads, each with the test that fails loudly the
 # day torch moves it (a torch upgrade then names what to change, instead of a silent fallback).
 PRIVATE_ALLOWED = {
-    ("training/optim.py", "_torch_muon._zeropower_via_newtonschulz"):
-        "tests/test_muon.py::test_torchs_muon_still_calls_the_orthogonalization_we_swap",
     ("distributed.py", "model._orig_mod"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
     ("generation.py", "torch._dynamo"): "tests/test_structure.py::test_torch_compile_still_wraps_as_we_unwrap",
 }

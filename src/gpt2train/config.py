@@ -80,12 +80,22 @@ class TrainConfig(Section):
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
-    # adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon) for the blocks' weight matrices,
+    # adamw: AdamW for every parameter. muon: Muon (training/optim.py) for the blocks' weight matrices,
     # AdamW (lr, weight_decay, betas above) for the embeddings, the head, gains and biases.
     optimizer: str = "adamw"
     muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like lr
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # Muon's orthogonalization: newton_schulz (torch's Muon's quintic, five times) | polar_express (Amsel et al.
+    # 2025: a polynomial per iteration, singular values nearer 1).
+    muon_orthogonalizer: str = "newton_schulz"
+    # NorMuon: each neuron's update divided by the root of an EMA (decay muon_beta2) of its mean square, the
+    # update's norm kept.
+    muon_normalize: bool = False
+    muon_beta2: float = 0.95
+    # Muon's matrices decay (muon_weight_decay) only where the update has the weight's sign; AdamW's groups decay
+    # as before.
+    cautious_weight_decay: bool = False
     dtype: str = "auto"  # auto: bf16 on GPUs that have it, fp16 + GradScaler on older ones; on a CPU bf16 where native, else fp32
     compile: bool | str = "auto"  # true | false | "auto" (on for CUDA)
     tf32: bool = True
@@ -152,6 +162,7 @@ class Config(Section):
 CHOICES: dict[str, tuple] = {
     **{f"model.{key}": allowed for key, allowed in GPTConfig.CHOICES.items()},  # the model's own, from model.py
     "train.optimizer": ("adamw", "muon"),
+    "train.muon_orthogonalizer": ("newton_schulz", "polar_express"),
     "data.loader": ("auto", "ram", "memmap"),
     "data.order": ("random", "sequential"),
     "train.schedule": ("cosine", "constant", "wsd"),
@@ -190,6 +201,7 @@ RANGES: dict[str, Range] = {
     "train.muon_lr": at_least(0),
     "train.muon_momentum": between(0, 1, high_open=True),
     "train.muon_weight_decay": at_least(0),
+    "train.muon_beta2": between(0, 1, high_open=True),
     "eval.interval": at_least(0),
     "eval.val_batches": at_least(0),
     "eval.hellaswag_interval": at_least(0),

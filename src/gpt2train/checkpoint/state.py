@@ -155,8 +155,9 @@ def load_training_checkpoint(ckpt: Path, model: torch.nn.Module, optimizer: torc
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, ckpt: Path) -> None:
-    """The optimizer's state, whose moments must have the shapes of the parameters they belong to: torch
-    loads mismatched ones silently and fails at the next step."""
+    """The optimizer's state, whose moments must have the shapes of the parameters they belong to (or 1 along a
+    dimension they average over: NorMuon's per-neuron second moment): torch loads mismatched ones silently and
+    fails at the next step."""
     fix = "resume from a checkpoint of this model, or start a new run directory"
     try:
         optimizer.load_state_dict(saved)
@@ -166,7 +167,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, ckpt: Pa
     for group in optimizer.param_groups:
         for param in group["params"]:
             for name, value in optimizer.state.get(param, {}).items():
-                if torch.is_tensor(value) and value.dim() and value.shape != param.shape:
+                if torch.is_tensor(value) and value.dim() and (value.dim() != param.dim() or any(
+                        n not in (1, size) for n, size in zip(value.shape, param.shape))):
                     raise CheckpointError(f"{ckpt}/state.pt: optimizer {name} has shape {tuple(value.shape)} for a "
                                           f"parameter of shape {tuple(param.shape)}; {fix}")
 
