@@ -21,9 +21,10 @@ class Change:
     keys: tuple[str, ...]
 
 
-# The recipe's changes, in journey order: the optimizer first (it moves the most), the schedule last.
+# The recipe's changes, in journey order: the late-2024 recipe's (the optimizer first: it moves the most; the
+# schedule last), then the changes the records set since (issue 45).
 CHANGES: list[Change] = [
-    Change("Muon", "muon", ("train.optimizer", "train.muon_lr", "train.muon_momentum", "train.muon_weight_decay")),
+    Change("Muon", "muon", ("train.optimizer", "train.muon_lr", "train.muon_momentum")),
     Change("rotary", "rotary", ("model.position", "model.rope_base")),
     Change("QK norm", "qk-norm", ("model.qk_norm",)),
     Change("ReLU²", "relu2", ("model.mlp",)),
@@ -32,6 +33,9 @@ CHANGES: list[Change] = [
     Change("logit soft cap", "softcap", ("model.logit_softcap",)),
     Change("WSD schedule", "wsd", ("train.schedule", "train.decay_fraction", "train.min_lr_ratio",
                                    "train.warmup_steps")),
+    Change("Polar Express", "polar-express", ("train.muon_orthogonalizer",)),
+    Change("NorMuon", "normuon", ("train.muon_normalize", "train.muon_beta2")),
+    Change("cautious weight decay", "cautious-wd", ("train.cautious_weight_decay", "train.muon_weight_decay")),
 ]
 
 
