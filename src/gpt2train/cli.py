@@ -714,7 +714,7 @@ def add_prepare(sub) -> None:
                    help="the shortest docstring kept, in characters (default %(default)s)")
     d.add_argument("--roots", type=named_folder, nargs="+", metavar="NAME=FOLDER",
                    help="read these folders' .py files instead of the standard library and the packages (for "
-                        "tests and custom corpora)")
+                        "tests and custom corpora) (default: the standard library and the packages)")
     d.set_defaults(func=cmd_prepare_pydocs)
     h = prep.add_parser("hf", parents=[text, common, dedup], help="a Hugging Face Hub dataset, streamed (needs `datasets`)")
     h.add_argument("name", help="dataset name, e.g. HuggingFaceFW/fineweb-edu")
