@@ -183,11 +183,12 @@ def test_kv_cache_gives_the_full_forward_logits(attention):
         model(idx[:, :1], kv_cache=cache)
 
 
-def test_kv_cache_rows_join_and_leave_a_running_batch():
+@pytest.mark.parametrize("options", [{}, dict(attention_window=3, value_embeddings=1, unet_skips=True)])
+def test_kv_cache_rows_join_and_leave_a_running_batch(options):
     """Continuous batching's moves (serve/engine.py): a row prefilled while another has decoded, both decoded
     together, then realigned (the first leaves, the rows swap places): each row's logits stay its own full
-    forward's at every token."""
-    model = built(tiny()).eval()
+    forward's at every token; a sliding window counts the row's tokens, not its slots."""
+    model = built(tiny(**options)).eval()
     a, b = torch.randint(0, 70, (12,)), torch.randint(0, 70, (9,))
 
     def expected(seq, t):  # the logits after seq[:t], computed alone without a cache

@@ -73,6 +73,9 @@ class TrainConfig(Section):
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 100
+    # With model.attention_window: the steps over which the window grows to it, from 1/16 of it, halving less
+    # as the steps go (training/step.py's attention_window_at). 0: the full window from the first step.
+    window_warmup_steps: int = 0
     schedule: str = "cosine"  # cosine | constant | wsd (warmup, stable, linear decay at the end)
     decay_fraction: float = 0.2  # wsd: the last fraction of steps that decays
     weight_decay: float = 0.1
@@ -191,6 +194,7 @@ RANGES: dict[str, Range] = {
     "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
+    "train.window_warmup_steps": at_least(0),
     "train.decay_fraction": between(0, 1),
     "train.weight_decay": at_least(0),
     "train.beta1": between(0, 1, high_open=True),
@@ -243,6 +247,9 @@ def validate(cfg: Config, between_keys: bool = True) -> Config:
     if train.seq_len > model.block_size:
         raise ConfigError(f"train.seq_len = {train.seq_len} exceeds model.block_size = {model.block_size}; set "
                           f"train.seq_len to at most {model.block_size} (0: the model's context)")
+    if train.window_warmup_steps > 0 and model.attention_window == 0:
+        raise ConfigError(f"train.window_warmup_steps = {train.window_warmup_steps} grows the attention window, "
+                          "but model.attention_window = 0 (full causal attention); set model.attention_window")
     return cfg
 
 

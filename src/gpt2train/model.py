@@ -10,6 +10,19 @@ where it acts: rotary position encoding (queries and keys rotated by their posit
 position embedding), RMS-normalized queries and keys, a ReLU-squared MLP, an untied output head,
 zero-initialized residual projections, and a tanh soft cap on the logits.
 
+The record-setting recipe (modded-nanogpt's speedruns, nanochat) adds four more, off by default, in the order
+the data meets them:
+- value_embeddings: k extra token-embedding tables whose rows join the attention values of the first k and
+  the last k blocks (table i feeds block i and block n_layer - k + i: a U shape), each block weighing its
+  table by a learned scalar;
+- unet_skips: the outputs of the first n_layer // 2 blocks are added, each times a learned scalar, to the
+  inputs of the last n_layer // 2 blocks in reverse order (block 0's output into the last block);
+- attention_window: each token attends to itself and the window - 1 tokens before it (a boolean mask
+  through SDPA); the trainer may grow the window to this size over train.window_warmup_steps (GPT.window);
+- mtp_weight: in training, the loss adds this weight times the cross-entropy of the token after the target,
+  predicted from the same final hidden state through a small projection and the same head (multi-token
+  prediction); evaluation's loss stays the plain next-token loss.
+
 The embedding has padded_vocab_size rows (a multiple of 64, for fast matmuls) but the model is a
 distribution over vocab_size tokens: the padded columns of the logits are cut off before the softmax,
 so padded ids are never scored nor sampled, and an exported model (unpadded) gives the same numbers.
@@ -57,6 +70,11 @@ class GPTConfig(Section):
     tied_head: bool = True  # the output head is the token embedding; false: a separate matrix
     zero_init_proj: bool = False  # residual projections (and an untied head) start at zero
     logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # The record-setting recipe; each 0 / false is GPT-2 as it was.
+    value_embeddings: int = 0  # extra token-embedding tables mixed into the values of the first and last blocks
+    unet_skips: bool = False  # the first half's block outputs added to the second half's inputs, in reverse order
+    attention_window: int = 0  # > 0: each token attends to itself and the window - 1 tokens before it
+    mtp_weight: float = 0.0  # > 0: training loss + this x the cross-entropy of the token two ahead
     # The size dial (sizing.py): depth > 0 sets n_layer = depth, n_embd = depth * aspect_ratio, n_head =
     # n_embd / head_dim, and the training settings by rule, where the config does not set them. 0: off.
     depth: int = 0
@@ -82,6 +100,9 @@ class GPTConfig(Section):
         "loss_chunk": at_least(0),
         "rope_base": above(1),  # frequencies base^(-2i/hs) fall from pair to pair; a tiny base overflows fp32 (nan)
         "logit_softcap": at_least(0),
+        "value_embeddings": at_least(0),
+        "attention_window": at_least(0),
+        "mtp_weight": at_least(0),
         "depth": at_least(0),
         "aspect_ratio": at_least(1),
         "head_dim": at_least(1),
@@ -106,9 +127,23 @@ class GPTConfig(Section):
         if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"model.position = rotary needs an even head size; n_embd / n_head = "
                              f"{self.n_embd // self.n_head}")
+        if 2 * self.value_embeddings > self.n_layer:
+            raise ValueError(f"model.value_embeddings = {self.value_embeddings} needs 2 blocks per table (the first "
+                             f"and the last blocks share them); model.n_layer = {self.n_layer} holds at most "
+                             f"{self.n_layer // 2}")
+        if self.unet_skips and self.n_layer < 2:
+            raise ValueError("model.unet_skips = true needs model.n_layer >= 2 (a first half to skip from)")
         if self.vocab_size <= 0 and not vocab_from_data:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the data's meta.json)")
         return self
+
+    def value_table(self, layer: int) -> int | None:
+        """The value-embedding table block `layer` mixes into its values: i for block i and for block
+        n_layer - k + i (the first k blocks and the last k, in the same order); None for the blocks between."""
+        k = self.value_embeddings
+        if layer < k:
+            return layer
+        return layer - (self.n_layer - k) if layer >= self.n_layer - k else None
 
     @property
     def padded_vocab_size(self) -> int:
@@ -119,7 +154,8 @@ class GPTConfig(Section):
     def beyond_gpt2(self) -> list[str]:
         """The options set here that Hugging Face's GPT-2 cannot hold (zero_init_proj is only an init)."""
         gpt2 = GPTConfig()
-        keys = ("position", "qk_norm", "mlp", "tied_head", "logit_softcap")
+        keys = ("position", "qk_norm", "mlp", "tied_head", "logit_softcap", "value_embeddings", "unet_skips",
+                "attention_window", "mtp_weight")
         return [f"model.{k} = {getattr(self, k)}" for k in keys if getattr(self, k) != getattr(gpt2, k)]
 
 
@@ -171,9 +207,10 @@ class KVCache:
         """The slots the T tokens of this forward go to (T,)."""
         return self.filled + torch.arange(T, device=self.filled.device)
 
-    def start(self, padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def start(self, padding_mask: torch.Tensor, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Record which of the T new tokens are real ((B, T), False at left padding); their position ids
-        (B, T) and the attention mask (B, 1, T, reads): each query sees the real tokens up to itself.
+        (B, T) and the attention mask (B, 1, T, reads): each query sees the real tokens up to itself, and
+        with a window > 0 only those fewer than `window` positions before it.
 
         reads, the slots this forward's attention reads: eagerly the used ones and the new (the rest are
         empty, and a generation of 256 tokens would read twice what it needs); compiled, all of them, so
@@ -182,12 +219,16 @@ class KVCache:
         self.reads = self.size if torch.compiler.is_compiling() else self.length + T
         self.slots = slots = self.new_slots(T)
         self.real.index_copy_(1, slots, padding_mask)
-        positions = (self.real.cumsum(1) - 1).clamp(min=0).index_select(1, slots)
+        order = self.real.cumsum(1) - 1  # (B, size): each real token's position id
+        positions = order.clamp(min=0).index_select(1, slots)
         key = torch.arange(self.reads, device=slots.device)
         causal = key <= slots[:, None]  # (T, reads)
+        real = self.real[:, None, :self.reads]  # (B, 1, reads)
+        if window > 0:  # by position ids, not slots: padding between a row's tokens takes no room in it
+            real = real & (positions[:, :, None] - order[:, None, :self.reads] < window)  # (B, T, reads)
         # A padding query sees only itself: a row of the softmax with no key at all would be NaN, and NaN
         # times a zero attention weight is still NaN in the rows that must not see it.
-        visible = causal & (self.real[:, None, :self.reads] | (key == slots[:, None]))  # (B, T, reads)
+        visible = causal & (real | (key == slots[:, None]))  # (B, T, reads)
         return positions, visible[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,13 +314,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.is_residual_projection = True
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        if cfg.value_table(layer) is not None:  # its own weight of a table another block shares
+            self.ve_lambda = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """attn_mask None: causal over x alone (training). Else (B, 1, T, S) booleans over the cache's S slots.
-        rotary: (cos, sin) of the tokens' positions, when the model encodes positions by rotation."""
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None, ve: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_mask None: causal over x alone (training). Else booleans over the keys: (T, T) for a sliding
+        window over x, (B, 1, T, S) over the cache's S slots. rotary: (cos, sin) of the tokens' positions, when
+        the model encodes positions by rotation. ve: this block's value embeddings of the tokens (B, T, C)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
+        if ve is not None:  # value embeddings: a row of the token's own table joins its value
+            v = v + (self.ve_lambda * ve).to(v.dtype)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if self.qk_norm:  # unit RMS per head: the attention logits cannot grow without bound
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
@@ -292,7 +338,7 @@ class CausalSelfAttention(nn.Module):
             if attn_mask is None:
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (B, nh, T, T or S)
             if attn_mask is None:
@@ -334,8 +380,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, rotary=None):
-        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask, rotary)
+    def forward(self, x, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, rotary=None, ve=None):
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask, rotary, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -356,7 +402,19 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight  # tied: one matrix reads and writes tokens
         else:
             self.lm_head.is_output_head = True
+        # The record-setting recipe's parts, built after GPT-2's so that they leave its init as it was.
+        if cfg.value_embeddings:
+            self.value_embeds = nn.ModuleList(nn.Embedding(V, cfg.n_embd) for _ in range(cfg.value_embeddings))
+        if cfg.unet_skips:
+            self.skip_weights = nn.Parameter(torch.ones(cfg.n_layer // 2))  # 1: each skip starts fully open
+        if cfg.mtp_weight > 0:
+            self.mtp_head = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.apply(self._init_weights)
+        if cfg.mtp_weight > 0:  # zero: the token two ahead starts from the next token's logits, as one head
+            nn.init.zeros_(self.mtp_head.weight)
+        # The window forward attends over: the config's, or a smaller one that the trainer sets while it grows
+        # the window (train.window_warmup_steps). Not a weight: a loaded model attends over the config's.
+        self.window = cfg.attention_window
 
     def _init_weights(self, module: nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -381,41 +439,69 @@ class GPT(nn.Module):
         With targets and config.loss_chunk > 0 the logits are never materialized, and None is returned
         in their place. Targets of -1 are ignored. With a kv_cache, idx continues the cached tokens, and
         padding_mask (B, T) marks the real ones (False: left padding; default all real). last_only: the
-        logits of the last position alone (B, 1, vocab_size), all that sampling needs.
+        logits of the last position alone (B, 1, vocab_size), all that sampling needs. In training mode with
+        config.mtp_weight > 0 the loss is the training objective (next token + mtp_weight x two ahead); in
+        eval mode it is always the next-token cross-entropy.
         """
         B, T = idx.shape
+        cfg = self.config
         if kv_cache is None:
             if padding_mask is not None:
                 raise ValueError("a padding_mask needs a kv_cache (which turns it into positions and a mask)")
-            if T > self.config.block_size:
-                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            if T > cfg.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {cfg.block_size}")
             pos = torch.arange(T, device=idx.device)  # (T,)
             attn_mask = None  # causal: the training path, SDPA's is_causal kernels
+            if 0 < self.window < T:  # a sliding window: each query sees itself and the window - 1 keys before it
+                distance = pos[:, None] - pos  # (T, T): query minus key position
+                attn_mask = (distance >= 0) & (distance < self.window)
         else:
             if not torch.compiler.is_compiling() and kv_cache.length + T > kv_cache.size:
                 raise ValueError(f"sequence of {kv_cache.length + T} tokens exceeds the KV cache's "
                                  f"{kv_cache.size} slots")
             if padding_mask is None:
                 padding_mask = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            pos, attn_mask = kv_cache.start(padding_mask)  # (B, T), (B, 1, T, S)
+            pos, attn_mask = kv_cache.start(padding_mask, self.window)  # (B, T), (B, 1, T, S)
         x = self.transformer.wte(idx)  # (B, T, C)
         rotary = None
-        if self.config.position == "learned":
+        if cfg.position == "learned":
             x = x + self.transformer.wpe(pos)
         else:
-            rotary = rotary_angles(pos, self.config.n_embd // self.config.n_head, self.config.rope_base)
+            rotary = rotary_angles(pos, cfg.n_embd // cfg.n_head, cfg.rope_base)
         x = self.transformer.drop(x)
-        for block in self.transformer.h:
-            if self.config.grad_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, None, None, rotary, use_reentrant=False)
+        values = [table(idx) for table in self.value_embeds] if cfg.value_embeddings else []  # each (B, T, C)
+        skips = []  # U-net: the outputs of the first n_layer // 2 blocks
+        n_skips = cfg.n_layer // 2 if cfg.unet_skips else 0
+        for i, block in enumerate(self.transformer.h):
+            if i >= cfg.n_layer - n_skips:  # the last n_skips blocks take them in reverse order (the last, block 0's)
+                j = cfg.n_layer - 1 - i
+                x = x + self.skip_weights[j] * skips[j]
+            table = cfg.value_table(i)
+            ve = values[table] if table is not None else None
+            if cfg.grad_checkpointing and self.training and kv_cache is None:
+                x = checkpoint(block, x, None, attn_mask, rotary, ve, use_reentrant=False)
             else:
-                x = block(x, kv_cache, attn_mask, rotary)
+                x = block(x, kv_cache, attn_mask, rotary, ve)
+            if i < n_skips:
+                skips.append(x)
         if kv_cache is not None:
             kv_cache.filled += T
         if last_only:
             x = x[:, -1:]
         x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.classify(x)
+        logits, loss = self.classify(x, targets)
+        if self.training and cfg.mtp_weight > 0 and T > 1:
+            # Multi-token prediction: from the same hidden state, through a small projection and the same
+            # head, the token after the target too. Training only: evaluation's loss stays next-token.
+            ahead = F.pad(targets[:, 1:], (0, 1), value=-1)  # (B, T): the token two ahead; none after the last
+            loss = loss + cfg.mtp_weight * self.classify(x + self.mtp_head(x), ahead)[1]
+        return logits, loss
 
+    def classify(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """Final hidden states x (B, T, C) -> logits (B, T, vocab_size); with targets, (logits, mean
+        cross-entropy), the logits None when config.loss_chunk > 0 (never materialized)."""
         V, cap = self.config.vocab_size, self.config.logit_softcap
         if targets is not None and self.config.loss_chunk > 0:
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk, V, cap)

@@ -36,7 +36,8 @@ from gpt2train.runtime import Runtime
 
 # The model settings a resumed run must keep: its shape, and what its weights mean.
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple", "bias",
-              "position", "rope_base", "qk_norm", "mlp", "tied_head", "logit_softcap")
+              "position", "rope_base", "qk_norm", "mlp", "tied_head", "logit_softcap", "value_embeddings", "unet_skips",
+              "attention_window", "mtp_weight")
 
 
 class ProcessRNG:

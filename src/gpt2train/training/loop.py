@@ -31,7 +31,7 @@ from gpt2train.training.console import Console, LogContinuity, say_already_finis
 from gpt2train.training.guard import TrainingGuard
 from gpt2train.training.optim import make_optimizer, set_lr
 from gpt2train.training.signals import StopSignal
-from gpt2train.training.step import TrainStep
+from gpt2train.training.step import TrainStep, attention_window_at
 
 
 def seed_everything(seed: int):
@@ -114,7 +114,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step at the LRs of its step number (AdamW's is logged); the counters move on."""
         lr = set_lr(self.optimizer, self.state.step + 1, self.cfg.train)
-        result = self.step_fn()
+        result = self.step_fn(window=attention_window_at(self.state.step + 1, self.cfg))
         self.state.step += 1
         self.state.tokens += self.runtime.tokens_per_step
         return {"loss": result.loss.item(), "lr": lr, "grad_norm": result.grad_norm.item(),

@@ -5,6 +5,7 @@ this same step, so what they measure is what `gpt2train train` does:
 
     lr = lr_at(step)                       set by the caller: an explicit function of the step (the
                                            trainer's set_lr gives Muon's groups their own peak)
+    window = attention_window_at(step)     the same, for a sliding attention window that grows (model.window)
     zero_grad(set_to_none)
     for each micro-batch:                  gradient accumulation
         loss = model(x, y) / n_micro       autocast (bf16 / fp16 / fp32); DDP/FSDP sync on the last one only
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from gpt2train import distributed as D
+from gpt2train.config import Config
 from gpt2train.runtime import Runtime
 
 Batches = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (inputs, targets), each (B, T)
@@ -36,6 +38,19 @@ class StepResult:
     lr: float | None  # the learning rate the step used (None: the optimizer's own)
     skipped: bool  # a non-finite loss or norm left the weights as they were
     seconds: float | None  # wall time of the step with its device work done (None when not timed)
+
+
+def attention_window_at(step: int, cfg: Config) -> int:
+    """The attention window optimizer step `step` (1-based) trains with: model.attention_window from step
+    train.window_warmup_steps on; before, the largest of the window / 2, / 4, / 8 at or below the straight
+    ramp from 0 to the window at that step, else the window / 16 (never below 1 token). A function of the
+    step alone, so a resumed run gets the windows it would have had; five sizes at most, so a compiled model
+    compiles at most five times. 0 (no window) stays 0."""
+    window, warmup_steps = cfg.model.attention_window, cfg.train.window_warmup_steps
+    halvings = 0
+    while halvings < 4 and step << halvings < warmup_steps:  # window >> halvings is above the ramp
+        halvings += 1
+    return max(1, window >> halvings) if window > 0 else 0
 
 
 class TrainStep:
@@ -57,11 +72,15 @@ class TrainStep:
         self.timed = timed
         self.grad_accum = runtime.grad_accum
 
-    def __call__(self, lr: float | None = None) -> StepResult:
+    def __call__(self, lr: float | None = None, window: int | None = None) -> StepResult:
+        """One step at learning rate lr and attention window `window` (None: as the optimizer's groups and
+        the model have them)."""
         start = time.perf_counter()
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+        if window is not None:
+            D.unwrap(self.model).window = window  # the plain GPT's: compiled, it recompiles for a new size
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.runtime.device)
         for micro in range(self.grad_accum):
