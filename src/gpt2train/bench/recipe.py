@@ -36,6 +36,10 @@ CHANGES: list[Change] = [
     Change("Polar Express", "polar-express", ("train.muon_orthogonalizer",)),
     Change("NorMuon", "normuon", ("train.muon_normalize", "train.muon_beta2")),
     Change("cautious weight decay", "cautious-wd", ("train.cautious_weight_decay", "train.muon_weight_decay")),
+    Change("value embeddings", "value-embeddings", ("model.value_embeddings",)),
+    Change("U-net skips", "unet", ("model.unet_skips",)),
+    Change("attention-window warmup", "window", ("model.attention_window", "train.window_warmup_steps")),
+    Change("multi-token prediction", "mtp", ("model.mtp_weight",)),
 ]
 
 
