@@ -53,8 +53,16 @@ KINDS = ("early", "staging", "published", "between")
 EARLY_S = 0.6  # early kills fall in [0, EARLY_S): a forked launch reaches its first save in about 0.4 s here
 
 
-def tiny_config(data_dir: Path, max_steps: int = 8) -> Config:
-    """A 2-layer model that takes a few milliseconds a step, saving every 2 steps."""
+# The record-setting recipe's keys (issue 45), for trials of a run that uses every one of them: each has state a
+# resume must restore (NorMuon's second moment, the value tables and skip weights, the window's schedule).
+RECIPE = {"train.optimizer": "muon", "train.muon_orthogonalizer": "polar_express", "train.muon_normalize": True,
+          "train.cautious_weight_decay": True, "train.muon_weight_decay": 0.1, "model.value_embeddings": 1,
+          "model.unet_skips": True, "model.attention_window": 16, "train.window_warmup_steps": 4,
+          "model.mtp_weight": 0.3}
+
+
+def tiny_config(data_dir: Path, max_steps: int = 8, recipe: dict | None = None) -> Config:
+    """A 2-layer model that takes a few milliseconds a step, saving every 2 steps; recipe: keys set on top."""
     cfg = Config()
     cfg.model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=0)
     cfg.data.dir = str(data_dir)
@@ -64,6 +72,9 @@ def tiny_config(data_dir: Path, max_steps: int = 8) -> Config:
     cfg.eval.interval, cfg.eval.val_batches = 4, 2
     cfg.log.interval, cfg.log.progress = 1, "lines"
     cfg.checkpoint.every_steps, cfg.checkpoint.keep_last = 2, 2
+    for key, value in (recipe or {}).items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
     return cfg
 
 
@@ -363,11 +374,12 @@ def same_weights(a: dict, b: dict) -> bool:
 
 # --- many trials ------------------------------------------------------------------------------------------
 def run_trials(out: Path, data: Path, trials: int, kills: int = 2, steps: int = 8, seed: int = 0,
-               sleep_in_save: float = 0.1, jobs: int = 2, only: int | None = None, say=print) -> list[Trial]:
+               sleep_in_save: float = 0.1, jobs: int = 2, only: int | None = None, say=print,
+               recipe: dict | None = None) -> list[Trial]:
     """The uninterrupted reference run, then the trials (`jobs` at a time: they mostly wait on sleeps and
     start-ups, so two share a CPU well); returns them in order."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(data, steps)
+    cfg = tiny_config(data, steps, recipe)
     config = out / "config.toml"
     config.write_text(dump_toml(cfg))
     shutil.rmtree(out / "reference", ignore_errors=True)

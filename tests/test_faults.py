@@ -247,6 +247,18 @@ def test_sigkill_anywhere_then_resume_ends_with_the_same_losses_and_weights(char
     assert sum("(inside a save)" in note for t in done for note in t.notes) >= 3, every_trial
 
 
+@pytest.mark.slow
+def test_sigkill_anywhere_in_a_run_of_the_record_recipe_then_resume_ends_the_same(char_data, tmp_path):
+    """The same trials (fewer) over a run that uses every change of issue 45's recipe: NorMuon's second moment,
+    Polar Express, cautious decay, the value tables, the skips, multi-token prediction, the window's warmup."""
+    seed, trials, kills, steps = 1, 6, 2, 8
+    done = fault_trials.run_trials(tmp_path, char_data, trials, kills, steps, seed, sleep_in_save=0.1,
+                                   say=lambda _: None, recipe=fault_trials.RECIPE)
+    assert not any(t.problems for t in done), fault_trials.replay_hint(done, seed, trials, kills, steps)
+    saved = (tmp_path / "config.toml").read_text()
+    assert 'muon_orthogonalizer = "polar_express"' in saved and "value_embeddings = 1" in saved
+
+
 def test_an_unreadable_exit_status_is_taken_from_what_the_trainer_wrote(tmp_path):
     """multiprocessing's forkserver reports 255 when it cannot read a child's status back; the trainer's own
     status, written beside its log, then decides. Without it, and for any other status, the exit code stands."""
