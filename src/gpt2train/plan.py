@@ -459,7 +459,7 @@ def format_plan(plan: Plan) -> str:
         f"FLOPs/token {plan.flops_per_token:,} (6N + 12*L*C*T, training)",
         f"batch       {plan.tokens_per_step:,} tokens/step = {cfg.train.micro_batch} x {cfg.train.seq_len} "
         f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation"
-        + (f"; then {schedule.describe()} (train.batch_schedule)" if schedule.staged else ""),
+        + (f"; train.batch_schedule: {schedule.describe()}" if schedule.staged else ""),
         f"budget      {plan.budget_tokens:,} tokens ({format_count(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
         f"{_figure(plan.budget_tokens / plan.params, 1)} tokens/param",
         f"chinchilla  {plan.chinchilla_tokens:,} tokens ({format_count(plan.chinchilla_tokens)}) = 20 x params "
