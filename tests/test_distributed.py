@@ -316,6 +316,29 @@ def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_batch_schedule_and_a_weight_average_under_torchrun_equal_one_process_and_resume(char_data, tmp_path, strategy):
+    """train.batch_schedule (2x from step 3: 4 micro-steps per rank) and train.average_last (steps 3 and 4) with 2
+    ranks x B=2 against one process with B=4. Under FSDP2 each rank averages its own shards, a checkpoint holds
+    the gathered mean, and a 2-rank resume of the step-3 checkpoint cuts it into shards again."""
+    config = two_rank_config(char_data, tmp_path, max_steps=4, every_steps=3, distributed=strategy,
+                             batch_schedule=[[0.5, 2]], average_last=0.5)
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
+    r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(two))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "the average of the last 2 steps' weights replaced the weights" in r.stdout
+    r = torchrun("-m", "gpt2train", "train", "--config", str(config), "--out", str(resumed),
+                 "--resume", str(two / "checkpoints" / "step_00000003"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    one = tmp_path / "one"
+    assert train(load_config(config, ["train.micro_batch=4"]), one)["tokens"] == 256 * (1 + 1 + 2 + 2)
+
+    assert_close(latest_weights(two), latest_weights(one))
+    assert_close(latest_weights(resumed), latest_weights(two))
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=0, atol=TOL)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,recipe", [("ddp", False), ("fsdp", False), ("fsdp", True)],
                          ids=["ddp", "fsdp", "fsdp-recipe"])
 def test_muon_two_processes_equal_one_process(char_data, tmp_path, strategy, recipe):

@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "files", "process_memory", "ranges", "progress", "devices", "tokenizer", "distributed",
               "spikes", "runlog", "sections", "bench_results", "mfu_basis"}),
-    ("model", {"model", "classifier", "counting", "sizing", "config", "runtime", "generation"}),
+    ("model", {"model", "classifier", "counting", "batch_schedule", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
               "data.markov", "data.pydocs"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "loading",
@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.harness", "eval.run", "eval.periodic"}),
     ("training", {"training", "training.optim", "training.guard", "training.step", "training.signals",
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
-                  "training.loop", "runconfig"}),
+                  "training.loop", "training.averaging", "runconfig"}),
     # What a config costs and what a run shows: they read a bench result through bench_results, never bench/.
     ("tools", {"memory", "plan", "doctor", "report"}),
     # The benchmarks measure the library from above it: nothing below imports them.

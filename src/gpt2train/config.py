@@ -61,6 +61,9 @@ class TrainConfig(Section):
     micro_batch: int = 8  # sequences per forward/backward on one device
     seq_len: int = 0  # 0: the model's block_size
     total_batch_tokens: int = 0  # tokens per optimizer step; 0: one micro-batch on every rank
+    # Stages [fraction, multiplier]: after round(fraction x max_steps) steps, each step takes multiplier x
+    # total_batch_tokens, as more micro-batches (batch_schedule.py); e.g. [[0.33, 2], [0.67, 3]]. Empty: fixed.
+    batch_schedule: list[list[float]] = field(default_factory=list)
     max_steps: int = 1000
     # With model.depth (the size dial), the run's length when max_steps is not set: tokens_per_param x the
     # model's non-embedding parameters (Chinchilla's ~20), or flops_budget / (6 x those parameters) when > 0,
@@ -83,6 +86,10 @@ class TrainConfig(Section):
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # A float32 running mean of the weights after each of the last average_last x max_steps steps (0: off), blended
+    # into the final weights (average_blend 1: replaced by it) before the final evaluation and checkpoint.
+    average_last: float = 0.0
+    average_blend: float = 1.0
     # adamw: AdamW for every parameter. muon: Muon (training/optim.py) for the blocks' weight matrices,
     # AdamW (lr, weight_decay, betas above) for the embeddings, the head, gains and biases.
     optimizer: str = "adamw"
@@ -201,6 +208,8 @@ RANGES: dict[str, Range] = {
     "train.beta2": between(0, 1, high_open=True),
     "train.eps": above(0),
     "train.grad_clip": at_least(0),
+    "train.average_last": between(0, 1),  # 0: off
+    "train.average_blend": between(0, 1, low_open=True),
     "train.collective_timeout_s": above(0),
     "train.muon_lr": at_least(0),
     "train.muon_momentum": between(0, 1, high_open=True),
@@ -238,6 +247,7 @@ def validate(cfg: Config, between_keys: bool = True) -> Config:
     if not is_device_name(train.device):
         raise ConfigError(f"train.device = {train.device!r} is not allowed; use {DEVICE_NAMES}")
     data_sources(cfg.data)
+    batch_stages(train)
     if not between_keys:
         return cfg
     try:  # the model's shape rules are GPTConfig's own
@@ -280,6 +290,22 @@ def data_sources(data: DataConfig) -> list[tuple[str, float]]:
         raise ConfigError(f"data.sources weights {', '.join(f'{w:g}' for _, w in pairs)} add up to more than a float "
                           f"holds; only their ratios matter: use small numbers, e.g. \"data/web=3\"")
     return pairs
+
+
+def batch_stages(train: TrainConfig) -> list[tuple[float, int]]:
+    """train.batch_schedule as (fraction of the steps, multiplier) pairs; a one-line ConfigError for a stage that is
+    not [fraction in [0, 1), whole multiplier >= 1], fractions out of order, or a multiplier that falls (the
+    batch grows: the size dial's step count counts on it)."""
+    stages, key = [], "train.batch_schedule"
+    for stage in train.batch_schedule:
+        ok = len(stage) == 2 and 0 <= stage[0] < 1 and stage[1] >= 1 and float(stage[1]).is_integer()
+        if not ok:
+            raise ConfigError(f"{key} stage {stage!r} is not [fraction in [0, 1), whole multiplier >= 1], e.g. [0.5, 2]")
+        if stages and (stage[0] <= stages[-1][0] or stage[1] < stages[-1][1]):
+            raise ConfigError(f"{key} stage {stage!r} after {list(stages[-1])!r}: list the stages by rising fraction, "
+                              "each multiplier at least the one before")
+        stages.append((float(stage[0]), int(stage[1])))
+    return stages
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
@@ -428,7 +454,7 @@ def _check(cfg: Config, section: str, key: str, value, check_range: bool = True)
 
 
 def _coerce(name: str, value, tp):
-    """Check value against a field type (int, float, bool, str, list[str] or a union of these)."""
+    """Check value against a field type (int, float, bool, str, a list of one of these, or a union of these)."""
     options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     for option in options:
         if option is bool and isinstance(value, bool):
@@ -441,11 +467,18 @@ def _coerce(name: str, value, tp):
             return float(value)
         if option is str and isinstance(value, str):
             return value
-        if typing.get_origin(option) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
+        if typing.get_origin(option) is list and isinstance(value, list):
+            try:  # each element against the element type: list[str], list[list[float]]
+                return [_coerce(name, v, typing.get_args(option)[0]) for v in value]
+            except ConfigError:
+                pass
     expected = " or ".join(_type_name(o) for o in options)
     raise ConfigError(f"{name} = {value!r} has the wrong type; expected {expected}")
 
 
-def _type_name(tp) -> str:
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a list of strings")
+def _type_name(tp, plural: bool = False) -> str:
+    if typing.get_origin(tp) is list:  # "a list of strings", "a list of lists of numbers"
+        return f"{'lists' if plural else 'a list'} of {_type_name(typing.get_args(tp)[0], plural=True)}"
+    names = {bool: ("true/false", "true/false values"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+             str: ("a string", "strings")}
+    return names[tp][plural]

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpt2train.config import Config, data_sources
+from gpt2train.config import Config, batch_stages, data_sources
 from gpt2train.counting import layer_parameter_count, matmul_parameter_count, parameter_count
 from gpt2train.model import GPTConfig
 from gpt2train.runtime import batch_problem, resolve_compile, resolve_dtype
@@ -199,11 +199,16 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
     step_temp = 0 if device_type == "cuda" else math.ceil(P * FP32 / shards)
     if step_temp:
         breakdown["optimizer step temporaries"] = step_temp
+    # train.average_last's float32 mean of the weights (training/averaging.py), sharded like them under FSDP.
+    average = math.ceil(P * FP32 / shards) if cfg.train.average_last > 0 else 0
+    if average:
+        breakdown["weight average"] = average
 
-    base = params + optimizer + extra
+    base = params + optimizer + extra + average
     # With gradient accumulation the gradients are zeroed once per optimizer step, so from the second
     # micro-batch on all of them exist through forward and backward.
-    accumulating = cfg.train.total_batch_tokens > B * T * world_size
+    most = max((mult for _, mult in batch_stages(cfg.train)), default=1)  # train.batch_schedule's largest step
+    accumulating = max(cfg.train.total_batch_tokens, B * T * world_size) * most > B * T * world_size
     held_grads = grads if accumulating else 0
     phases = {"loss backward": base + copies + activations + logits_peak + held_grads}
     # The caller still holds the logits through backward and the optimizer step (the trainer's

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gpt2train import devices, runtime
+from gpt2train.batch_schedule import BatchSchedule, steps_for_tokens
 from gpt2train.bench_results import newest_journey, read_final_mfu
-from gpt2train.config import Config, ConfigError
+from gpt2train.config import Config, ConfigError, batch_stages
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.devices import ASSUMED_GPU_MFU, Device
 from gpt2train.memory import estimate_memory
@@ -239,7 +239,7 @@ class Plan:
     flops_per_token: int
     tokens_per_step: int
     grad_accum: int
-    budget_tokens: int  # max_steps x tokens per step
+    budget_tokens: int  # the tokens of max_steps steps (train.batch_schedule's, else max_steps x tokens per step)
     chinchilla_tokens: int  # 20 x params
     data_dir: str
     train_tokens: int | None  # from the prepared data's meta.json
@@ -315,7 +315,8 @@ def make_plan(cfg: Config | RunConfig, device: Device, gpus: int = 1, mfu: float
                      "plan for a GPU with --device")
     return Plan(cfg=cfg, device=device, gpus=gpus, params=params, params_non_embedding=params_non_embedding,
                 flops_per_token=per_token, tokens_per_step=tokens_per_step, grad_accum=accum,
-                budget_tokens=cfg.train.max_steps * tokens_per_step,
+                budget_tokens=BatchSchedule.of(batch_stages(cfg.train), cfg.train.max_steps,
+                                               tokens_per_step).tokens_through(cfg.train.max_steps),
                 chinchilla_tokens=CHINCHILLA_TOKENS_PER_PARAM * params, data_dir=str(data_dir),
                 train_tokens=int(meta["tokens"]["train"]) if meta and not sources else None, peak_flops=peak, mfu=mfu,
                 mfu_source=mfu_source, memory=memory_fit(cfg, device, gpus), notes=notes, tokens_per_s=speed,
@@ -449,17 +450,20 @@ def _choose_mfu(mfu: float | None, device: Device, bench_json, runs_dir, notes: 
 
 def format_plan(plan: Plan) -> str:
     cfg, m = plan.cfg, plan.cfg.model
+    stages = batch_stages(cfg.train)
+    schedule = BatchSchedule.of(stages, cfg.train.max_steps, plan.tokens_per_step)
     lines = [
         f"model       {m.n_layer} layers x {m.n_embd} wide, {m.n_head} heads, vocab {m.vocab_size:,} "
         f"(padded {m.padded_vocab_size:,}), seq_len {cfg.train.seq_len}",
         f"parameters  {plan.params:,} ({format_count(plan.params)}); {plan.params_non_embedding:,} without embeddings",
         f"FLOPs/token {plan.flops_per_token:,} (6N + 12*L*C*T, training)",
         f"batch       {plan.tokens_per_step:,} tokens/step = {cfg.train.micro_batch} x {cfg.train.seq_len} "
-        f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation",
+        f"x {plan.gpus} device{'s' if plan.gpus > 1 else ''} x {plan.grad_accum} accumulation"
+        + (f"; train.batch_schedule: {schedule.describe()}" if schedule.staged else ""),
         f"budget      {plan.budget_tokens:,} tokens ({format_count(plan.budget_tokens)}) = {cfg.train.max_steps:,} steps; "
         f"{_figure(plan.budget_tokens / plan.params, 1)} tokens/param",
         f"chinchilla  {plan.chinchilla_tokens:,} tokens ({format_count(plan.chinchilla_tokens)}) = 20 x params "
-        f"= {math.ceil(plan.chinchilla_tokens / plan.tokens_per_step):,} steps; budget is "
+        f"= {steps_for_tokens(stages, plan.chinchilla_tokens, plan.tokens_per_step):,} steps; budget is "
         f"{_figure(plan.budget_tokens / plan.chinchilla_tokens, 2)}x of it",
     ]
     if plan.derived:

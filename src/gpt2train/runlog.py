@@ -36,8 +36,9 @@ HELLASWAG = "hellaswag"
 SAMPLE = "sample"
 GUARD = "guard"
 CHECKPOINT = "checkpoint"
+AVERAGE = "average"
 RUN_END = "run_end"
-KNOWN_KINDS = (RUN_START, TRAIN, VAL, HELLASWAG, SAMPLE, GUARD, CHECKPOINT, RUN_END)
+KNOWN_KINDS = (RUN_START, TRAIN, VAL, HELLASWAG, SAMPLE, GUARD, CHECKPOINT, AVERAGE, RUN_END)
 # Kinds that describe the state of training at a step. A resume or a rollback re-does steps, and
 # the re-done records replace these. The other kinds are events (a launch, a guard action, a save):
 # they stay, since they are the history a reader lists.
@@ -55,6 +56,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     SAMPLE: ("step", "prompt", "text"),
     GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
     CHECKPOINT: ("step", "path", "best"),
+    AVERAGE: ("step", "steps", "blend"),
     RUN_END: ("step", "tokens", "wall_s", "reason", "error"),
 }
 HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # run_start's "hardware"

@@ -4,7 +4,8 @@
 so a prediction is made for the run that `train` starts with the same settings:
 
     resolved config (runconfig.py) -> resolve_runtime (device, dtype + autocast, TF32, compile, micro-batch x
-    accumulation x ranks, seed) -> Runtime.apply() (TF32, deterministic kernels, the CPU allocator)
+    accumulation x ranks and its schedule over the steps, seed) -> Runtime.apply() (TF32, deterministic kernels,
+    the CPU allocator)
 
 Nothing here touches a GPU unless `apply()` is called, so a plan for an H100 can be made on a laptop.
 """
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpt2train.config import Config, ConfigError
+from gpt2train.batch_schedule import BatchSchedule
+from gpt2train.config import Config, ConfigError, batch_stages
 from gpt2train.counting import parameter_count
 from gpt2train.distributed import local_world_size
 from gpt2train.ranges import EXPLICIT_DTYPE_NAMES
@@ -144,6 +146,8 @@ class Runtime:
     seed: int
     deterministic: bool = False  # only deterministic kernels: a rerun (or a resume) repeats bit for bit
     cpu_keep_freed_memory: bool = False  # CPU: glibc keeps freed blocks for the next step (keep_freed_cpu_memory)
+    batch_stages: tuple[tuple[float, int], ...] = ()  # train.batch_schedule (config.batch_stages); () a fixed batch
+    max_steps: int = 1
 
     def record(self) -> dict:
         """What this runtime made of the config's "auto"s, as the run log's run_start and every checkpoint's
@@ -152,7 +156,13 @@ class Runtime:
 
     @property
     def tokens_per_step(self) -> int:
+        """The base batch: a step's tokens where train.batch_schedule is off (else `schedule` multiplies it)."""
         return self.micro_batch * self.seq_len * self.world_size * self.grad_accum
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        """Each step's tokens and micro-batches (batch_schedule.py): what the trainer runs and counts."""
+        return BatchSchedule.of(self.batch_stages, self.max_steps, self.tokens_per_step, self.grad_accum)
 
     @property
     def uses_grad_scaler(self) -> bool:
@@ -194,7 +204,8 @@ def resolve_runtime(cfg: Config, device: torch.device | str, world_size: int = 1
                    micro_batch=cfg.train.micro_batch, seq_len=seq_len, world_size=world_size,
                    grad_accum=accumulation_steps(cfg, world_size), seed=cfg.train.seed,
                    deterministic=cfg.train.deterministic,
-                   cpu_keep_freed_memory=cfg.train.cpu_keep_freed_memory)
+                   cpu_keep_freed_memory=cfg.train.cpu_keep_freed_memory,
+                   batch_stages=tuple(batch_stages(cfg.train)), max_steps=cfg.train.max_steps)
 
 
 TRAINING_BYTES_PER_PARAMETER = 16  # fp32 weights and gradients, AdamW's two moments: the least a CPU run holds

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpt2train.config import ConfigError
+from gpt2train.batch_schedule import steps_for_tokens
+from gpt2train.config import ConfigError, batch_stages
 from gpt2train.counting import parameter_count
 
 # GPT-2 124M's AdamW learning rate at its width (GPT-3's Table 2.1, 6e-4 at 768), scaled as 1/width.
@@ -117,8 +118,9 @@ def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | N
     granule = train.micro_batch * seq_len * ranks  # the batch must split evenly over the ranks
     fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
          f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
-    batch = train.total_batch_tokens or granule
-    fill("train.max_steps", max(1, math.ceil(tokens / batch)), f"tokens {int(tokens):,} / batch {batch:,}")
+    batch, stages = train.total_batch_tokens or granule, batch_stages(train)
+    fill("train.max_steps", steps_for_tokens(stages, tokens, batch), f"tokens {int(tokens):,} / batch {batch:,}"
+         + (", the batch growing as train.batch_schedule says" if stages else ""))
     fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
     decay = (f"the last {train.decay_fraction:g} of the steps" if train.schedule == "wsd"
              else "the steps after warmup" if train.schedule == "cosine" else "none (constant)")

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from gpt2train import runlog
-from gpt2train.config import Config, load_config
+from gpt2train.batch_schedule import BatchSchedule
+from gpt2train.config import Config, batch_stages, load_config
 from gpt2train.counting import flops_per_token
 from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
@@ -133,7 +134,7 @@ def ladder_rung(config: str | Config, overrides: list[str], depth: int, seed: in
 def describe_rung(run: RunConfig, seed: int) -> Rung:
     """The rung as the trainer will run it: its compute counts the head at the data's vocabulary (padded)."""
     m, t = run.config.model, run.config.train
-    tokens = t.max_steps * t.total_batch_tokens
+    tokens = BatchSchedule.of(batch_stages(t), t.max_steps, t.total_batch_tokens).tokens_through(t.max_steps)
     per_token = flops_per_token(m, t.seq_len)
     return Rung(depth=m.depth, seed=seed, width=m.n_embd, heads=m.n_head, params=scaling_parameters(m),
                 tokens=tokens, batch_tokens=t.total_batch_tokens, steps=t.max_steps, lr=t.lr,

@@ -3,9 +3,9 @@
 The files and their atomicity are checkpoint/format.py's, the training state and the resume checks
 checkpoint/state.py's; this component decides when to save, and collects what goes in from the components it
 is handed (name -> an object with state_dict / load_state_dict: the model, the optimizer, the scaler, the
-guard, the run's counters, every rank's RNG and train-loader position, the loggers' continuity), so that a
-resumed run continues exactly as if never stopped. It knows where each one's state lies in a checkpoint (the
-tables below), none of their fields.
+guard, the run's counters, every rank's RNG and train-loader position, the loggers' continuity, the weight
+average), so that a resumed run continues exactly as if never stopped. It knows where each one's state lies in
+a checkpoint (the tables below), none of their fields.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ WEIGHTS = ("model", "optimizer")  # the on-disk format's own: safetensors + stat
 IN_META = ("position", "run", "logger")  # plain values at meta.json's top level, readable without torch
 PER_RANK = ("rng", "loader")  # state.pt["ranks"][rank][name], every rank's own; the rest: state.pt[name], rank 0's
 SAME_ON_EVERY_RANK = ("loader",)  # so a rank the checkpoint did not have takes rank 0's (its RNG stays seeded)
-REWOUND = ("model", "optimizer", "scaler", "position")  # what a rollback reloads; the rest moves forward
+REWOUND = ("model", "optimizer", "scaler", "position", "average")  # what a rollback reloads; the rest moves forward
 
 
 @dataclass

@@ -111,6 +111,9 @@ class Console:
         print(f"model: {format_count(params)} parameters ({format_count(params_non_embedding)} without embeddings)")
         print(f"batch: {runtime.tokens_per_step:,} tokens/step = {runtime.micro_batch} x {runtime.seq_len} "
               f"x {runtime.world_size} ranks x {runtime.grad_accum} micro-steps")
+        if runtime.schedule.staged:  # train.batch_schedule: more micro-steps, the same shapes
+            print(f"batch schedule: {runtime.schedule.describe()} ({runtime.schedule.tokens_through(self.cfg.train.max_steps):,} "
+                  f"tokens in {self.cfg.train.max_steps:,} steps)")
         if basis.flop_s is None:  # said once here; the step lines then leave MFU out
             print(f"mfu: not shown: {basis.source}; the step lines report tokens/s only")
         elif device.type == "cpu":  # a measured ceiling, said with where it comes from: GFLOP/s, not TFLOP/s
@@ -173,6 +176,13 @@ class Console:
             if self.cfg.log.progress == "bar":
                 return
         self.print(line)
+
+    def averaged(self, step: int, steps: int, blend: float):
+        """The weight average went into the model (train.average_last): what the final evaluation measures."""
+        self.log("average", step=step, steps=steps, blend=blend)
+        into = "replaced the weights" if blend == 1 else f"blended into the weights at {blend:g}"
+        self.print(f"step {step}: the average of the last {steps} steps' weights {into}; the final evaluation and "
+                   "checkpoint are the averaged model's")
 
     def eta(self, step: int) -> str:
         """Time to max_steps at this launch's pace after its first step (evaluations and saves included);

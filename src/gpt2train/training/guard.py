@@ -83,3 +83,8 @@ class TrainingGuard:
         self.recent.extend(state.get("recent", []))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.rollbacks_in_a_row = int(state.get("rollbacks_in_a_row", 0))
+
+
+def finite_or_none(x: float) -> float | None:
+    """A guard record's loss or norm: null in the run log where it is not finite (JSON has no NaN)."""
+    return x if math.isfinite(x) else None

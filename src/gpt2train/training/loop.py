@@ -7,7 +7,6 @@ the loss guard (guard.py) and the evaluations during training (eval/periodic.py)
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -26,9 +25,10 @@ from gpt2train.model import GPT
 from gpt2train.runconfig import Environment, RunConfig, as_run
 from gpt2train.runtime import resolve_runtime, use_expandable_segments
 from gpt2train.training import init_from, runlock
+from gpt2train.training.averaging import WeightAverage
 from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_start_over
 from gpt2train.training.console import Console, LogContinuity, say_already_finished
-from gpt2train.training.guard import TrainingGuard
+from gpt2train.training.guard import TrainingGuard, finite_or_none
 from gpt2train.training.optim import make_optimizer, set_lr
 from gpt2train.training.signals import StopSignal
 from gpt2train.training.step import TrainStep, attention_window_at
@@ -94,11 +94,12 @@ class Trainer:
                                  clip_params=self.raw_model.parameters(), grad_clip=cfg.train.grad_clip,
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
         self.state, self.guard, self.logs = RunState(), TrainingGuard(cfg.guard), LogContinuity()
+        self.average = WeightAverage(self.raw_model, cfg.train.average_last, cfg.train.average_blend, cfg.train.max_steps)
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, batch_layout(runtime), {
             "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler, "guard": self.guard,
             "rng": ProcessRNG(), "loader": self.train_loader, "position": self.state.position, "run": self.state,
-            "logger": self.logs}, {"tokenizer": self.data_meta["tokenizer"], "params": parameter_count(cfg.model),
-                                   "runtime": runtime.record()})
+            "logger": self.logs, "average": self.average}, {"tokenizer": self.data_meta["tokenizer"],
+                                                            "params": parameter_count(cfg.model), "runtime": runtime.record()})
         ckpt = self.checkpointer.resume(resume) if resume else None
         self.state.resumed_from = str(ckpt) if ckpt else None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -113,10 +114,10 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step at the LRs of its step number (AdamW's is logged); the counters move on."""
-        lr = set_lr(self.optimizer, self.state.step + 1, self.cfg.train)
-        result = self.step_fn(window=attention_window_at(self.state.step + 1, self.cfg))
-        self.state.step += 1
-        self.state.tokens += self.runtime.tokens_per_step
+        step = self.state.step + 1
+        lr = set_lr(self.optimizer, step, self.cfg.train)
+        result = self.step_fn(window=attention_window_at(step, self.cfg), micro_batches=self.runtime.schedule.accum(step))
+        self.state.step, self.state.tokens = step, self.state.tokens + self.runtime.schedule.tokens_at(step)
         return {"loss": result.loss.item(), "lr": lr, "grad_norm": result.grad_norm.item(),
                 "skipped": result.skipped, "seconds": result.seconds}
 
@@ -147,10 +148,12 @@ class Trainer:
                     continue
                 if out["skipped"]:
                     console.log("guard", step=step, action="skip", reason="non-finite loss or grad norm",
-                                loss=_finite_or_none(out["loss"]), grad_norm=_finite_or_none(out["grad_norm"]))
+                                loss=finite_or_none(out["loss"]), grad_norm=finite_or_none(out["grad_norm"]))
                 if step % cfg.log.interval == 0 or step == first_step or last:
                     self._log_train(out, first_compiled=self.runtime.compile and step == first_step)
                 console.advance(step)
+                if self.average.after_step(step):  # after the last step: the final evaluation and checkpoint see it
+                    console.averaged(step, self.average.count, self.average.blend)
 
                 is_best = False
                 new_val = self.evals.after_step(step, state.tokens, last, state.best_val)
@@ -186,17 +189,18 @@ class Trainer:
         step = self.state.step
         to_step = self.checkpointer.rollback(f"{reason} at step {step}", lambda to: self.guard.before_rollback(to, step))
         self.console.redo_from(to_step + 1)  # before the guard record, so that the mirrors keep it
-        self.console.log("guard", step=step, action="rollback", reason=reason, loss=_finite_or_none(loss),
-                         grad_norm=_finite_or_none(out["grad_norm"]), to_step=to_step)
+        self.console.log("guard", step=step, action="rollback", reason=reason, loss=finite_or_none(loss),
+                         grad_norm=finite_or_none(out["grad_norm"]), to_step=to_step)
         self.console.print(f"guard: {reason} at step {step}; rolled back to step {to_step}")
         self.console.advance(to_step)
 
     def _log_train(self, out: dict, first_compiled: bool):
         loss = float(D.all_reduce_mean(torch.tensor(out["loss"], device=self.device)))
-        tok_s = self.runtime.tokens_per_step / out["seconds"]
+        step_tokens = self.runtime.schedule.tokens_at(self.state.step)
+        tok_s = step_tokens / out["seconds"]
         mfu = tok_s * self.flops_per_token / (self.mfu_basis.flop_s * self.dist.world_size) if self.mfu_basis.flop_s else None
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
-                                self.runtime.tokens_per_step, mfu, first_compiled)
+                                step_tokens, mfu, first_compiled)
 
     def close(self, failed: bool = False):
         """Give the run directory back to the next run; a failed launch takes back a directory it made, holding no run."""
@@ -219,10 +223,6 @@ class Trainer:
         reason = "signal" if isinstance(error, KeyboardInterrupt) else "error"  # a second Ctrl-C / SIGTERM
         if self.console is not None:
             self.console.end(self.state.step, self.state.tokens, reason, error=message)
-
-
-def _finite_or_none(x: float):
-    return x if math.isfinite(x) else None
 
 
 def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:

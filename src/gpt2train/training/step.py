@@ -7,7 +7,7 @@ this same step, so what they measure is what `gpt2train train` does:
                                            trainer's set_lr gives Muon's groups their own peak)
     window = attention_window_at(step)     the same, for a sliding attention window that grows (model.window)
     zero_grad(set_to_none)
-    for each micro-batch:                  gradient accumulation
+    for each micro-batch:                  gradient accumulation (how many: the caller's batch schedule)
         loss = model(x, y) / n_micro       autocast (bf16 / fp16 / fp32); DDP/FSDP sync on the last one only
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)             before the clip, so the clip sees true gradients
@@ -72,10 +72,13 @@ class TrainStep:
         self.timed = timed
         self.grad_accum = runtime.grad_accum
 
-    def __call__(self, lr: float | None = None, window: int | None = None) -> StepResult:
+    def __call__(self, lr: float | None = None, window: int | None = None,
+                 micro_batches: int | None = None) -> StepResult:
         """One step at learning rate lr and attention window `window` (None: as the optimizer's groups and
-        the model have them)."""
+        the model have them); micro_batches: this step's accumulation (train.batch_schedule's, from the caller;
+        None: the runtime's)."""
         start = time.perf_counter()
+        n_micro = micro_batches or self.grad_accum
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -83,13 +86,13 @@ class TrainStep:
             D.unwrap(self.model).window = window  # the plain GPT's: compiled, it recompiles for a new size
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.runtime.device)
-        for micro in range(self.grad_accum):
+        for micro in range(n_micro):
             x, y = self.batches()
             # Backward inside the no-sync window too: FSDP2 reduce-scatters in its backward hooks.
-            with D.gradient_sync(self.model, sync=micro == self.grad_accum - 1):
+            with D.gradient_sync(self.model, sync=micro == n_micro - 1):
                 with self.runtime.autocast():
                     _, loss = self.model(x, y)
-                    loss = loss / self.grad_accum  # the sum over micro-batches is the mean over the full batch
+                    loss = loss / n_micro  # the sum over micro-batches is the mean over the full batch
                 loss_sum += loss.detach()
                 self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
