@@ -47,7 +47,7 @@ from gpt2train.bench.scaling import (
     ladder_rung,
     train_rung,
 )
-from gpt2train.config import load_config
+from gpt2train.config import Config, load_config
 from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
@@ -96,8 +96,10 @@ class Comparison:
 
 
 def row_dir_name(row: Row) -> str:
-    """The row's slug and a hash of its whole config: a row with other settings never reads these rungs."""
-    settings = json.dumps(flat(row.cfg), sort_keys=True, default=str)
+    """The row's slug and a hash of its config (the keys that differ from the defaults, so that a key added to
+    gpt2train later leaves the name as it was): a row with other settings never reads these rungs."""
+    defaults = flat(Config())
+    settings = json.dumps({k: v for k, v in flat(row.cfg).items() if v != defaults[k]}, sort_keys=True, default=str)
     return f"{row.slug}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
 
 

@@ -40,6 +40,8 @@ CHANGES: list[Change] = [
     Change("U-net skips", "unet", ("model.unet_skips",)),
     Change("attention-window warmup", "window", ("model.attention_window", "train.window_warmup_steps")),
     Change("multi-token prediction", "mtp", ("model.mtp_weight",)),
+    Change("batch-size schedule", "batch-schedule", ("train.batch_schedule",)),
+    Change("weight average", "average", ("train.average_last", "train.average_blend")),
 ]
 
 
