@@ -51,6 +51,20 @@ def test_a_candidate_that_gets_the_base_loss_with_a_third_of_the_compute_is_a_3x
     assert worse.flops_multiplier == pytest.approx(0.25, rel=1e-3) and not worse.interpolated  # beyond its rungs
 
 
+def test_read_off_the_rungs_a_pure_power_law_gives_the_exact_multiplier_and_says_when_it_extends_them():
+    """With E = 0 the law is a straight line in log-log, so straight lines between the rungs are exact."""
+    fit = law(0.0, 50.0, 0.1)
+    flops = [1e10, 4e10, 1.6e11]
+    base = ladder("base", fit, flops, 1e-9)
+    c = compare(base, ladder("candidate", fit, flops, 1e-9, scale=2.0), seed=1)
+    assert c.between_multiplier == pytest.approx(2.0, rel=1e-9) and c.between_rungs
+    assert c.between_time_multiplier == pytest.approx(2.0, rel=1e-9)
+    far = compare(base, ladder("far", fit, flops, 1e-9, scale=100.0), seed=1)  # below the base's best on every rung
+    assert far.between_multiplier == pytest.approx(100.0, rel=1e-9) and not far.between_rungs
+    assert multiplier.between_rungs([1.0, 10.0, 100.0], [4.0, 2.0, 1.0], 2.0) == (pytest.approx(10.0), True)
+    assert multiplier.between_rungs([1.0, 10.0], [4.0, 2.0], 8.0) == (pytest.approx(0.1), False)  # before the first
+
+
 def two_recipes(tmp_path, data):
     base = ladder_config(tmp_path, data)
     text = open(base).read().replace("[model]\n", '[model]\nmlp = "relu2"\nqk_norm = true\n')
@@ -91,6 +105,8 @@ def test_a_bench_of_two_tiny_recipes_continues_and_shares_its_ladders(char_data,
         if s["candidate_flops"] is not None:
             assert fit(s["candidate_flops"]) == pytest.approx(top["val_loss"], rel=1e-9)
             assert s["flops_multiplier"] == pytest.approx(top["flops"] / s["candidate_flops"])
+    assert all(s["between_multiplier"] == pytest.approx(s["reference_flops"] / s["between_flops"])
+               for s in comparison["seeds"])
     assert "3 rungs fit E, A and alpha exactly" in result["law"]
     assert f"| {candidate} | {base} |" in result["markdown"]
     assert json.loads((out / "multiplier.json").read_text())["comparisons"] == result["comparisons"]

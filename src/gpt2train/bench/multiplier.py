@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import statistics
 import time
@@ -93,6 +94,12 @@ class Comparison:
     reference_s: float | None = None
     candidate_s: float | None = None
     time_multiplier: float | None = None
+    # The same read off the candidate's rungs themselves (straight lines between them in log-log), not its fit:
+    # where the fit misses its own rungs by more than the gaps between recipes, this is the one to read.
+    between_flops: float | None = None
+    between_multiplier: float | None = None
+    between_time_multiplier: float | None = None
+    between_rungs: bool = False  # target_loss lies between the candidate's rungs (else its end segment extended)
 
 
 def row_dir_name(row: Row) -> str:
@@ -136,6 +143,18 @@ def compute_to_reach(fit: Fit, loss: float) -> float | None:
     return (fit.A / (loss - fit.E)) ** (1 / fit.alpha)
 
 
+def between_rungs(xs: list[float], losses: list[float], loss: float) -> tuple[float, bool]:
+    """Where the curve through the rungs (x, loss), straight between neighbours in log-log, comes down to `loss`:
+    (x, True) between two rungs; else the nearest end segment extended, (x, False)."""
+    lx, ly, target = np.log(xs), np.log(losses), math.log(loss)
+    order = np.argsort(lx)
+    lx, ly = lx[order], ly[order]
+    inside = [i for i in range(len(lx) - 1) if min(ly[i], ly[i + 1]) <= target <= max(ly[i], ly[i + 1])]
+    i = inside[0] if inside else (len(lx) - 2 if target < ly[-1] else 0)
+    t = (target - ly[i]) / (ly[i + 1] - ly[i])
+    return float(np.exp(lx[i] + t * (lx[i + 1] - lx[i]))), bool(inside)
+
+
 def compare(reference: dict, candidate: dict, seed: int) -> Comparison:
     """reference, candidate: {"name", "rungs": [Rung...], "fit", "time_fit"} of one seed."""
     top = max(reference["rungs"], key=lambda r: r.flops)
@@ -144,10 +163,16 @@ def compare(reference: dict, candidate: dict, seed: int) -> Comparison:
     out = Comparison(reference["name"], candidate["name"], seed, top.val_loss, top.flops, flops,
                      top.flops / flops if flops else None,
                      flops is not None and min(xs) <= flops <= max(xs))
+    losses = [r.val_loss for r in candidate["rungs"]]
+    out.between_flops, out.between_rungs = between_rungs(xs, losses, top.val_loss)
+    out.between_multiplier = top.flops / out.between_flops
     if candidate.get("time_fit") and top.wall_s:
         seconds = compute_to_reach(candidate["time_fit"], top.val_loss)
         out.reference_s, out.candidate_s = top.wall_s, seconds
         out.time_multiplier = top.wall_s / seconds if seconds else None
+        if all(r.wall_s for r in candidate["rungs"]):
+            out.between_time_multiplier = top.wall_s / between_rungs([r.wall_s for r in candidate["rungs"]], losses,
+                                                                     top.val_loss)[0]
     return out
 
 
@@ -203,7 +228,10 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
                             "seeds": [dataclasses.asdict(c) for c in per_seed],
                             "flops_multiplier": spread([c.flops_multiplier for c in per_seed]),
                             "time_multiplier": spread([c.time_multiplier for c in per_seed]),
-                            "interpolated": all(c.interpolated for c in per_seed)})
+                            "interpolated": all(c.interpolated for c in per_seed),
+                            "between_multiplier": spread([c.between_multiplier for c in per_seed]),
+                            "between_time_multiplier": spread([c.between_time_multiplier for c in per_seed]),
+                            "between_rungs": all(c.between_rungs for c in per_seed)})
     result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
               "cpu_threads": torch.get_num_threads(), "data": data_dir, "train_tokens": train_tokens,
               "floor": floor, "notes": notes,
@@ -259,15 +287,21 @@ def multiplier_markdown(result: dict) -> str:
             seconds = sum(r["wall_s"] or 0 for r in ladder["rungs"])
             lines.append(f"| {row['name']} | {ladder['seed']} | {losses} | {fit['E']:.3f} | {fit['A']:.4g} | "
                          f"{fit['alpha']:.4f} | {fit['rms_log_error']:.2%} | {format_duration(seconds)} |")
-    lines += ["", "| candidate | over | target loss | compute multiplier | time multiplier | where |",
-              "|---|---|---:|---:|---:|---|"]
+    lines += ["", "| candidate | over | target loss | compute multiplier, rungs | time multiplier, rungs | "
+              "compute multiplier, fit | time multiplier, fit |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     for c in result["comparisons"]:
         target = statistics.fmean(s["target_loss"] for s in c["seeds"])
-        lines.append(f"| {c['candidate']} | {c['reference']} | {target:.4f} | {multiplier_text(c['flops_multiplier'])} | "
-                     f"{multiplier_text(c['time_multiplier'])} | "
-                     f"{'within its rungs' if c['interpolated'] else 'extrapolated beyond its rungs'} |")
-    lines += ["", "Multipliers: mean over the seeds (min-max); the candidate's compute (time) to reach the reference's "
-              "loss on its largest rung, from its fit, against the reference's on that rung."]
+        rungs = "" if c["between_rungs"] else " (extended)"
+        fit = "" if c["interpolated"] else " (extrapolated)"
+        lines.append(f"| {c['candidate']} | {c['reference']} | {target:.4f} | "
+                     f"{multiplier_text(c['between_multiplier'])}{rungs} | "
+                     f"{multiplier_text(c['between_time_multiplier'])}{rungs} | "
+                     f"{multiplier_text(c['flops_multiplier'])}{fit} | {multiplier_text(c['time_multiplier'])}{fit} |")
+    lines += ["", "Multipliers: mean over the seeds (min-max): the reference's compute (training time) on its largest "
+              "rung over what the candidate needs for the same loss, read off the candidate's rungs (straight lines "
+              "between them in log-log; extended: beyond its rungs) or off its fitted law (extrapolated: beyond its "
+              "rungs)."]
     lines += [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -302,5 +336,5 @@ def plot(result: dict, path: Path) -> None:
 
 
 def multiplier_summary(result: dict) -> str:
-    return "; ".join(f"{c['candidate']} over {c['reference']}: {multiplier_text(c['flops_multiplier'])} compute, "
-                     f"{multiplier_text(c['time_multiplier'])} time" for c in result["comparisons"])
+    return "; ".join(f"{c['candidate']} over {c['reference']}: {multiplier_text(c['between_multiplier'])} compute, "
+                     f"{multiplier_text(c['between_time_multiplier'])} time (its rungs)" for c in result["comparisons"])
