@@ -17,8 +17,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESETS = ("finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern",
-           "scaling-cpu", "shakespeare-cpu", "shakespeare-modern")
+PRESETS = ("finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern", "ladder-2024",
+           "ladder-gpt2", "ladder-modern", "scaling-cpu", "shakespeare-cpu", "shakespeare-modern")
 
 
 def test_the_presets_are_the_repository_configs():
