@@ -251,16 +251,16 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
 
 
 def law_check(result: dict, rungs: int) -> str:
-    """Whether the ladders follow their fitted laws: three rungs fit three parameters exactly, so only a
-    fourth rung can tell."""
-    if rungs <= 3:
-        return (f"{rungs} rungs fit E, A and alpha exactly: nothing checks that they follow the law (add a rung "
-                f"to --depths)")
+    """Whether the ladders follow their fitted laws. Three rungs fit E, A and alpha exactly unless E is held at
+    its floor; then, and with more rungs, the rms error says."""
     worst = max((ladder["fit"]["rms_log_error"], row["name"], ladder["seed"])
                 for row in result["rows"] for ladder in row["ladders"])
     if worst[0] > LAW_RMS:
-        return (f"{worst[1]} (seed {worst[2]}) does not follow its fitted law: rms error {worst[0]:.2%} over "
-                f"{LAW_RMS:.0%}; its multipliers are not extrapolated")
+        return (f"{worst[1]} (seed {worst[2]}) does not follow its fitted law: rms error {worst[0]:.2%}, over "
+                f"{LAW_RMS:.0%}; read the multipliers off the rungs, and extrapolate no fit")
+    if rungs <= 3 and worst[0] < 1e-6:
+        return (f"{rungs} rungs fit E, A and alpha exactly: nothing checks that they follow the law (add a rung "
+                f"to --depths)")
     return f"every ladder within {LAW_RMS:.0%} rms of its fitted law (worst {worst[0]:.2%}, {worst[1]} seed {worst[2]})"
 
 
