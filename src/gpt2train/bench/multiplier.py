@@ -302,7 +302,9 @@ def multiplier_markdown(result: dict) -> str:
               "rung over what the candidate needs for the same loss, read off the candidate's rungs (straight lines "
               "between them in log-log; extended: beyond its rungs) or off its fitted law (extrapolated: beyond its "
               "rungs)."]
-    lines += [f"- {note}" for note in result["notes"]]
+    shared = [note.split(": skipped")[0] for note in result["notes"] if ": skipped" in note]
+    if shared:
+        lines.append(f"Changes both recipes have alike (not compared): {', '.join(shared)}.")
     return "\n".join(lines) + "\n"
 
 
