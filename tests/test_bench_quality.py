@@ -244,3 +244,14 @@ def test_a_row_that_raises_is_reported_failed_and_a_stop_signal_stops_the_bench(
     with pytest.raises(KeyboardInterrupt):
         run_quality(options, tmp_path / "stopped", progress=False)
     assert not (tmp_path / "stopped" / "quality.md").exists()
+
+
+def test_the_default_pair_differs_in_the_recipes_keys_alone():
+    """Bug: shakespeare-cpu states its shape with the size dial and shakespeare-modern did with n_layer, n_head
+    and n_embd; once load_config stopped applying the dial, `bench quality` with its defaults refused the pair
+    (they "also differ in model.n_layer, ..."). Both now state it the same way."""
+    rows, _ = plan_rows(*quality.load_pair(QualityOptions()), recipe_only=True)
+    assert [r.name for r in rows] == ["GPT-2", "full recipe"]
+    assert not any(key.startswith("model.") and key.split(".")[1] in ("n_layer", "n_head", "n_embd", "depth")
+                   for key in rows[1].changes)
+
