@@ -3,9 +3,10 @@ the same loss, measured on a ladder of sizes rather than at one.
 
 Each recipe (a config) trains a ladder of `model.depth` rungs at their compute-optimal budgets, with bench
 scaling's rungs and rules (the dial sets each rung's shape, learning rate, batch and steps), once per seed.
-Each ladder is fitted with L(C) = E + A C^-alpha. The target is the base's loss on its largest rung, L*; the
-base spends that rung's compute C_base on it; the candidate needs C_cand = its fit solved for L*. The
-multiplier is C_base / C_cand: above 1, the candidate reaches the base's loss with less compute. The time
+The target is the base's loss on its largest rung, L*; the base spends that rung's compute C_base on it; the
+candidate needs C_cand, read off its own rungs (straight lines between them in log-log) and, beside it, off its
+fitted law L(C) = E + A C^-alpha (bench scaling's fit; a ladder that misses its fit by over 1% rms is said not to
+follow it). The multiplier is C_base / C_cand: above 1, the candidate reaches the base's loss with less compute. The time
 multiplier is the same with each rung's training seconds in place of its FLOPs, so a change that saves FLOPs
 but costs time says so. Seeds pair up (the base's seed s against the candidate's seed s): the spread of the
 per-seed multipliers is the seeds' spread.
