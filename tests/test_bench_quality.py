@@ -25,7 +25,9 @@ from gpt2train.bench.recipe import flat, plan_rows
 from gpt2train.config import Config, load_config, save_config
 from gpt2train.ranges import UsageError
 
-SKIPPED = ["rotary", "untied head", "zero-init projections", "logit soft cap"]
+SKIPPED = ["rotary", "untied head", "zero-init projections", "logit soft cap", "Polar Express", "NorMuon",
+           "cautious weight decay", "value embeddings", "U-net skips", "attention-window warmup",
+           "multi-token prediction", "batch-size schedule", "weight average"]
 
 
 def recipe_of(base: Config) -> Config:
