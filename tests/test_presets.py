@@ -99,8 +99,9 @@ def test_the_wheel_ships_the_presets(tmp_path):
 
 @pytest.mark.parametrize("preset", ["shakespeare-modern", "gpt2-modern"])
 def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path):
-    """The recipe's presets as a user runs them, shrunk to a few steps of a one-layer model."""
-    shrink = ["--set", f"data.dir={char_data}", "--set", "model.n_layer=1", "--set", "model.n_head=2",
+    """The recipe's presets as a user runs them, shrunk to a few steps of a two-layer model (the value table
+    feeds the first and the last block: one layer cannot hold it)."""
+    shrink = ["--set", f"data.dir={char_data}", "--set", "model.n_layer=2", "--set", "model.n_head=2",
               "--set", "model.n_embd=32", "--set", "model.block_size=32", "--set", "train.seq_len=32",
               "--set", "train.micro_batch=2", "--set", "train.total_batch_tokens=0", "--set", "train.device=cpu",
               "--set", "train.compile=false", "--set", "train.dtype=float32", "--set", "train.warmup_steps=1",

@@ -135,11 +135,11 @@ def test_a_launch_that_fails_in_its_first_step_takes_back_its_directory(char_dat
     calls = []
     original = TrainStep.__call__
 
-    def fails_at(self):
+    def fails_at(self, **step):
         calls.append(1)
         if len(calls) == fail_at_step:
             raise RuntimeError("out of memory (injected)")
-        return original(self)
+        return original(self, **step)
 
     monkeypatch.setattr(TrainStep, "__call__", fails_at)
     with pytest.raises(RuntimeError, match="injected"):
