@@ -200,12 +200,13 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
     planned = {key: describe_rung(run, key[2]) for key, run in configs.items()}
     train_tokens = check_fresh_data(list(planned.values()), rows[0].cfg, meta)
     out = Path(out_dir)
+    dirs = [row_dir_name(row) for row in rows]  # a hash of each row's settings, taken once
     ladders: dict[tuple[int, int], dict] = {}
     for i, row in enumerate(rows):
         for seed in seeds:
             rungs = []
             for depth in depths:
-                run_dir = out / row_dir_name(row) / f"seed{seed}" / f"depth{depth}"
+                run_dir = out / dirs[i] / f"seed{seed}" / f"depth{depth}"
                 rung = finished_rung(run_dir, planned[i, depth, seed])
                 if rung is None:
                     if progress:
@@ -236,7 +237,7 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
     result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
               "cpu_threads": torch.get_num_threads(), "data": data_dir, "train_tokens": train_tokens,
               "floor": floor, "notes": notes,
-              "rows": [{"name": row.name, "dir": row_dir_name(row), "changes": row.changes,
+              "rows": [{"name": row.name, "dir": dirs[i], "changes": row.changes,
                         "ladders": [{"seed": s, "rungs": [dataclasses.asdict(r) for r in ladders[i, s]["rungs"]],
                                      "fit": dataclasses.asdict(ladders[i, s]["fit"]),
                                      "time_fit": dataclasses.asdict(ladders[i, s]["time_fit"])} for s in seeds]}
