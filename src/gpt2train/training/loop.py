@@ -21,6 +21,7 @@ from gpt2train.config import Config, save_config
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.mixture import data_meta, open_loader
 from gpt2train.eval.periodic import PeriodicEvals
+from gpt2train.eval.val import open_val_loader
 from gpt2train.mfu_basis import mfu_basis
 from gpt2train.model import GPT
 from gpt2train.runconfig import Environment, RunConfig, as_run
@@ -87,8 +88,7 @@ class Trainer:
                            vocab_size=cfg.model.vocab_size)
         self.train_loader = open_loader(cfg.data, "train", cfg.train.micro_batch, cfg.train.seq_len,
                                         seed=cfg.train.seed, order=cfg.data.order, **loader_args)
-        self.val_loader = open_loader(cfg.data, "val", cfg.train.micro_batch, cfg.train.seq_len,
-                                      seed=cfg.train.seed + 1, order="sequential", **loader_args)
+        self.val_loader = open_val_loader(cfg, cfg.train.seq_len, **loader_args)  # the windows `eval` reads too
 
         # The step, and the components around it.
         self.step_fn = TrainStep(self.model, self.optimizer, self.train_loader.next_batch, runtime,
