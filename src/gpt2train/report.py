@@ -257,7 +257,9 @@ def _hellaswag_chart(runs: list[Run]) -> Chart | None:
         Line2D([], [], color="black", lw=0.8, alpha=0.5, label="chance (0.25)"),
     ]
     _legend(fig, runs, styles)
-    return Chart("hellaswag", "HellaSwag accuracy", fig)
+    sources = [f"{run.name}: {', '.join(named)}" for run in runs  # absent from logs written before it was recorded
+               if (named := list(dict.fromkeys(r["source"] for r in run.of("hellaswag") if r.get("source"))))]
+    return Chart("hellaswag", "HellaSwag accuracy", fig, [f"HellaSwag's examples: {'; '.join(sources)}."] if sources else [])
 
 
 def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:

@@ -206,19 +206,19 @@ def default_tasks(meta: dict, warn: bool = True) -> list[str]:
 
 
 def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
-    from gpt2train.eval.hellaswag import default_source, evaluate_hellaswag, load_examples
+    from gpt2train.eval.hellaswag import describe_source, evaluate_hellaswag, load_examples, source_file
 
     kind = meta["tokenizer"].get("kind")
     if kind != "gpt2":  # asked for by name: the user's choice of --tasks
         raise UsageError(f"hellaswag needs a model with the GPT-2 tokenizer, this checkpoint uses {kind!r}; "
                          "run with --tasks val")
-    source = source or default_source()
-    examples = load_examples(source, limit)
+    path = source_file(source)  # the file itself: --hellaswag's, or the default's
+    examples = load_examples(path, limit)
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 
     def run() -> dict:
         out = evaluate_hellaswag(model, tokenizer, examples, max(1, batch_size // 4), autocast, progress)
-        return {**out, "source": str(source)}
+        return {**out, "source": str(path), "source_name": describe_source(path)}
     return run
 
 
@@ -273,7 +273,7 @@ def format_table(record: dict) -> str:
             lines += _harness_rows(task, r, width, metric_width)
             continue
         else:
-            over = f"{r['n']} examples of {Path(r['source']).name}"
+            over = f"{r['n']} examples of {r.get('source_name') or r['source']}"
             if r.get("examples_per_s"):
                 over += f", {r['examples_per_s']:,.1f} examples/s"
             rows = [("acc", f"{r['acc']:.4f}"), ("acc_norm", f"{r['acc_norm']:.4f}")]
