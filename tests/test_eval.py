@@ -384,7 +384,8 @@ def test_eval_prints_the_val_loss_the_run_logged_for_the_same_checkpoint(char_da
             assert each["loss"] == pytest.approx(logged["sources"][name]["val_loss"], rel=1e-6, abs=0)
     assert f"the {val['windows']} windows the run validates on" in r.stdout
 
-    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--limit", "5", "--device", "cpu")
+    same_folder = [] if mixture else ["--data", f"{char_data}/."]  # the run's own data.dir, spelled otherwise
+    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--limit", "5", "--device", "cpu", *same_folder)
     assert r.returncode == 0, r.stderr
     assert f"{5 * len(per_source)} of the {val['windows']} windows the run validates on" in r.stdout
 

@@ -858,7 +858,8 @@ def add_eval(sub) -> None:
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="autocast dtype (default %(default)s: the run's own train.dtype, on this device)")
+                   help=f"autocast dtype (default %(default)s: the run's own train.dtype, as training resolves it on "
+                        f"this device; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_eval)
 
 

@@ -167,7 +167,7 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
     run_windows = training_windows(cfg, meta, seq_len) if runs_own else {}
 
     def one(folder) -> dict:
-        ids = run_windows.get(str(folder))
+        ids = run_windows.get(Path(folder).resolve())
         out = validation_loss(model, folder, batch_size=batch_size, seq_len=seq_len, windows=limit,
                               ids=None if ids is None else ids[:limit or None], progress=progress, autocast=autocast,
                               token_bytes=token_bytes)
@@ -183,15 +183,16 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
     return run
 
 
-def training_windows(cfg, meta: dict, seq_len: int) -> dict[str, np.ndarray]:
-    """{folder: the ids of the val windows the run's training validated on}, each of the run's data folders: its
-    val stream as the launch that saved the checkpoint drew it (its world size), eval.val_batches batches."""
+def training_windows(cfg, meta: dict, seq_len: int) -> dict[Path, np.ndarray]:
+    """{folder (resolved): the ids of the val windows the run's training validated on}, each of the run's data
+    folders: its val stream as the launch that saved the checkpoint drew it (its world size), eval.val_batches
+    batches."""
     from gpt2train.data.mixture import MixtureLoader
     from gpt2train.eval.val import open_val_loader, validation_windows
 
     loader = open_val_loader(cfg, seq_len, world_size=int(meta.get("world_size", 1)), mode="memmap")
     named = zip(loader.names, loader.loaders) if isinstance(loader, MixtureLoader) else [(cfg.data.dir, loader)]
-    return {str(folder): validation_windows(each, cfg.eval.val_batches) for folder, each in named}
+    return {Path(folder).resolve(): validation_windows(each, cfg.eval.val_batches) for folder, each in named}
 
 
 def default_tasks(meta: dict, warn: bool = True) -> list[str]:
