@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_distributed.py: `gpt2train train ARGS...` in which rank 1 dies (SIGKILL) or
-hangs when it is about to train step STEP; the other rank must say so in one line and exit.
+hangs when it is about to train step STEP; the other rank must say so in one line and exit. With `signal`,
+rank 0 gets a SIGINT and rank 1 a SIGTERM then: both must save that step and exit alike.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/rank_fault_worker.py kill|hang STEP \
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/rank_fault_worker.py kill|hang|signal STEP \
         --config tiny.toml --out RUN_DIR
 """
 
@@ -21,7 +22,9 @@ def main():
     train_step = Trainer.train_step
 
     def faulty_train_step(self):
-        if self.dist.rank == 1 and self.state.step + 1 == at_step:
+        if fault == "signal" and self.state.step + 1 == at_step:
+            os.kill(os.getpid(), signal.SIGTERM if self.dist.rank == 1 else signal.SIGINT)
+        elif self.dist.rank == 1 and self.state.step + 1 == at_step:
             if fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             # Hung: it never reaches the next collective. The launcher's SIGTERM (once the other rank has

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 
 import pytest
 
@@ -242,9 +243,10 @@ def test_a_row_that_raises_is_reported_failed_and_a_stop_signal_stops_the_bench(
     assert "| GPT-2 | failed |" in result.markdown and "GPT-2, seed 1337: failed: ValueError: guard" in result.markdown
     assert result.target["tokens_ratio"] is None and (tmp_path / "failed" / "quality.png").is_file()
 
-    monkeypatch.setattr(quality, "train", lambda cfg, run_dir: {"reason": "signal"})
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(quality, "train", lambda cfg, run_dir: {"reason": "signal", "signal": signal.SIGTERM})
+    with pytest.raises(KeyboardInterrupt) as stopped:
         run_quality(options, tmp_path / "stopped", progress=False)
+    assert stopped.value.signum == signal.SIGTERM  # the command exits 143, as the trainer stopped by it would
     assert not (tmp_path / "stopped" / "quality.md").exists()
 
 

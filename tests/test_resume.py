@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from gpt2train.config import ConfigError, dump_toml
 from gpt2train.runlog import load_metrics
 from gpt2train.training.checkpointing import RunExists
 from gpt2train.training.loop import Trainer, train
+from gpt2train.training.signals import StopSignal
 
 
 def stop_with_sigterm_at(trainer: Trainer, stop_step: int):
@@ -179,7 +181,11 @@ def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys, dama
         Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
 
 
-def test_sigterm_saves_the_current_step_and_resume_finishes(char_data, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_saves_the_current_step_exits_by_it_and_the_printed_command_resumes(char_data, tmp_path, signum):
+    """Ctrl-C or a scheduler's SIGTERM once training has started: the step is saved, the command exits 128 + the
+    signal's number (130, 143), so `train ... && export-hf ...` stops there, and its last line is the command that
+    resumes the run. Bug: it exited 0, and the next command of a script went on with the interrupted run."""
     run, config = tmp_path / "run", tmp_path / "cfg.toml"
     cfg = tiny_config(char_data, max_steps=10_000)
     cfg.checkpoint.every_steps = 0  # only the signal saves
@@ -193,24 +199,43 @@ def test_sigterm_saves_the_current_step_and_resume_finishes(char_data, tmp_path)
         while not any(r.get("step", 0) >= 3 for r in _read_if_there(run)):
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr
-    assert "best val loss n/a (no validation yet)" in stdout  # once "best val loss inf"
+    assert proc.returncode == 128 + signum, stderr
     end = records(run, "run_end")[-1]
     assert end["reason"] == "signal"
     stopped = end["step"]
     ckpt = run / "checkpoints" / f"step_{stopped:08d}"
     assert ckpt.is_dir() and newest_checkpoint(run) == ckpt
     assert json.loads((ckpt / "meta.json").read_text())["step"] == stopped
+    command = shlex.join(["gpt2train", "train", "--config", str(config), "--out", str(run), "--resume", "auto"])
+    assert stdout.splitlines()[-1] == (f"stopped by {signum.name} at step {stopped} (saved); best val loss n/a (no "
+                                       f"validation yet); exit status {128 + signum}; resume with: {command}")
 
-    r = run_cli("train", "--config", str(config), "--out", str(run), "--resume", "auto",
-                "--set", f"train.max_steps={stopped + 2}")
+    # The printed command, as it is (`gpt2train` is `python -m gpt2train`), with a nearer end.
+    r = run_cli(*shlex.split(command)[1:], "--set", f"train.max_steps={stopped + 2}")
     assert r.returncode == 0, r.stderr
     assert f"resumed from {ckpt} at step {stopped}" in r.stdout
     assert records(run, "run_end")[-1]["step"] == stopped + 2
+
+
+def test_a_second_stop_signal_stops_at_once_with_its_own_exit_status(monkeypatch):
+    """The first signal asks for a save; a second one stops in the middle (Interrupted), and the command exits
+    by the second signal's status: 143 for a SIGTERM after a Ctrl-C, as a scheduler's kill reads."""
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt) as second:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert second.value.signum == signal.SIGTERM
+
+    def stopped_twice(args):
+        raise second.value
+
+    monkeypatch.setattr(cli, "cmd_train", stopped_twice)
+    assert cli.main(["train"]) == 143
 
 
 def _read_if_there(run) -> list[dict]:

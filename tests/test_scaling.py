@@ -389,8 +389,9 @@ def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, m
 
     monkeypatch.setattr(Trainer, "train_step", step_then_signal)
     out = tmp_path / "interrupted"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as stopped:
         run_ladder(options, out, progress=False)
+    assert stopped.value.signum == signal.SIGTERM  # the command exits 143
     monkeypatch.setattr(Trainer, "train_step", original)
     assert (out / "seed1337" / "depth2" / "rung.json").is_file() and not (out / "seed1337" / "depth3" / "rung.json").exists()
     finished = (out / "seed1337" / "depth1" / "rung.json").stat().st_mtime_ns

@@ -8,10 +8,13 @@ import contextlib
 import io
 import json
 import os
+import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -21,8 +24,10 @@ import pytest
 from conftest import REPO, run_cli
 from gpt2train import cli
 from gpt2train.bench.serve import free_port
+from gpt2train.counting import parameter_count
 from gpt2train.loading import load_pretrained
-from serving import greedy, save_tiny_run
+from gpt2train.units import format_count
+from serving import CONTEXT, greedy, save_tiny_run, tiny_model
 
 KEY = "test-key-1"
 
@@ -111,6 +116,31 @@ def test_curl_streams_server_sent_events(server):
     assert json.loads(health)["status"] == "ok"  # open without the key
 
 
+def test_serve_says_in_one_line_when_its_model_is_loaded_and_ctrl_c_exits_130(tmp_path):
+    """It printed where it listens, then nothing of its own: a user could not tell when the model was in. Now one
+    line says it, with the URL, once /health answers 200; Ctrl-C then stops it with the shell's status, 130."""
+    save_tiny_run(tmp_path / "run")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(tmp_path / "run"), "--port",
+                             str(port), "--dtype", "float32"], env=env, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    try:
+        seen = []
+        while not seen or not seen[-1].startswith("model loaded"):
+            seen.append(lines.get(timeout=120).rstrip("\n"))
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # ready when it says so
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert seen[0].startswith(f"loading {tmp_path / 'run'} to serve on http://127.0.0.1:{port}/ (cpu, float32, ")
+    params = format_count(parameter_count(tiny_model().config))
+    assert seen[-1] == (f"model loaded: {tmp_path / 'run'} ({params} parameters, context {CONTEXT} tokens); serving "
+                        f"on http://127.0.0.1:{port}/")
+
+
 def test_serve_without_the_extra_names_it_in_one_line(monkeypatch, tmp_path):
     monkeypatch.delitem(sys.modules, "gpt2train.serve.app", raising=False)
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
@@ -132,7 +162,7 @@ def test_serve_refuses_a_bad_checkpoint_and_a_port_in_use(tmp_path):
         taken.listen()
         busy = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--port", str(taken.getsockname()[1]))
     assert busy.returncode == 1
-    # one line, before any loading: it was the last of uvicorn's log lines, after "serving ..."
+    # one line, before any loading: it was the last of uvicorn's log lines, after "loading ..."
     assert busy.stderr.strip().startswith("error: could not listen on 127.0.0.1:"), busy.stderr
     assert len(busy.stderr.strip().splitlines()) == 1 and "port in use" in busy.stderr, busy.stderr
     bad = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--max-batch", "0")

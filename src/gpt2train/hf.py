@@ -336,9 +336,17 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
 CARD_MARKER = "<!-- written by gpt2train export-hf; delete this line to keep your edits through later exports -->"
 
 
-def model_card(cfg, meta: dict, folder: str | Path) -> str:
-    """README.md for an exported folder, as the Hub shows it: the model's shape, how it was trained (from the
-    checkpoint's config and meta) and the transformers code that loads it from `folder`."""
+def run_name(path: str | Path) -> str:
+    """The name of the run a checkpoint belongs to, from its run directory or a checkpoint folder in the run's
+    checkpoints/ (RUN/checkpoints/best: RUN's folder name); a checkpoint folder elsewhere is named itself."""
+    path = Path(path).resolve()
+    return path.parent.parent.name if path.parent.name == "checkpoints" else path.name
+
+
+def model_card(cfg, meta: dict, folder: str | Path, name: str) -> str:
+    """README.md for an exported folder, titled `name` (the run's: run_name), as the Hub shows it: the model's
+    shape, how it was trained (from the checkpoint's config and meta) and the transformers code that loads it
+    from `folder`."""
     import jinja2
 
     from gpt2train import __version__
@@ -355,7 +363,7 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
     else:
         started_from = "random weights" if train.init_from == "scratch" else f"`{train.init_from}` (fine-tuned)"
     values = {
-        "marker": CARD_MARKER, "name": Path(folder).resolve().name, "version": __version__,
+        "marker": CARD_MARKER, "name": name, "version": __version__,
         "params": format_count(parameter_count(m)), "n_layer": m.n_layer, "n_head": m.n_head, "n_embd": m.n_embd,
         "block_size": m.block_size, "imported_from": imported_from, "started_from": started_from,
         "data": ("not recorded (imported)" if imported_from else
@@ -363,6 +371,7 @@ def model_card(cfg, meta: dict, folder: str | Path) -> str:
         "tokenizer": describe_tokenizer(spec), "vocab": f"{tokenizer_from_spec(spec).vocab_size:,}",
         "steps": f"{meta.get('step', 0):,}", "tokens": f"{meta.get('tokens', 0):,}",
         "tokens_per_step": f"{(meta.get('batch') or {}).get('tokens_per_step', train.total_batch_tokens):,}",
+        "staged": bool(train.batch_schedule),
         "optimizer": {"adamw": "AdamW", "muon": "Muon with AdamW"}.get(train.optimizer, train.optimizer),
         "lr": f"{train.lr:g}",
         "precision": f"{runtime['dtype']}, {runtime['device']}" if runtime else "not recorded",

@@ -257,7 +257,9 @@ def _hellaswag_chart(runs: list[Run]) -> Chart | None:
         Line2D([], [], color="black", lw=0.8, alpha=0.5, label="chance (0.25)"),
     ]
     _legend(fig, runs, styles)
-    return Chart("hellaswag", "HellaSwag accuracy", fig)
+    sources = [f"{run.name}: {', '.join(named)}" for run in runs  # absent from logs written before it was recorded
+               if (named := list(dict.fromkeys(r["source"] for r in run.of("hellaswag") if r.get("source"))))]
+    return Chart("hellaswag", "HellaSwag accuracy", fig, [f"HellaSwag's examples: {'; '.join(sources)}."] if sources else [])
 
 
 def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:
@@ -378,6 +380,7 @@ def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: d
     generated = format_utc(time.time())
     return _template().render(
         names=", ".join(run.name for run in runs),
+        states="; ".join(f"{summary['run']}: {_state(summary)}" for summary in summaries),
         generated=generated,
         read_notes=_read_notes(runs),
         summary=_summary_table(summaries),
@@ -385,6 +388,22 @@ def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: d
         events=_events(runs),
         samples=_samples(runs),
     )
+
+
+def _state(summary: dict) -> str:
+    """Where a run stands, for the page's subtitle: finished, stopped, failed, or in progress (the page then
+    holds what metrics.jsonl held when it was built)."""
+    at = f" at step {summary['steps']:,}" if summary["steps"] is not None else ""
+    status = summary["status"]
+    if status == "done":
+        return f"finished{at}"
+    if status == "signal":
+        return f"stopped by a signal{at} (continue it with --resume auto)"
+    if status == "error":
+        return f"ended by an error{at}"
+    if status.startswith("in progress"):
+        return f"in progress{at} (or killed: no run_end record yet): this page shows what its metrics.jsonl held when built"
+    return f"{status}{at}"
 
 
 def _template() -> jinja2.Template:

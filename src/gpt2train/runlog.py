@@ -52,7 +52,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
             "compile_ms"),
     VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb", "sources"),
-    HELLASWAG: ("step", "acc", "acc_norm", "n"),
+    HELLASWAG: ("step", "acc", "acc_norm", "n", "source"),
     SAMPLE: ("step", "prompt", "text"),
     GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
     CHECKPOINT: ("step", "path", "best"),

@@ -33,6 +33,7 @@ from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.training.loop import train
+from gpt2train.training.signals import Interrupted
 from gpt2train.units import format_count, format_duration, format_utc
 
 FLOPS_TARGET, TIME_TARGET = 0.2, 0.3  # issue 45: the recipe's share of GPT-2's training FLOPs and time
@@ -242,7 +243,7 @@ def train_row(row: Row, seed: int, run_dir: Path) -> SeedRun:
         with open(run_dir / "console.log", "w") as console, contextlib.redirect_stdout(console):
             out = train(cfg, run_dir)
         if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the bench
-            raise KeyboardInterrupt
+            raise Interrupted(out["signal"])  # the command exits 130 or 143, as the trainer's
         run = read_seed_run(run_dir, seed)
     except Exception as e:  # noqa: BLE001 - the other rows still tell something
         message = str(e).splitlines()[0] if str(e) else ""

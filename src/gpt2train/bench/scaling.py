@@ -34,6 +34,7 @@ from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.runconfig import RunConfig, resolve_run
 from gpt2train.sizing import scaling_parameters
+from gpt2train.training.signals import Interrupted
 from gpt2train.units import format_count, format_duration, format_utc
 
 TARGET_ERROR = 0.02  # issue 34: the held-out rung within 2% of its prediction
@@ -163,7 +164,7 @@ def train_rung(run: RunConfig, rung: Rung, run_dir: Path) -> Rung:
     with open(run_dir / "console.log", "a") as console, contextlib.redirect_stdout(console):
         out = train(run, run_dir, resume="auto")
     if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the ladder
-        raise KeyboardInterrupt
+        raise Interrupted(out["signal"])  # the command exits 130 or 143, as the trainer's
     vals = [r for r in runlog.load_run(run_dir).of(runlog.VAL)
             if r["step"] == run.config.train.max_steps and runlog.is_finite(r.get("val_loss"))]
     if not vals:

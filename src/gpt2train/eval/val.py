@@ -2,9 +2,12 @@
 val shards, and the same sum in bits divided by the UTF-8 bytes of the predicted text, which compares
 models with different tokenizers (a bigger vocabulary has fewer, longer tokens and a higher loss per token).
 
-From a data folder the windows are fixed: every non-overlapping window of seq_len + 1 tokens, in file
-order, or a number of them spread evenly over the split. The same checkpoint therefore gets the same
-number on every run, whatever the batch size or the number of ranks (up to float rounding).
+The training loop validates on its val stream (open_val_loader): eval.val_batches batches of non-overlapping
+windows of seq_len + 1 tokens, drawn in a permutation seeded by train.seed + 1. `gpt2train eval` reads the
+same windows by default (validation_windows gives their ids), so that it prints the number the run logged.
+From another data folder the windows are every non-overlapping window, in file order, or a number of them
+spread evenly over the split. The same checkpoint therefore gets the same number on every run, whatever the
+batch size or the number of ranks (up to float rounding).
 
 Logits are cut to the tokenizer's vocabulary before the softmax. A trained model learns to give its
 padding ids (50257..50303 for GPT-2) no probability, but weights imported from elsewhere may hold zeros
@@ -20,12 +23,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2train.config import Config
 from gpt2train.data.loader import DataError, TokenLoader
-from gpt2train.data.mixture import MixtureLoader
+from gpt2train.data.mixture import MixtureLoader, open_loader
 from gpt2train.data.prepared import load_meta, open_split, split_paths
 from gpt2train.data.shards import check_ids_below
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
 from gpt2train.progress import show_progress
+
+
+def open_val_loader(cfg: Config, seq_len: int, **loader_args) -> TokenLoader | MixtureLoader:
+    """The run's validation stream (loader_args: TokenLoader's keywords): train.micro_batch non-overlapping
+    windows per rank and batch, each pass over the split a permutation seeded by train.seed + 1, so every
+    validation of a run reads the same windows."""
+    return open_loader(cfg.data, "val", cfg.train.micro_batch, seq_len, seed=cfg.train.seed + 1, order="sequential",
+                       **loader_args)
+
+
+def batches_to_read(loader: TokenLoader, batches: int) -> int:
+    """`batches`, or for 0 about one pass over the split (every window once, less the last partial batch)."""
+    return batches or max(1, int(loader.cum_starts[-1]) // (loader.B * loader.world_size))
+
+
+def validation_windows(loader: TokenLoader, batches: int) -> np.ndarray:
+    """The ids of the windows validation_loss(model, loader, batches) reads, every rank's, in the order drawn;
+    in ValWindows' numbering (the same non-overlapping windows, numbered in file order)."""
+    loader.reset()
+    return np.concatenate([loader.take_ids(loader.B * loader.world_size) for _ in range(batches_to_read(loader, batches))])
 
 
 class ValWindows:
@@ -103,12 +127,13 @@ def combine_sources(per: dict[str, dict], share: dict[str, float]) -> dict:
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, batches: int = 0, autocast=None, *,
-                    batch_size: int = 8, seq_len: int = 0, windows: int = 0, progress: bool = False,
-                    token_bytes: np.ndarray | None = None) -> dict:
+                    batch_size: int = 8, seq_len: int = 0, windows: int = 0, ids: np.ndarray | None = None,
+                    progress: bool = False, token_bytes: np.ndarray | None = None) -> dict:
     """Mean loss and perplexity of `model` (plain, unwrapped; put it in eval mode) on the val split.
 
-    source: a data folder, whose windows are fixed (see ValWindows): `windows` of them spread evenly over
-        the split, else `batches` * batch_size, else all; each rank takes every world_size-th.
+    source: a data folder, whose windows are fixed (see ValWindows): those of `ids` (e.g. validation_windows'),
+        else `windows` of them spread evenly over the split, else `batches` * batch_size, else all; each rank
+        takes every world_size-th.
         Or a TokenLoader (reset first), from which `batches` batches are drawn (0: about one pass).
     token_bytes: the tokenizer's bytes per id (its `token_bytes()`); with it the result has "bpb".
     Returns {"loss", "ppl", "bpb", "tokens", "bytes", "windows", "seq_len"}, summed over all ranks.
@@ -121,8 +146,8 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     if isinstance(source, TokenLoader):
         source.reset()
         seq_len = source.T
-        n = batches or max(1, int(source.cum_starts[-1]) // (source.B * source.world_size))
-        for _ in show_progress(range(n), desc="val", unit="batch", enabled=progress and rank_and_world()[0] == 0):
+        for _ in show_progress(range(batches_to_read(source, batches)), desc="val", unit="batch",
+                               enabled=progress and rank_and_world()[0] == 0):
             x, y = source.next_batch()
             total += summed_loss(model, x, y, autocast)
             n_bytes += bytes_of[y].sum() if bytes_of is not None else 0
@@ -130,7 +155,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     else:
         seq_len = seq_len or model.config.block_size
         data = ValWindows(source, seq_len, vocab_size=model.config.vocab_size)
-        ids = data.spread(windows or batches * batch_size)
+        ids = data.spread(windows or batches * batch_size) if ids is None else np.asarray(ids)
         for rows in show_progress(rank_batches(len(ids), batch_size), desc="val", unit="batch",
                                 enabled=progress and rank_and_world()[0] == 0):
             if len(rows) == 0:

@@ -33,8 +33,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from gpt2train.counting import parameter_count
 from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
 from gpt2train.serve.request import BadRequest, CompletionRequest, parse_completion_request
+from gpt2train.units import format_count
 
 API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
@@ -87,8 +89,8 @@ class Served:
     the model's id, the API key, the body limit and the metrics. The routes reach it as a dependency."""
 
     def __init__(self, load: Callable[[], Engine], model_id: str, api_key: str | None, max_body_bytes: int,
-                 on_load_error: Callable[[BaseException], None] | None):
-        self.load, self.on_load_error = load, on_load_error
+                 on_load_error: Callable[[BaseException], None] | None, on_loaded: Callable[[Engine], None] | None):
+        self.load, self.on_load_error, self.on_loaded = load, on_load_error, on_loaded
         self.model_id, self.api_key, self.max_body_bytes = model_id, api_key, max_body_bytes
         self.created = int(time.time())
         self.engine: Engine | None = None
@@ -100,6 +102,8 @@ class Served:
         try:
             self.engine = self.load().start()
             log.info("model %s loaded", self.model_id)
+            if self.on_loaded is not None:
+                self.on_loaded(self.engine)
         except Exception as e:  # noqa: BLE001 -- reported by /health and to whoever started the server
             self.error = one_line(e)
             log.error("the model failed to load: %s", self.error)
@@ -292,12 +296,14 @@ async def internal_error(request: Request, e: Exception):  # a bug: still JSON, 
 
 def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app; `load` builds the engine in a thread at startup (/health answers 503 until it is done)."""
+               on_load_error: Callable[[BaseException], None] | None = None,
+               on_loaded: Callable[[Engine], None] | None = None) -> FastAPI:
+    """The app; `load` builds the engine in a thread at startup (/health answers 503 until it is done), then
+    calls on_loaded(engine), or on_load_error(exception) when it failed."""
     app = FastAPI(title="gpt2train", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   exception_handlers={ApiError: api_error, BadRequest: bad_request, HTTPException: http_error,
                                       Exception: internal_error})
-    app.state.served = Served(load, model_id, api_key, max_body_bytes, on_load_error)
+    app.state.served = Served(load, model_id, api_key, max_body_bytes, on_load_error, on_loaded)
     app.add_middleware(CountRequests, metrics=app.state.served.metrics)
     app.include_router(pages)
     app.include_router(v1)
@@ -550,13 +556,20 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
         failures.append(e)
         server.should_exit = True
 
+    url = f"http://{host}:{port}/"
+
+    def say_loaded(engine: Engine) -> None:
+        params = format_count(parameter_count(engine.model.config))  # as training's banner and the model card count
+        print(f"model loaded: {ckpt} ({params} parameters, context {engine.context} tokens); serving on {url}",
+              file=sys.stderr, flush=True)
+
     app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None,
-                     on_load_error=stop_on_failure)
+                     on_load_error=stop_on_failure, on_loaded=say_loaded)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
     listening = listen(host, port)  # a port in use fails here in one line, before uvicorn logs anything
     key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
-    print(f"serving {Path(ckpt)} on http://{host}:{port}/ ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
-          f"up to {max_batch} rows){key}; /health answers 200 once the model is loaded", file=sys.stderr, flush=True)
+    print(f"loading {Path(ckpt)} to serve on {url} ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
+          f"up to {max_batch} rows){key}; /health answers 503 until it is loaded", file=sys.stderr, flush=True)
     with listening:
         server.run(sockets=[listening])
     if failures:

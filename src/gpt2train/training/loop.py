@@ -8,6 +8,7 @@ the loss guard (guard.py) and the evaluations during training (eval/periodic.py)
 from __future__ import annotations
 
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from gpt2train.config import Config, save_config
 from gpt2train.counting import flops_per_token, parameter_count
 from gpt2train.data.mixture import data_meta, open_loader
 from gpt2train.eval.periodic import PeriodicEvals
+from gpt2train.eval.val import open_val_loader
 from gpt2train.mfu_basis import mfu_basis
 from gpt2train.model import GPT
 from gpt2train.runconfig import Environment, RunConfig, as_run
@@ -30,7 +32,7 @@ from gpt2train.training.checkpointing import Checkpointer, RunState, refuse_to_s
 from gpt2train.training.console import Console, LogContinuity, say_already_finished
 from gpt2train.training.guard import TrainingGuard, finite_or_none
 from gpt2train.training.optim import make_optimizer, set_lr
-from gpt2train.training.signals import StopSignal
+from gpt2train.training.signals import StopSignal, agreed_signal, signal_name
 from gpt2train.training.step import TrainStep, attention_window_at
 
 
@@ -86,8 +88,7 @@ class Trainer:
                            vocab_size=cfg.model.vocab_size)
         self.train_loader = open_loader(cfg.data, "train", cfg.train.micro_batch, cfg.train.seq_len,
                                         seed=cfg.train.seed, order=cfg.data.order, **loader_args)
-        self.val_loader = open_loader(cfg.data, "val", cfg.train.micro_batch, cfg.train.seq_len,
-                                      seed=cfg.train.seed + 1, order="sequential", **loader_args)
+        self.val_loader = open_val_loader(cfg, cfg.train.seq_len, **loader_args)  # the windows `eval` reads too
 
         # The step, and the components around it.
         self.step_fn = TrainStep(self.model, self.optimizer, self.train_loader.next_batch, runtime,
@@ -132,18 +133,16 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.toml")
         console.start(state.step, self.runtime, self.flops_per_token, self.mfu_basis, state.resumed_from, self.init_source)
         state.launch_start = self.checkpointer.last_save = time.time()
-        first_step, reason, val_loss = state.step + 1, "done", None
+        first_step, val_loss, stop = state.step + 1, None, None
         with StopSignal() as stop_signal:
             while state.step < cfg.train.max_steps:
                 out = self.train_step()
                 step, last = state.step, state.step == cfg.train.max_steps
-                loss, stop, minutes_due = self._agree(out["loss"], stop_signal.received is not None,
-                                                      self.checkpointer.minutes_due())
+                loss, stop, minutes_due = self._agree(out["loss"], stop_signal.received, self.checkpointer.minutes_due())
                 verdict = self.guard.observe(loss, out["grad_norm"], norm_may_overflow=self.scaler.is_enabled())
                 if verdict is not None and verdict.action == "rollback":
                     self._rollback(verdict.reason, out, loss)
                     if stop:  # the state is a saved checkpoint's already
-                        reason = "signal"
                         break
                     continue
                 if out["skipped"]:
@@ -161,7 +160,7 @@ class Trainer:
                     val_loss = state.val_loss = new_val
                     is_best, state.best_val = new_val < state.best_val, min(state.best_val, new_val)
                 # A regular save goes into the ring; a new best alone is written to best/ only.
-                regular = self.checkpointer.regular_due(step, last, minutes_due, stop)
+                regular = self.checkpointer.regular_due(step, last, minutes_due, stop is not None)
                 best = is_best and cfg.checkpoint.save_best
                 if regular:
                     self.guard.after_checkpoint()  # a new checkpoint: the run got past what made it roll back
@@ -169,21 +168,21 @@ class Trainer:
                     path = self.checkpointer.save(ring=regular, best=best)
                     console.log("checkpoint", step=step, path=str(path), best=best)
                 if stop:
-                    reason = "signal"
-                    console.print(f"stop signal received: saved step {step}, exiting")
+                    console.print(f"stop signal received ({signal_name(stop)}): saved step {step}, exiting")
                     break
+        reason = "signal" if stop else "done"
         console.end(state.step, state.tokens, reason)
         return {"step": state.step, "tokens": state.tokens, "val_loss": val_loss, "best_val_loss": state.best_val,
-                "reason": reason}
+                "reason": reason, "signal": stop}  # the stop signal's number (None: the run was not stopped)
 
-    def _agree(self, loss: float, stop: bool, save_due_by_time: bool) -> tuple[float, bool, bool]:
-        """What every rank must decide alike: the rank-averaged loss (for the guard), whether any rank got a
-        stop signal, and whether the wall-clock save is due (clocks differ between hosts). One all-reduce."""
+    def _agree(self, loss: float, signum: int | None, save_due_by_time: bool) -> tuple[float, int | None, bool]:
+        """What every rank must decide alike: the rank-averaged loss (for the guard), the stop signal (any rank's;
+        signals.agreed_signal), and whether the wall-clock save is due (clocks differ between hosts). One all-reduce."""
         if not self.dist.enabled:
-            return loss, stop, save_due_by_time
-        t = torch.tensor([loss, float(stop), float(save_due_by_time)], device=self.device, dtype=torch.float64)
-        mean = D.all_reduce_mean(t).tolist()
-        return mean[0], mean[1] > 0, mean[2] > 0
+            return loss, signum, save_due_by_time
+        t = [loss, signum is not None, signum == signal.SIGTERM, save_due_by_time]
+        mean = D.all_reduce_mean(torch.tensor(t, device=self.device, dtype=torch.float64)).tolist()
+        return mean[0], agreed_signal(mean[1] > 0, mean[2] > 0), mean[3] > 0
 
     def _rollback(self, reason: str, out: dict, loss: float):
         step = self.state.step
@@ -246,5 +245,6 @@ def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Pat
             raise lost from e  # one line instead of gloo's traceback; the CLI exits 1
         raise
     trainer.close()
-    D.shutdown_distributed(clean=True)
+    with StopSignal():  # torchrun's SIGTERM to the ranks still leaving, once one stopped rank exited 130/143, waits
+        D.shutdown_distributed(clean=True)
     return out
