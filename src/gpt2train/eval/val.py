@@ -109,7 +109,8 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
 
     source: a data folder, whose windows are fixed (see ValWindows): `windows` of them spread evenly over
         the split, else `batches` * batch_size, else all; each rank takes every world_size-th.
-        Or a TokenLoader (reset first), from which `batches` batches are drawn (0: about one pass).
+        Or a TokenLoader (reset first), from which `batches` batches are drawn, at most one pass (0: one pass):
+        a small split is read once, not its windows again.
     token_bytes: the tokenizer's bytes per id (its `token_bytes()`); with it the result has "bpb".
     Returns {"loss", "ppl", "bpb", "tokens", "bytes", "windows", "seq_len"}, summed over all ranks.
     """
@@ -121,7 +122,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     if isinstance(source, TokenLoader):
         source.reset()
         seq_len = source.T
-        n = batches or max(1, int(source.cum_starts[-1]) // (source.B * source.world_size))
+        n = min(batches, source.batches_per_pass()) if batches else source.batches_per_pass()
         for _ in show_progress(range(n), desc="val", unit="batch", enabled=progress and rank_and_world()[0] == 0):
             x, y = source.next_batch()
             total += summed_loss(model, x, y, autocast)

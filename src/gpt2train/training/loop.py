@@ -87,7 +87,7 @@ class Trainer:
         self.train_loader = open_loader(cfg.data, "train", cfg.train.micro_batch, cfg.train.seq_len,
                                         seed=cfg.train.seed, order=cfg.data.order, **loader_args)
         self.val_loader = open_loader(cfg.data, "val", cfg.train.micro_batch, cfg.train.seq_len,
-                                      seed=cfg.train.seed + 1, order="sequential", **loader_args)
+                                      seed=cfg.train.seed + 1, order="sequential", fit=True, **loader_args)
 
         # The step, and the components around it.
         self.step_fn = TrainStep(self.model, self.optimizer, self.train_loader.next_batch, runtime,
