@@ -129,8 +129,9 @@ def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path
                 "--set", "train.max_steps=3", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     r = run_cli("train", "--config", "finetune-cpu", "--out", "runs/mine", "--set", f"data.dir={char_data}",
-                "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.device=cpu", "--set", "train.dtype=float32",
-                "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0", "--set", "log.interval=1", cwd=tmp_path)
+                "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.device=cpu",
+                "--set", "train.dtype=float32", "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0",
+                "--set", "log.interval=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "weights from runs/shakespeare/checkpoints/step_00000003 (train.init_from)" in r.stdout
     assert "finished at step 20" in r.stdout and "warning" not in r.stderr
