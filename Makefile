@@ -63,6 +63,8 @@ quickstart: setup
 	@echo "  $(BIN)/gpt2train report $(RUN)                                 # loss curves: $(RUN)/report/report.html"
 	@echo "  $(BIN)/gpt2train eval --ckpt $(RUN) --tasks val                # validation loss into eval.json"
 	@echo "  $(BIN)/gpt2train config list                                   # presets for --config"
+	@echo "  $(BIN)/gpt2train prepare files my.txt --out data/mine && $(BIN)/gpt2train train --config finetune-cpu --out runs/mine"
+	@echo "                                                   # fine-tune it on your own text (README: Train on your own text)"
 
 test: setup-dev
 	$(BIN)/python -m pytest -q

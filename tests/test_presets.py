@@ -11,13 +11,14 @@ import pytest
 
 from conftest import REPO, one_line, run_cli
 from gpt2train.config import ConfigError, dump_toml, load_config, preset_descriptions, preset_files
+from gpt2train.runconfig import resolve_run
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESETS = ("finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern", "ladder-2024",
+PRESETS = ("finetune-cpu", "finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern", "ladder-2024",
            "ladder-gpt2", "ladder-modern", "scaling-cpu", "shakespeare-cpu", "shakespeare-modern")
 
 
@@ -39,7 +40,7 @@ def test_a_file_that_exists_wins_over_a_preset(tmp_path, monkeypatch):
 
 def test_an_unknown_name_is_one_line_listing_the_presets():
     message = one_line(ConfigError, load_config, "gpt3")
-    assert message.startswith("config gpt3 is neither a file nor a preset; presets are finetune-shakespeare, gpt2,")
+    assert message.startswith("config gpt3 is neither a file nor a preset; presets are finetune-cpu, finetune-shakespeare, gpt2,")
     assert all(name in message for name in PRESETS)
 
 
@@ -64,7 +65,9 @@ def test_config_show_prints_the_resolved_config(tmp_path):
     assert r.returncode == 0, r.stderr
     shown = tomllib.loads(r.stdout)
     assert shown["train"]["lr"] == 1e-4 and shown["model"]["n_layer"] == 2 and shown["model"]["n_embd"] == 768
-    assert r.stdout == dump_toml(load_config("gpt2", ["train.lr=1e-4", "model.n_layer=2"]))
+    assert r.stdout == dump_toml(resolve_run("gpt2", ["train.lr=1e-4", "model.n_layer=2"]).config) + (
+        "\n# derived, not set in the config:\n"
+        "#   train.warmup_steps = 715  (train.warmup_fraction 0.0375 x train.max_steps 19,073)\n")
 
 
 def test_config_list_names_every_preset(tmp_path):

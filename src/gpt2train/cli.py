@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 from gpt2train.ranges import (
@@ -166,10 +167,16 @@ def print_prepared(out, meta: dict) -> None:
     docs = meta.get("documents", {})
     dropped = meta["dedup"]["documents_dropped"] if "dedup" in meta else None
     duplicates = "" if dropped is None else f", {dropped:,} duplicate{'s' if dropped != 1 else ''} dropped"
+    split = meta.get("split", {})
+    if split.get("by") == "tokens":  # one document: in both splits
+        share = (f"{float(Fraction(split['val_fraction'])) * 100:g}%" if "val_fraction" in split
+                 else f"{split['val_tokens']:,} tokens")
+        documents = f"1 document, split by tokens: its last {share} to val"
+    else:
+        documents = f"{sum(docs.values()):,} documents"
     print(f"wrote {out}: {meta['tokens']['train']:,} train tokens in {len(meta['shards']['train'])} shard(s), "
           f"{meta['tokens']['val']:,} val tokens in {len(meta['shards']['val'])} shard(s), "
-          f"{sum(docs.values()):,} documents{duplicates} "
-          f"({meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,})")
+          f"{documents}{duplicates} ({meta['tokenizer']['kind']} tokenizer, vocab {meta['vocab_size']:,})")
 
 
 def cmd_prepare_markov(args) -> int:

@@ -75,7 +75,11 @@ class TrainConfig(Section):
     tokens_per_s: float = 0.0
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    # Warmup, in steps when warmup_steps is set (in the file, with --set or in code); else warmup_fraction x
+    # max_steps, so that a run shortened with --set train.max_steps warms up for its share of the steps, not for a
+    # longer run's count (runconfig.py; the size dial's own rule is 5% unless warmup_fraction is set).
     warmup_steps: int = 100
+    warmup_fraction: float = 0.1
     # With model.attention_window: the steps over which the window grows to it, from 1/16 of it, halving less
     # as the steps go (training/step.py's attention_window_at). 0: the full window from the first step.
     window_warmup_steps: int = 0
@@ -201,6 +205,7 @@ RANGES: dict[str, Range] = {
     "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
+    "train.warmup_fraction": between(0, 1),
     "train.window_warmup_steps": at_least(0),
     "train.decay_fraction": between(0, 1),
     "train.weight_decay": at_least(0),

@@ -3,10 +3,10 @@
     resolve_run(file or preset or Config, --set overrides, Environment) -> RunConfig
 
 in this order: the model's shape from train.init_from (or from the checkpoint a fine-tune resumes), the
-vocabulary from the prepared data, the context for train.seq_len 0, the size dial's rules (sizing.py); then
-every check once. `train`, `plan`, `memory`, `config show`, the benchmarks and the library's train() all call it and
-read only its result, so they agree on what a config means. The result is sealed (sections.py): nothing
-changes a run's config after it was resolved.
+vocabulary from the prepared data, the context for train.seq_len 0, the size dial's rules (sizing.py), the
+warmup as a share of the steps where no one set it in steps; then every check once. `train`, `plan`, `memory`,
+`config show`, the benchmarks and the library's train() all call it and read only its result, so they agree on
+what a config means. The result is sealed (sections.py): nothing changes a run's config after it was resolved.
 
 "Set by the user" has one meaning: the key was written (the file, --set, or code; sections.py). Such a key
 wins over a rule of the dial, and must agree with train.init_from's shape. What the environment gives (the
@@ -111,6 +111,7 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
     for d in dial:
         if not d.explicit and d.key not in ("tokens", "decay"):
             origins[d.key] = d.rule if d.key == "train.tokens_per_s" else f"the size dial ({d.rule})"
+    scale_warmup(cfg, user, origins)
 
     try:
         validate(cfg)
@@ -196,6 +197,16 @@ def recorded_speed(resumed: Path | None) -> tuple[float, str] | None:
     if train.get("time_budget", 0) > 0 and train.get("tokens_per_s", 0) > 0:
         return float(train["tokens_per_s"]), f"measured at the run's first launch, kept in {resumed}"
     return None
+
+
+def scale_warmup(cfg: Config, user: frozenset[str], origins: dict) -> None:
+    """train.warmup_steps that neither the user nor the size dial set: train.warmup_fraction of max_steps, so that
+    a preset shortened with --set train.max_steps warms up for its share of the steps, not its full run's count."""
+    if "train.warmup_steps" in user or "train.warmup_steps" in origins:
+        return
+    cfg.train.warmup_steps = sizing.warmup_steps_for(cfg.train)
+    origins["train.warmup_steps"] = (f"train.warmup_fraction {cfg.train.warmup_fraction:g} x train.max_steps "
+                                     f"{cfg.train.max_steps:,}")
 
 
 def take_data_vocab(cfg: Config, meta: dict | None, origins: dict) -> None:

@@ -121,11 +121,20 @@ def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | N
     batch, stages = train.total_batch_tokens or granule, batch_stages(train)
     fill("train.max_steps", steps_for_tokens(stages, tokens, batch), f"tokens {int(tokens):,} / batch {batch:,}"
          + (", the batch growing as train.batch_schedule says" if stages else ""))
-    fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
+    if "train.warmup_fraction" in explicit:  # the config's share of the steps wins over the dial's
+        fill("train.warmup_steps", warmup_steps_for(train), f"train.warmup_fraction {train.warmup_fraction:g} of the steps")
+    else:
+        fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
     decay = (f"the last {train.decay_fraction:g} of the steps" if train.schedule == "wsd"
              else "the steps after warmup" if train.schedule == "cosine" else "none (constant)")
     out.append(Derived("decay", decay, f"train.schedule = {train.schedule} over max_steps {train.max_steps:,}"))
     return out
+
+
+def warmup_steps_for(train) -> int:
+    """train.warmup_fraction of train.max_steps, in whole steps: the warmup of a config that does not set
+    train.warmup_steps (runconfig.py), and of the dial's where the config sets the fraction."""
+    return round(train.warmup_fraction * train.max_steps)
 
 
 def format_derived(derived: list[Derived]) -> list[str]:

@@ -32,7 +32,7 @@ CHANGES: list[Change] = [
     Change("zero-init projections", "zero-init", ("model.zero_init_proj",)),
     Change("logit soft cap", "softcap", ("model.logit_softcap",)),
     Change("WSD schedule", "wsd", ("train.schedule", "train.decay_fraction", "train.min_lr_ratio",
-                                   "train.warmup_steps")),
+                                   "train.warmup_steps", "train.warmup_fraction")),
     Change("Polar Express", "polar-express", ("train.muon_orthogonalizer",)),
     Change("NorMuon", "normuon", ("train.muon_normalize", "train.muon_beta2")),
     Change("cautious weight decay", "cautious-wd", ("train.cautious_weight_decay", "train.muon_weight_decay")),
@@ -73,10 +73,12 @@ def differing_keys(a: Config, b: Config) -> list[str]:
 
 
 def with_keys(cfg: Config, source: Config, keys) -> Config:
-    """A copy of cfg with `keys` taken from source."""
+    """A copy of cfg with `keys` taken from source where they differ. An equal value is left unwritten: a
+    train.warmup_steps written as its default would win over the row's train.warmup_fraction."""
     out = copy.deepcopy(cfg)
     for key in keys:
-        set_key(out, key, get_key(source, key))
+        if get_key(out, key) != get_key(source, key):
+            set_key(out, key, get_key(source, key))
     return out
 
 

@@ -50,12 +50,36 @@ def choose_mode(paths: list[Path], world_size: int) -> str:
     return "ram" if on_disk * max(1, world_size) < available_ram_bytes() // RAM_FRACTION else "memmap"
 
 
+def windows_in(n_tokens: int, seq_len: int, order: str) -> int:
+    """How many windows of seq_len + 1 tokens a shard of n_tokens holds."""
+    if n_tokens <= seq_len:
+        return 0
+    if order == "sequential":
+        return (n_tokens - 1) // seq_len  # starts 0, T, 2T, ... with start + T + 1 <= n_tokens
+    return n_tokens - seq_len  # every start with start + T + 1 <= n_tokens
+
+
+def fitting_batch(shard_tokens: list[int], batch_size: int, seq_len: int, world_size: int, order: str) -> tuple[int, int]:
+    """(rows, seq_len) of a batch that shards of these lengths fill on every rank: the batch asked for where they
+    hold it, else fewer rows of seq_len, else one row of the longest length they hold one of per rank. Where not
+    even that fits, the batch asked for (the loader's error says what is missing)."""
+    def windows(length: int) -> int:
+        return sum(windows_in(n, length, order) for n in shard_tokens)
+
+    if windows(seq_len) >= world_size:
+        return min(batch_size, windows(seq_len) // world_size), seq_len
+    shorter = next((t for t in range(seq_len - 1, 0, -1) if windows(t) >= world_size), None)
+    return (1, shorter) if shorter else (batch_size, seq_len)
+
+
 class TokenLoader:
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, seq_len: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, fit: bool = False):
         """vocab_size: the model's; every token id must be below it (checked on open where prepare recorded the
-        largest ids, and in every batch: a max over B x (T + 1) ids, microseconds). None skips the check."""
+        largest ids, and in every batch: a max over B x (T + 1) ids, microseconds). None skips the check.
+        fit: a split too small for one batch gives fewer rows, then shorter ones (fitting_batch), instead of
+        refusing; `requested` keeps the batch asked for (validation: a small val split is read as it is)."""
         if order not in ("random", "sequential"):
             raise DataError(f"data.order {order!r} is not one of random, sequential")
         if mode not in ("auto", "ram", "memmap"):
@@ -71,9 +95,11 @@ class TokenLoader:
         self.mode = choose_mode(self.paths, world_size) if mode == "auto" else mode
         self.shards = open_split(self.paths, meta, split, vocab_size, in_memory=(self.mode == "ram"))
         self.vocab_size = vocab_size
-        self.B, self.T = batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.order, self.seed = order, seed
+        self.requested = (batch_size, seq_len)
+        self.B, self.T = fitting_batch([len(s) for s in self.shards], batch_size, seq_len, world_size, order) \
+            if fit else self.requested
         self.device = torch.device(device)
         # windows[i][start] is the (T + 1,) window at `start` of shard i: a view, no copy
         self.windows = [sliding_window_view(s, self.T + 1) if len(s) > self.T else None for s in self.shards]
@@ -96,11 +122,11 @@ class TokenLoader:
 
     def windows_in(self, n_tokens: int) -> int:
         """How many windows of T + 1 tokens fit in a shard of n_tokens."""
-        if n_tokens <= self.T:
-            return 0
-        if self.order == "sequential":
-            return (n_tokens - 1) // self.T  # starts 0, T, 2T, ... with start + T + 1 <= n_tokens
-        return n_tokens - self.T  # every start with start + T + 1 <= n_tokens
+        return windows_in(n_tokens, self.T, self.order)
+
+    def batches_per_pass(self) -> int:
+        """Batches of every rank in one pass over the split's windows (at least one)."""
+        return max(1, int(self.cum_starts[-1]) // (self.B * self.world_size))
 
     # --- state -------------------------------------------------------------------------------------
     def reset(self):

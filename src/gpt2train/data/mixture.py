@@ -67,8 +67,10 @@ def assign_rows(share: np.ndarray, taken: np.ndarray, n: int) -> np.ndarray:
 class MixtureLoader:
     def __init__(self, sources: list[tuple[str, float]], split: str, batch_size: int, seq_len: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu",
-                 vocab_size: int | None = None):
-        """sources: (folder, weight) pairs, folders distinct, weights positive (config.data_sources checks)."""
+                 vocab_size: int | None = None, fit: bool = False):
+        """sources: (folder, weight) pairs, folders distinct, weights positive (config.data_sources checks).
+        fit: each source's loader fits its own split (TokenLoader's fit), for validation, which reads each
+        source on its own (eval/val.py's mixture_validation); next_batch then needs every source's batch alike."""
         self.names = [str(folder) for folder, _ in sources]
         self.weights = [float(w) for _, w in sources]
         self.share = np.array(self.weights) / sum(self.weights)
@@ -76,7 +78,8 @@ class MixtureLoader:
         for folder, _ in sources:
             try:
                 self.loaders.append(TokenLoader(folder, split, batch_size, seq_len, rank=rank, world_size=world_size,
-                                                seed=seed, order=order, mode=mode, device=device, vocab_size=vocab_size))
+                                                seed=seed, order=order, mode=mode, device=device, vocab_size=vocab_size,
+                                                fit=fit))
             except DataError as e:  # say which source, when the message does not
                 raise (e if str(folder) in str(e) else DataError(f"data.sources {folder}: {e}")) from None
         self.B, self.T = batch_size, seq_len

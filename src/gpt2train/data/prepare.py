@@ -3,7 +3,8 @@
 The path of one document: read (`sources.py`) -> tokenized by a worker (a thread for GPT-2's tiktoken,
 which encodes without the GIL; a process for the other tokenizers), with the end-of-text
 token in front so the model learns where documents start -> assigned to train or val by its index ->
-appended to that split's open shard file, an llm.c shard finished every `shard_tokens` tokens.
+appended to that split's open shard file, an llm.c shard finished every `shard_tokens` tokens. A corpus of
+one document (one text file) is split by tokens instead: its last share goes to val.
 
 Chunks of documents go to the workers in order and come back in order, so the output is byte-identical
 whatever the number of workers. Shards are staged in `OUT/.prepare-<fingerprint>/` and moved into OUT
@@ -182,6 +183,7 @@ class SplitRule:
     --val-fraction F (= p/q): document i is val when floor((i+1)p/q) > floor(ip/q), i.e. every (1/F)-th
       document, spread evenly over the corpus; a function of the index alone.
     --val-tokens N: the first documents, until val holds at least N tokens; the rest is train.
+    A corpus of one document (by_tokens): its last F of the tokens, or its last N, go to val.
     """
 
     def __init__(self, val_fraction: float | None, val_tokens: int | None):
@@ -198,11 +200,14 @@ class SplitRule:
                 raise ValueError(f"--val-fraction {f} is below one document in a million; use --val-tokens instead")
         self.val_seen = 0  # val tokens so far (val-tokens mode)
         self.val_docs: int | None = None  # val-tokens mode: number of val documents once val is full
+        self.by_tokens = False  # a corpus of one document: its last tokens go to val (split_one_document)
 
     def describe(self) -> dict:
-        if self.fraction is not None:
-            return {"val_fraction": str(self.fraction)}
-        return {"val_tokens": self.val_tokens}
+        rule = {"val_fraction": str(self.fraction)} if self.fraction is not None else {"val_tokens": self.val_tokens}
+        return {**rule, "by": "tokens"} if self.by_tokens else rule
+
+    def wants_val(self) -> bool:
+        return bool(self.fraction) or bool(self.val_tokens)
 
     def option(self) -> str:
         """The command-line option this rule came from, as a user would type it."""
@@ -303,20 +308,46 @@ class SplitWriter:
 MAX_DOCS_COUNTED_AHEAD = 10_000  # counted before tokenizing only up to this: reading more would cost real time
 
 
-def check_enough_documents(reader, rule: SplitRule) -> None:
-    """SourceError, in one line, when the corpus has too few documents for `rule` to give val one: found by
-    reading (not tokenizing) at most the documents that --val-fraction needs. A fraction that needs more
-    than MAX_DOCS_COUNTED_AHEAD, and a streamed corpus, are checked after tokenizing instead (too_few_documents)."""
+def check_enough_documents(reader, rule: SplitRule) -> str | None:
+    """The text of a corpus that is one document, which is split by tokens instead of whole documents
+    (split_one_document). SourceError, in one line, when the corpus has a few documents but too few for `rule`
+    to give val one: found by reading (not tokenizing) at most the documents that --val-fraction needs. A
+    fraction that needs more than MAX_DOCS_COUNTED_AHEAD, and a streamed corpus, are checked after tokenizing
+    instead (too_few_documents)."""
+    if not (reader.rereadable and rule.wants_val()):
+        return None
     needed = rule.documents_for_val()
-    if not (reader.rereadable and 0 < needed <= MAX_DOCS_COUNTED_AHEAD):
-        return
     documents = iter(reader)
     try:
-        texts = list(itertools.islice(documents, needed))
+        texts = list(itertools.islice(documents, needed if 2 <= needed <= MAX_DOCS_COUNTED_AHEAD else 2))
     finally:
         documents.close()  # a file the reader holds open is closed now, not when collected
-    if len(texts) < needed and any(texts):  # no text at all: the pipeline says the corpus is empty, at no cost
+    if len(texts) == 1 and texts[0]:
+        return texts[0]
+    if len(texts) < needed <= MAX_DOCS_COUNTED_AHEAD and any(texts):  # no text: the pipeline says so, at no cost
         raise too_few_documents(len(texts), rule, "val")
+    return None
+
+
+def split_one_document(text: str, tok, rule: SplitRule, writers: dict) -> None:
+    """A corpus of one document split by tokens: its last --val-fraction of them (or --val-tokens) to val, the
+    rest to train. SourceError when either split would be empty."""
+    tokens = tokenize_documents(tok, [text])
+    n = int(tokens.size)
+    if rule.fraction is not None:
+        cut = n * (rule.fraction.denominator - rule.fraction.numerator) // rule.fraction.denominator
+    else:
+        cut = n - rule.val_tokens
+    if cut <= 0:
+        raise SourceError(f"1 document of {n:,} tokens leaves the train split empty with {rule.option()}; use a "
+                          f"--val-tokens below {n:,}, or add text")
+    if cut >= n:
+        raise SourceError(f"1 document of {n:,} tokens leaves the val split empty with {rule.option()}; use a "
+                          "larger --val-fraction, or add text")
+    writers["train"].add(tokens[:cut], np.array([0]), np.array([0]), np.array([cut]))
+    writers["val"].add(tokens[cut:], np.array([0]), np.array([cut]), np.array([n - cut]))
+    for writer in writers.values():
+        writer.finish()
 
 
 def too_few_documents(n_docs: int, rule: SplitRule, empty: str) -> SourceError:
@@ -423,7 +454,9 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
         raise ValueError(f"--shard-tokens {shard_tokens} must be in [1, 2**31): the llm.c header counts tokens in int32")
     workers = max(1, workers or os.cpu_count() or 1)
     rule = SplitRule(val_fraction, val_tokens)
-    check_enough_documents(reader, rule)  # before the tokenizer reads the corpus (char) or anything is tokenized
+    # before the tokenizer reads the corpus (char) or anything is tokenized
+    one_document = check_enough_documents(reader, rule)
+    rule.by_tokens = one_document is not None
     # a name, or a tokenizer the caller built (pydocs trains its BPE on the train documents first)
     tok = tokenizer_from_name(tokenizer, corpus=reader if tokenizer == "char" else None) \
         if isinstance(tokenizer, str) else tokenizer
@@ -471,11 +504,14 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shards already written", file=sys.stderr)
 
     try:
-        counts = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path)
+        if one_document is None:
+            n_docs, n_val_docs = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path)
+        else:  # one worker's work (the workers share out documents), tokenized whole, no resume midway
+            split_one_document(one_document, tok, rule, writers)
+            n_docs, n_val_docs = 1, 0
     except (ValueError, UnicodeError):  # bad input: this partial run can never be resumed
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    n_docs, n_val_docs = counts
     tokens = {s: sum(w.counts) for s, w in writers.items()}
     if n_docs == 0 or sum(tokens.values()) == n_docs:  # nothing but the EOT in front of each document
         shutil.rmtree(staging, ignore_errors=True)
@@ -490,7 +526,8 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
             "shard_tokens": {s: w.counts for s, w in writers.items()},
             "max_token_id": {s: w.max_ids for s, w in writers.items()},
             "shard_crc32": {s: w.crcs for s, w in writers.items()},
-            "documents": {"train": n_docs - n_val_docs, "val": n_val_docs},
+            # one document split by tokens is in both splits, and counted once in each
+            "documents": {"train": n_docs - n_val_docs, "val": n_val_docs or int(rule.by_tokens)},
             "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
     if isinstance(reader, DedupReader):
         meta["dedup"] = reader.describe()

@@ -37,6 +37,7 @@ class PeriodicEvals:
         self.log, self.say, self.is_main = log, say, is_main  # log(kind, **fields); say(line) prints on rank 0
         self.examples = self.hellaswag_source = None  # HellaSwag examples and where they come from, read at the first run
         self.hellaswag_disabled = False  # set, with one warning, when HellaSwag cannot run for this model
+        self.val_notes = small_val_notes(val_loader, cfg.eval.val_batches)  # said at the first validation
 
     def after_step(self, step: int, tokens: int, last: bool, best_val: float) -> float | None:
         """Run whatever is due at `step`; returns the validation loss when validation ran."""
@@ -62,6 +63,10 @@ class PeriodicEvals:
         """Mean loss and bits per byte over the first val_batches batches of the val split (all of it
         when 0), the same windows every time; a mixture's per source (val_batches of each) and overall, with
         {folder: validation_loss's dict} third (None for one data.dir)."""
+        if self.is_main:
+            for note in self.val_notes:
+                print(f"note: {note}", file=sys.stderr, flush=True)
+        self.val_notes = []
         self.model.eval()
         try:
             evaluate = mixture_validation if isinstance(self.val_loader, MixtureLoader) else validation_loss
@@ -119,3 +124,22 @@ class PeriodicEvals:
         self.hellaswag_disabled = True
         if self.is_main:
             print(f"warning: skipping HellaSwag during training: {reason}", file=sys.stderr, flush=True)
+
+
+def small_val_notes(val_loader: TokenLoader | MixtureLoader, val_batches: int) -> list[str]:
+    """One line per val split that holds less than validation asks for (eval.val_batches batches of the
+    training batch's shape, or one batch when 0): validation reads what it holds, each window once."""
+    notes = []
+    for loader in val_loader.loaders if isinstance(val_loader, MixtureLoader) else [val_loader]:
+        (rows, seq_len), per_pass = loader.requested, loader.batches_per_pass()
+        if (loader.B, loader.T) == (rows, seq_len) and val_batches <= per_pass:
+            continue
+        asked = f"eval.val_batches = {val_batches} batches" if val_batches else "one batch"
+        ranks = f" on each of {loader.world_size} ranks" if loader.world_size > 1 else ""
+        shorter = (f" (shorter rows than train.seq_len = {seq_len}: less context, a higher loss)"
+                   if loader.T < seq_len else "")
+        n = min(val_batches, per_pass) if val_batches else per_pass
+        notes.append(f"the val split of {loader.paths[0].parent} holds {sum(len(s) for s in loader.shards):,} tokens, "
+                     f"less than {asked} of {rows} x {seq_len}{ranks}; validation reads what it holds, no window "
+                     f"twice: {n} batch{'es' if n != 1 else ''} of {loader.B} x {loader.T}{shorter}")
+    return notes

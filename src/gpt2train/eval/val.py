@@ -37,12 +37,12 @@ def open_val_loader(cfg: Config, seq_len: int, **loader_args) -> TokenLoader | M
     windows per rank and batch, each pass over the split a permutation seeded by train.seed + 1, so every
     validation of a run reads the same windows."""
     return open_loader(cfg.data, "val", cfg.train.micro_batch, seq_len, seed=cfg.train.seed + 1, order="sequential",
-                       **loader_args)
+                       fit=True, **loader_args)
 
 
 def batches_to_read(loader: TokenLoader, batches: int) -> int:
-    """`batches`, or for 0 about one pass over the split (every window once, less the last partial batch)."""
-    return batches or max(1, int(loader.cum_starts[-1]) // (loader.B * loader.world_size))
+    """`batches`, at most one pass over the split (every window once, less the last partial batch); 0: one pass."""
+    return min(batches, loader.batches_per_pass()) if batches else loader.batches_per_pass()
 
 
 def validation_windows(loader: TokenLoader, batches: int) -> np.ndarray:
@@ -134,7 +134,8 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     source: a data folder, whose windows are fixed (see ValWindows): those of `ids` (e.g. validation_windows'),
         else `windows` of them spread evenly over the split, else `batches` * batch_size, else all; each rank
         takes every world_size-th.
-        Or a TokenLoader (reset first), from which `batches` batches are drawn (0: about one pass).
+        Or a TokenLoader (reset first), from which `batches` batches are drawn, at most one pass (0: one pass):
+        a small split is read once, not its windows again.
     token_bytes: the tokenizer's bytes per id (its `token_bytes()`); with it the result has "bpb".
     Returns {"loss", "ppl", "bpb", "tokens", "bytes", "windows", "seq_len"}, summed over all ranks.
     """

@@ -8,6 +8,7 @@ Only rank 0 prints and writes; on the other ranks every call is a no-op.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from gpt2train.mfu_basis import MfuBasis
 from gpt2train.progress import on_terminal, terminal_bar
 from gpt2train.runlog import MetricsLogger
 from gpt2train.runtime import Runtime
+from gpt2train.training.optim import schedule_warning
 from gpt2train.units import format_count, format_duration
 
 
@@ -114,6 +116,9 @@ class Console:
         if runtime.schedule.staged:  # train.batch_schedule: more micro-steps, the same shapes
             print(f"batch schedule: {runtime.schedule.describe()} ({runtime.schedule.tokens_through(self.cfg.train.max_steps):,} "
                   f"tokens in {self.cfg.train.max_steps:,} steps)")
+        warning = schedule_warning(self.cfg.train)
+        if warning:  # a schedule that cannot run its course: said before the run spends its steps
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         if basis.flop_s is None:  # said once here; the step lines then leave MFU out
             print(f"mfu: not shown: {basis.source}; the step lines report tokens/s only")
         elif device.type == "cpu":  # a measured ceiling, said with where it comes from: GFLOP/s, not TFLOP/s

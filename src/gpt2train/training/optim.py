@@ -257,8 +257,30 @@ def lr_at(step: int, cfg: TrainConfig, peak: float | None = None) -> float:
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
     # wsd
-    decay_start = cfg.max_steps - int(cfg.decay_fraction * cfg.max_steps)
+    decay_start = wsd_decay_start(cfg)
     if step <= decay_start:
         return max_lr
     progress = (step - decay_start) / max(1, cfg.max_steps - decay_start)
     return max_lr - progress * (max_lr - min_lr)
+
+
+def wsd_decay_start(cfg: TrainConfig) -> int:
+    """The last step at the peak before WSD's decay: the last decay_fraction of max_steps decays."""
+    return cfg.max_steps - int(cfg.decay_fraction * cfg.max_steps)
+
+
+def schedule_warning(cfg: TrainConfig) -> str | None:
+    """One line when the schedule cannot run its course in max_steps (an explicit train.warmup_steps, or a
+    resume with a shorter max_steps): warmup that reaches the last step, or WSD's decay that starts before
+    warmup ends. None when the schedule fits."""
+    warmup, steps = cfg.warmup_steps, cfg.max_steps
+    fix = "lower train.warmup_steps, or leave it unset (train.warmup_fraction x train.max_steps)"
+    if warmup >= steps:
+        never = "" if cfg.schedule == "constant" else " and never decays"
+        return (f"train.warmup_steps = {warmup:,} reaches train.max_steps = {steps:,}: the learning rate is still "
+                f"warming up at the last step{never}; {fix}")
+    if cfg.schedule == "wsd" and warmup > wsd_decay_start(cfg):
+        return (f"train.warmup_steps = {warmup:,} runs into the decay, which starts after step "
+                f"{wsd_decay_start(cfg):,} (the last {cfg.decay_fraction:g} of train.max_steps = {steps:,}): the "
+                f"learning rate never holds its peak and decays over fewer steps; {fix}")
+    return None
