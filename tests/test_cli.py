@@ -455,6 +455,28 @@ def test_sample_text_ends_with_a_newline(tiny_run, capsys, samples):
     assert out.err.splitlines()[-2].startswith("--- ")  # the tokens/s line, with no blank line before it
 
 
+def test_sample_goes_past_the_context_with_a_sliding_window(tiny_run, capsys):
+    """The one context policy (docs/model.md, "Past the context"): past the model's 32 tokens each new token
+    is read from the last 32, here computed by whole forwards without the KV cache."""
+    import torch
+
+    from gpt2train.loading import load_for_inference
+    from gpt2train.tokenizer import tokenizer_from_spec
+
+    model, cfg, meta = load_for_inference(tiny_run)
+    tok = tokenizer_from_spec(meta["tokenizer"])
+    ids = tok.encode("ROMEO:")
+    with torch.no_grad():
+        while len(ids) < 80 and ids[-1] != tok.eot_id:
+            ids.append(int(model(torch.tensor([ids[-cfg.model.block_size:]]))[0, -1].argmax()))
+    new = ids[len(tok.encode("ROMEO:")):]
+    assert len(new) > cfg.model.block_size, "the greedy text ended before the context did"
+    capsys.readouterr()
+    assert cli.main(["sample", "--ckpt", str(tiny_run), "--prompt", "ROMEO:", "--max-new-tokens", str(len(new)),
+                     "--temperature", "0", "--dtype", "float32", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "ROMEO:" + tok.decode([t for t in new if t != tok.eot_id]) + "\n"
+
+
 def test_a_cropped_prompt_is_one_warning_line_in_our_words(tiny_run, capsys):
     """Found walking the first hour: a long prompt printed Python's raw UserWarning with its source line."""
     import warnings

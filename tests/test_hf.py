@@ -182,7 +182,7 @@ def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_
     r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf"))
     assert r.returncode == 0, r.stderr
     r = run_cli("sample", "--ckpt", str(tmp_path / "run"), "--prompt", "ROMEO:", "--temperature", "0",
-                "--max-new-tokens", "20", "--device", "cpu")
+                "--max-new-tokens", "20", "--device", "cpu", "--dtype", "float32")  # bf16 may take another path
     assert r.returncode == 0, r.stderr
 
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)

@@ -43,12 +43,12 @@ BLOCK_SIZE = 8192  # room for thousands of new tokens: the text is still streami
 SERVER_START_S = 180
 
 
-def streaming_checkpoint(run_dir: Path) -> Path:
+def streaming_checkpoint(run_dir: Path, block_size: int = BLOCK_SIZE, vocab: str = VOCAB) -> Path:
     """A char-vocabulary model whose next-token distribution is the same at every position and puts the
     end-of-text token far below the rest: sampling never ends early, so a long answer streams until stopped."""
-    tok = CharTokenizer(VOCAB)
+    tok = CharTokenizer(vocab)
     cfg = Config()
-    cfg.model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK_SIZE, vocab_size=tok.vocab_size)
+    cfg.model = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=block_size, vocab_size=tok.vocab_size)
     torch.manual_seed(0)
     model = GPT(cfg.model)
     with torch.no_grad():
@@ -228,7 +228,7 @@ def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
     status = page.get_by_role("status")
     fill_settings(page, "abc", max_tokens=5)
     page.get_by_role("button", name="Generate").click()
-    expect(status).to_have_text("Done: max tokens or the context's end (length).")
+    expect(status).to_have_text("Done: max tokens (length).")
     assert completion_length(page) == 5  # and the usage at the end tells the page it was 5 tokens
     assert re.search(r"^5 tokens · first after \d+ ms( · [\d.]+ tokens/s)?$", page.locator("#stats").text_content())
 
@@ -254,5 +254,36 @@ def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path)
         page.get_by_label("API key").press("Tab")  # a changed key reloads the model's name with it
         expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")
         page.get_by_role("button", name="Generate").click()
-        expect(status).to_have_text("Done: max tokens or the context's end (length).")
+        expect(status).to_have_text("Done: max tokens (length).")
+        assert completion_length(page) == 5
+
+
+def test_playground_defaults_fit_a_short_context_and_go_past_it_as_sample_does(browser, tmp_path):
+    """Found walking the second hour: Max tokens was 200 on a 128-token model, so the first Generate failed.
+    The page reads the context (32 here) and starts at half of it; past the context the text goes on as
+    `gpt2train sample` does (docs/model.md, "Past the context"), and a prompt longer than it is cropped."""
+    ckpt = streaming_checkpoint(tmp_path / "run", block_size=32, vocab=VOCAB + "ABCDEFGHIJKLMNOPQRSTUVWXYZ:")
+    with running_server(ckpt, tmp_path / "serve.log") as url, open_page(browser, url) as page:
+        status = page.get_by_role("status")
+        expect(page.locator("#model")).to_contain_text("context 32 tokens (past it, the text goes on from the last 32)")
+        expect(page.get_by_label("Max tokens")).to_have_value("16")
+        page.get_by_role("button", name="Generate").click()  # the page's own defaults: a newcomer's first click
+        expect(status).to_have_text("Done: max tokens (length).", timeout=60_000)
+        assert completion_length(page) == 16
+
+        fill_settings(page, "abc", max_tokens=100)  # 3 + 100 tokens in a context of 32
+        page.get_by_label("Temperature").fill("0")
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_have_text("Done: max tokens (length).", timeout=60_000)
+        sample = subprocess.run([sys.executable, "-m", "gpt2train", "sample", "--ckpt", str(ckpt), "--prompt", "abc",
+                                 "--max-new-tokens", "100", "--temperature", "0", "--dtype", "float32", "--device", "cpu"],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True,
+                                text=True, timeout=300)
+        assert sample.returncode == 0, sample.stderr
+        assert "abc" + page.locator("#completion").text_content() + "\n" == sample.stdout
+
+        fill_settings(page, "hello world " * 4, max_tokens=5)  # 48 tokens: the first 16 are cropped
+        page.get_by_role("button", name="Generate").click()
+        expect(status).to_have_text("Done: max tokens (length). The prompt's first 16 tokens were cropped: the model "
+                                    "reads its last 32.", timeout=60_000)
         assert completion_length(page) == 5

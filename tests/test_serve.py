@@ -94,6 +94,37 @@ def test_tokens_are_the_same_alone_as_beside_requests_joining_and_leaving():
     assert len({text for text, _ in together}) == len(REQUESTS)
 
 
+# Past the context of 48 tokens: (prompt, max_tokens, sampling) whose rows slide beside rows decoding from the cache
+# and rows joining; "a" * 48 fills the context alone, so it slides from its first token. Top-k 4 leaves out
+# end-of-text: the sampled rows run to max_tokens too.
+PAST_THE_CONTEXT = [("abc", 70, GREEDY), ("h", 55, Sampling(1.0, top_k=4, seed=1)), ("bad cafe\nge", 40, GREEDY),
+                    ("a" * CONTEXT, 12, GREEDY), ("ggg", 20, Sampling(1.0, top_k=4, seed=2)), ("e", 5, GREEDY)]
+
+
+def test_rows_past_the_context_slide_as_generate_does_beside_rows_in_the_cache():
+    """The server's one context policy is `sample`'s (docs/model.md, "Past the context"): a row whose tokens
+    fill the context goes on reading its last 48 tokens, afresh at each step. float32: each request's text
+    is `generate`'s for its prompt alone, whether its row slides, decodes from the cache or joins beside them."""
+    model = tiny_model()
+
+    async def staggered(engine):
+        tasks = []
+        for i, (prompt, n, sampling) in enumerate(PAST_THE_CONTEXT):
+            tasks.append(asyncio.create_task(complete(engine, prompt, n, sampling)))
+            await after_steps(engine, engine.steps + 5 * (i % 3))  # some join while others slide
+        return await asyncio.gather(*tasks), engine.sliding, engine.running
+
+    got, sliding, running = run_engine(staggered, max_batch=3)
+    want = []
+    for prompt, n, s in PAST_THE_CONTEXT:
+        ids = generate(model, TOKENIZER.encode(prompt), n, temperature=s.temperature, top_k=s.top_k, seed=s.seed,
+                       eot_id=TOKENIZER.eot_id)
+        assert len(ids) == n and TOKENIZER.eot_id not in ids  # each row runs to max_tokens: 4 of them slide
+        want.append((TOKENIZER.decode(ids), "length"))
+    assert got == want
+    assert sliding == [] and running == 0  # rows that slid left when they ended
+
+
 @pytest.mark.slow  # compiling takes ~20 s on 2 cores
 def test_a_compiled_decode_step_gives_the_same_tokens():
     """Compiled, every step decodes all rows over the whole cache (one shape): rows that are free or joined
@@ -285,8 +316,8 @@ def test_submit_refuses_more_than_the_free_rows_and_the_queue():
         engine.submit([Completion([1], 5, inbox)])  # the waiting place
         with pytest.raises(QueueFull):
             engine.submit([Completion([1], 5, inbox)])
-        with pytest.raises(ValueError, match="do not fit"):
-            engine.submit([Completion([1] * 10, CONTEXT - 9, inbox)])
+        with pytest.raises(ValueError, match="out of range"):  # the app crops a prompt longer than the context
+            engine.submit([Completion([1] * (CONTEXT + 1), 5, inbox)])
 
     asyncio.run(overfill())
 
@@ -410,8 +441,6 @@ BAD = [  # (body, the field named)
     ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
     ({"prompt": "a", "max_tokens": True}, "max_tokens"),
     ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": "abc", "max_tokens": CONTEXT - 2}, "max_tokens"),  # 3 + 46 > 48: past the context
-    ({"prompt": "a" * CONTEXT, "max_tokens": 1}, "prompt"),  # the prompt alone fills the context
     ({"prompt": "a", "temperature": -0.1}, "temperature"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
@@ -443,6 +472,23 @@ def test_a_bad_field_is_a_400_naming_it(client, body, field):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and field in error["message"] and len(error["message"].splitlines()) == 1
+
+
+def test_past_the_context_the_api_slides_and_crops_a_long_prompt_as_sample_does(client):
+    """Not refused (they were 400s): max_tokens past the context slides the window, and a prompt longer than
+    the context is cropped to its last 48 tokens, which the usage says (prompt_tokens_cropped)."""
+    model = tiny_model()
+    r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": CONTEXT + 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == greedy(model, "abc", CONTEXT + 10)
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": CONTEXT + 10, "total_tokens": CONTEXT + 13}
+
+    long = "dead beef " * 6  # 60 tokens: the first 12 are cropped
+    r = client.post("/v1/completions", json={"prompt": [long, "ab"], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [greedy(model, long[12:], 8)[0], greedy(model, "ab", 8)[0]]
+    assert r.json()["usage"] == {"prompt_tokens": CONTEXT + 2, "completion_tokens": 16, "total_tokens": CONTEXT + 18,
+                                 "prompt_tokens_cropped": 12}
 
 
 def test_more_prompts_than_the_server_takes_are_refused_before_any_is_encoded(monkeypatch):

@@ -88,6 +88,24 @@ def test_the_openai_package_completes_and_streams(server):
     assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
 
 
+def test_past_the_context_the_openai_package_gets_what_sample_prints(server, capsys):
+    """One context policy for sample and the API (docs/model.md, "Past the context"): max_tokens beyond the
+    48-token context slides the window, and a prompt longer than the context is cropped to its last 48
+    tokens, which sample says on stderr and the usage in prompt_tokens_cropped."""
+    url, run = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    for prompt, n, cropped in (("bad cafe", 60, 0), ("dead beef " * 6, 10, 12)):
+        done = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0)
+        assert cli.main(["sample", "--ckpt", str(run), "--prompt", prompt, "--max-new-tokens", str(n),
+                         "--temperature", "0", "--dtype", "float32", "--device", "cpu"]) == 0
+        printed = capsys.readouterr()
+        assert printed.out == prompt + done.choices[0].text + "\n"
+        assert done.usage.completion_tokens == n and done.choices[0].finish_reason == "length"
+        assert (done.usage.model_extra or {}).get("prompt_tokens_cropped", 0) == cropped
+        assert done.usage.prompt_tokens == len(prompt) - cropped
+        assert (f"the prompt's {len(prompt)} tokens are cropped to its last 48" in printed.err) == (cropped > 0)
+
+
 def test_the_openai_package_sees_a_wrong_key_and_a_bad_field(server):
     url, _ = server
     wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)

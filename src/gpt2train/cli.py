@@ -391,6 +391,10 @@ def cmd_export_hf(args) -> int:
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
                     card=model_card(cfg, meta, args.out, name=run_name(args.ckpt)))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    sample, n = greedy_sample_command(args.ckpt, model.config.block_size, meta.get("tokenizer"))
+    exact = args.dtype == "float32"
+    print(f"greedy, transformers' `generate(ids, do_sample=False, max_new_tokens={n})` continues \"{GREEDY_PROMPT}\" "
+          f"{'as' if exact else 'nearly as'} `{sample}` does{'' if exact else rounded(args.dtype)}")
     return 0
 
 
@@ -400,9 +404,34 @@ def cmd_export_gguf(args) -> int:
 
     model, _, meta = load_for_inference(args.ckpt)
     out = export_gguf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); run it with llama.cpp, "
-          f"`llama-completion -m {out} -p \"Hello\" -n 64`, or Ollama: docs/export.md")
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); run it with llama.cpp or Ollama: "
+          "docs/export.md")
+    sample, n = greedy_sample_command(args.ckpt, model.config.block_size, meta.get("tokenizer"))
+    llama = f"llama-completion -m {shlex.quote(str(out))} -p {GREEDY_PROMPT} -n {n} --temp 0"
+    exact = args.dtype == "f32"
+    print(f"greedy, `{llama}` prints {'what' if exact else 'nearly what'} `{sample}` prints"
+          f"{'' if exact else rounded(args.dtype)}")
     return 0
+
+
+def rounded(dtype: str) -> str:
+    return f" ({dtype} rounds the weights: docs/export.md)"
+
+
+GREEDY_PROMPT = "Hello"
+
+
+def greedy_sample_command(ckpt: str, block_size: int, tokenizer_spec: dict | None) -> tuple[str, int]:
+    """The `gpt2train sample` command whose greedy text an export gives in llama.cpp and transformers, and its
+    token count: 64, fewer where prompt and tokens would pass the context (llama.cpp aborts there, transformers
+    raises: docs/model.md, "Past the context"). It names float32: sample's auto dtype decodes in bf16 on GPUs
+    and on CPUs with native bf16, whose rounding takes another greedy path (docs/export.md, "The greedy text")."""
+    from gpt2train.tokenizer import tokenizer_from_spec
+
+    prompt_tokens = len(tokenizer_from_spec(tokenizer_spec or {"kind": "gpt2"}).encode(GREEDY_PROMPT))
+    n = max(1, min(64, block_size - prompt_tokens))
+    return (f"gpt2train sample --ckpt {shlex.quote(str(ckpt))} --prompt {GREEDY_PROMPT} --max-new-tokens {n} "
+            "--temperature 0 --dtype float32"), n
 
 
 def cmd_report(args) -> int:

@@ -11,7 +11,8 @@ given seed; row i of a batch is not the sample that row alone would give with an
 step for the batch costs a fraction of B draws of one row each on a GPU).
 
 When prompt + generated tokens fill the context (block_size), generation goes on with a sliding window
-of the last block_size tokens, recomputed at every step, as nanoGPT does.
+of the last block_size tokens, recomputed at every step, as nanoGPT does (Decoder.slide; the server's rows
+slide the same way: docs/model.md, "Past the context").
 """
 
 from __future__ import annotations
@@ -173,6 +174,13 @@ class Decoder:
         with self.eager_context:
             return self.model(ids, kv_cache=cache, padding_mask=padding_mask, last_only=True)[:, -1]
 
+    def slide(self, window: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) after each row's window (B, T), the last tokens of a row whose tokens fill the context,
+        read afresh into a cache of their own (real: False at left padding). Past the context every new token
+        costs a forward of the whole window."""
+        cache = KVCache(self.model.config, window.size(0), window.size(1), window.device, next(self.model.parameters()).dtype)
+        return self.prefill(window, real, cache)
+
     def eager_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         return self.model(ids, kv_cache=cache, last_only=True)[:, -1]
 
@@ -308,16 +316,17 @@ def generate_ids(model: GPT, prompts: list[list[int]], max_new_tokens: int, *, t
     try:
         cache, cached, next_ids = None, 0, None
         for _ in range(max_new_tokens):
-            if cache is not None and cached < cache.size:
+            if not use_cache:
+                logits = model(tokens[:, -cfg.block_size:])[:, -1]
+            elif cache is None:  # the prefill
+                cache = KVCache(cfg, B, size, param.device, param.dtype)
+                logits = decoder.prefill(tokens, real, cache)
+                cached = tokens.size(1)
+            elif cached < cache.size:
                 logits = decoder(next_ids, cache)  # (B, V); the last ids, contiguous: the same strides every step
                 cached += 1
-            elif use_cache:  # the prefill; or the context is full: the last block_size tokens, afresh
-                window, window_real = tokens[:, -cfg.block_size:], real[:, -cfg.block_size:]
-                cache = KVCache(cfg, B, size, param.device, param.dtype)
-                logits = decoder.prefill(window, window_real, cache)
-                cached = window.size(1)
-            else:
-                logits = model(tokens[:, -cfg.block_size:])[:, -1]
+            else:  # the context is full: the last block_size tokens, afresh
+                logits = decoder.slide(tokens[:, -cfg.block_size:], real[:, -cfg.block_size:])
             next_ids = sample_next(logits, temperature, top_k, top_p, generator)  # (B, 1)
             yield next_ids[:, 0]
             if eot_id is not None:

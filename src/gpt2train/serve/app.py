@@ -253,7 +253,7 @@ async def completions(request: Request, served: ServedDep,
     if req.choices > engine.capacity:  # before encoding, which costs CPU for every prompt
         raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
                          f"{engine.capacity} (--max-batch + --max-queue)")
-    prompt_ids = await asyncio.to_thread(encode_prompts, engine, req)  # a long prompt holds up no other request
+    prompt_ids, cropped = await asyncio.to_thread(encode_prompts, engine, req)  # a long one holds up no other request
     inbox = Inbox()
     jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stops, index=i * req.n + j)
             for i, ids in enumerate(prompt_ids) for j in range(req.n)]
@@ -266,7 +266,7 @@ async def completions(request: Request, served: ServedDep,
         raise ApiError(503, str(e), "server_error") from None
     served.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
     answer = Answer(f"cmpl-{uuid.uuid4().hex}", served.model_id, jobs, sum(len(ids) for ids in prompt_ids),
-                    served.metrics, started, engine)
+                    served.metrics, started, engine, cropped)
     if req.stream:
         return EventStream(answer, req.include_usage)
     return await answer.whole(request)
@@ -342,25 +342,21 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def encode_prompts(engine: Engine, req: CompletionRequest) -> list[list[int]]:
-    """Each prompt's ids (an empty one starts from end-of-text, as `sample` does); 400 when a prompt cannot
-    be encoded or, with max_tokens, does not fit the context."""
+def encode_prompts(engine: Engine, req: CompletionRequest) -> tuple[list[list[int]], int]:
+    """Each prompt's ids, and how many tokens were cropped from their starts in all: an empty prompt starts
+    from end-of-text and one longer than the context is cropped to its last tokens, as `sample` does (the
+    model reads no more; docs/model.md, "Past the context"); 400 when a prompt cannot be encoded."""
     tokenizer = engine.tokenizer
-    found = []
+    found, cropped = [], 0
     for i, prompt in enumerate(req.prompts):
         try:
             ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
         except Exception as e:  # noqa: BLE001 -- a character the tokenizer has no id for, a lone surrogate ...
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise BadRequest("prompt", f"prompt {i} cannot be encoded: {reason}") from None
-        if len(ids) >= engine.context:
-            raise BadRequest("prompt", f"prompt {i} has {len(ids)} tokens; the model's context of {engine.context} "
-                             "tokens leaves no room for a new one: shorten it")
-        if len(ids) + req.max_tokens > engine.context:
-            raise BadRequest("max_tokens", f"prompt {i} has {len(ids)} tokens; with max_tokens {req.max_tokens} that "
-                             f"exceeds the model's context of {engine.context} tokens")
-        found.append(ids)
-    return found
+        cropped += max(len(ids) - engine.context, 0)
+        found.append(ids[-engine.context:])
+    return found, cropped
 
 
 def sampling(req: CompletionRequest, index: int) -> Sampling:
@@ -375,10 +371,11 @@ class Answer:
     one JSON answer; the latency metrics are observed on the way."""
 
     def __init__(self, request_id: str, model_id: str, jobs: list[Completion], prompt_tokens: int, metrics: Metrics,
-                 started: float, engine: Engine):
+                 started: float, engine: Engine, cropped: int = 0):
         self.id, self.model_id, self.jobs, self.engine = request_id, model_id, jobs, engine
         self.inbox = jobs[0].inbox
         self.prompt_tokens, self.metrics, self.started = prompt_tokens, metrics, started
+        self.cropped = cropped  # prompt tokens past the context, cropped from the prompts' starts
         self.created = int(time.time())
         self.texts = [""] * len(jobs)
         self.tokens = [0] * len(jobs)
@@ -423,9 +420,12 @@ class Answer:
         return 503 if self.engine.failure is not None else 500
 
     def usage(self) -> dict:
+        """OpenAI's usage: prompt_tokens are those the model read; prompt_tokens_cropped (ours, there only when
+        a prompt was longer than the context) those cropped from the prompts' starts, which it did not read."""
         completion = sum(self.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion}
+        return usage | {"prompt_tokens_cropped": self.cropped} if self.cropped else usage
 
     def chunk(self, choices: list[dict], **more) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,

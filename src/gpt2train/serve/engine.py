@@ -11,7 +11,10 @@ The loop runs in a thread of its own, so the server's event loop never waits for
      writes (KVCache.rows), its first tokens out at once; then that decode step for the rows that were
      running (generation.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
      that a burst of requests does not stall the running rows for long;
-  4. each row draws its next token with its own settings and generator, and its new text (held back while
+  4. rows whose tokens fill the context slide (as `sample` does, docs/model.md "Past the context"): they leave
+     the cache, and each step reads each one's last block_size tokens afresh, in one forward for them all;
+     a prompt that fills the context alone slides from its first token;
+  5. each row draws its next token with its own settings and generator, and its new text (held back while
      a character or a stop string is incomplete) goes to its request's Inbox.
 Greedy rows are the argmax of their own logits, so in float32 a request's greedy tokens are the same
 alone or beside others (up to the rounding of batched matmuls, which generate_batch's rows share).
@@ -136,12 +139,14 @@ class StopText:
 
 
 class Row:
-    """A running completion: its generator, its text so far and how many of its tokens the cache holds."""
+    """A running completion: its generator, its text so far, how many of its tokens the cache holds and its
+    last `context` tokens (what it reads once it slides)."""
 
-    def __init__(self, completion: Completion, tokenizer, device: torch.device, slot: int):
+    def __init__(self, completion: Completion, tokenizer, device: torch.device, slot: int, context: int):
         self.completion = completion
-        self.slot = slot  # its row of the KV cache
+        self.slot = slot  # its row of the KV cache; -1 once it slides
         self.cached = len(completion.prompt_ids)  # tokens of it in the cache (once prefilled)
+        self.window = deque(completion.prompt_ids, maxlen=context)
         self.generated = 0
         self.last = 0  # the token to feed at the next decode step
         self.ended = False
@@ -158,6 +163,7 @@ class Row:
         """The piece that `token` adds; marks the row ended when it ends the completion."""
         self.generated += 1
         self.last = token
+        self.window.append(token)
         if token == eot_id:
             return self.end("stop", "")
         shown, stopped = self.stop.push(self.text.push(token))
@@ -208,7 +214,8 @@ class Engine:
             size = kv_cache_elements(model.config, max_batch, self.block_size) * param.element_size()
             raise UsageError(f"the KV cache of --max-batch {max_batch} rows of {self.block_size} tokens needs "
                              f"{size / 2**30:,.1f} GiB, which {param.device} cannot hold; lower --max-batch") from None
-        self.rows: list[Row] = []  # running, rows[i] in cache row i once realigned
+        self.rows: list[Row] = []  # running in the cache, rows[i] in cache row i once realigned
+        self.sliding: list[Row] = []  # running past the context: out of the cache, each step reads its window
         self.waiting: deque[Completion] = deque()
         self.joining: list[Completion] = []  # admitted at this step, not yet prefilled
         self.rows_left = False  # since the last realign: the running rows are no longer rows 0..n-1
@@ -228,7 +235,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self.sliding)
 
     @property
     def queued(self) -> int:
@@ -240,16 +247,17 @@ class Engine:
         return self.max_batch + self.max_queue
 
     def submit(self, completions: list[Completion]) -> None:
-        """Queue completions (all or none); QueueFull when more than max_queue would wait for a row."""
+        """Queue completions (all or none); QueueFull when more than max_queue would wait for a row. A prompt
+        holds 1 to block_size tokens (the app crops a longer one); max_tokens may take a row past the context."""
         for c in completions:
-            if not c.prompt_ids or len(c.prompt_ids) + c.max_tokens > self.block_size or c.max_tokens < 1:
-                raise ValueError(f"a prompt of {len(c.prompt_ids)} tokens and max_tokens {c.max_tokens} do not fit "
-                                 f"the context of {self.block_size} tokens")
+            if not 0 < len(c.prompt_ids) <= self.block_size or c.max_tokens < 1:
+                raise ValueError(f"a prompt of {len(c.prompt_ids)} tokens (1 to the context's {self.block_size}) or "
+                                 f"max_tokens {c.max_tokens} (at least 1) is out of range")
         with self.wakeup:
             if self.failure is not None:
                 raise EngineStopped(self.failure)
             self.drop_cancelled_waiting()
-            free = self.max_batch - len(self.rows) - len(self.joining)
+            free = self.max_batch - self.running - len(self.joining)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} completion(s) wait and {len(completions)} more do not fit: "
                                 f"{max(free, 0)} free row(s) and {self.max_queue} waiting place(s) take at most "
@@ -283,7 +291,7 @@ class Engine:
     def loop(self) -> None:
         while True:
             with self.wakeup:
-                while not (self.rows or self.waiting or self.stopping):
+                while not (self.running or self.waiting or self.stopping):
                     self.wakeup.wait()
                 if self.stopping:
                     return
@@ -295,13 +303,20 @@ class Engine:
     def step(self) -> None:
         self.drop_ended(cancelled=True)  # cancelled since the last step
         self.drop_cancelled_waiting()
+        self.slide_full_rows()
         new = self.admit()
-        self.make_room(new)
+        self.make_room([c for c in new if self.fits_cache(c)])
         running = len(self.rows)
         if new:  # first, and out at once: a new completion's first token waits for no other forward
             self.finish(self.prefill(new))
         if running:
             self.finish(self.decode(running))
+        if self.sliding:
+            self.finish(self.slide())
+
+    def fits_cache(self, completion: Completion) -> bool:
+        """Whether its prompt leaves the cache room for the token after it; one that fills the context slides."""
+        return len(completion.prompt_ids) < self.block_size
 
     def finish(self, produced: list[tuple[Row, Piece]]) -> None:
         self.drop_ended()  # rows that ended leave before their last piece is out
@@ -311,9 +326,26 @@ class Engine:
         """Rows whose completion ended (and, at a step's start, was cancelled) leave; the last rows move into
         their places at the next step. Within a step only new rows can end before the decode, and they come
         after the running ones it takes."""
-        kept = [r for r in self.rows if not (r.ended or (cancelled and r.completion.cancelled))]
+        def stays(row: Row) -> bool:
+            return not (row.ended or (cancelled and row.completion.cancelled))
+
+        kept = [r for r in self.rows if stays(r)]
         self.rows_left |= len(kept) < len(self.rows)
         self.rows = kept
+        self.sliding = [r for r in self.sliding if stays(r)]
+
+    def slide_full_rows(self) -> None:
+        """Rows whose tokens fill the context leave the cache (their next token would need a position past it)
+        and slide from now on; the last rows move into their places as into those of rows that ended."""
+        full = [r for r in self.rows if r.cached >= self.block_size]
+        if not full:
+            return
+        for row in full:
+            row.slot = -1
+        with self.wakeup:  # one change for submit's count of taken rows
+            self.rows = [r for r in self.rows if r.slot >= 0]
+            self.sliding += full
+        self.rows_left = True
 
     def drop_cancelled_waiting(self) -> None:
         """Completions whose client left while they waited leave the queue now, not when a row frees: until
@@ -327,7 +359,7 @@ class Engine:
         they are `joining` until their prefill puts them in rows (submit counts their rows as taken)."""
         with self.wakeup:
             new, tokens = [], 0
-            while self.waiting and len(self.rows) + len(new) < self.max_batch:
+            while self.waiting and self.running + len(new) < self.max_batch:
                 if new and tokens + len(self.waiting[0].prompt_ids) > self.prefill_tokens:
                     break
                 completion = self.waiting.popleft()
@@ -389,17 +421,31 @@ class Engine:
         return self.emit(rows, logits)
 
     def prefill(self, new: list[Completion]) -> list[tuple[Row, Piece]]:
-        """The new completions' prompts into the next free rows, ending just before the decode step's slot."""
+        """The new completions' prompts into the next free rows, ending just before the decode step's slot;
+        those that fill the context join the sliding rows, their first token still to come (slide)."""
         first = len(self.rows)
-        rows = [Row(c, self.tokenizer, self.device, first + i) for i, c in enumerate(new)]
-        tokens, real = left_padded([c.prompt_ids for c in new], self.block_size, None, self.device)
-        self.cache.real[first:first + len(new)] = False  # a former row's tokens, if any
-        view = self.cache.rows(first, first + len(new), filled=self.cache.length - tokens.size(1))
-        logits = self.decoder.prefill(tokens, real, view)
-        self.steps += 1
+        cached = [c for c in new if self.fits_cache(c)]
+        rows = [Row(c, self.tokenizer, self.device, first + i, self.block_size) for i, c in enumerate(cached)]
+        full = [Row(c, self.tokenizer, self.device, -1, self.block_size) for c in new if not self.fits_cache(c)]
+        if cached:
+            tokens, real = left_padded([c.prompt_ids for c in cached], self.block_size, None, self.device)
+            self.cache.real[first:first + len(cached)] = False  # a former row's tokens, if any
+            view = self.cache.rows(first, first + len(cached), filled=self.cache.length - tokens.size(1))
+            logits = self.decoder.prefill(tokens, real, view)
+            self.steps += 1
         with self.wakeup:  # one change for submit's count of taken rows
             self.rows += rows
+            self.sliding += full
             self.joining = []
+        return self.emit(rows, logits) if cached else []
+
+    def slide(self) -> list[tuple[Row, Piece]]:
+        """One step of the sliding rows: a forward of each one's last block_size tokens, afresh (as `sample`
+        goes on past the context: generation.Decoder.slide); all of them in one batch, every window full."""
+        rows = self.sliding
+        window = torch.tensor([list(r.window) for r in rows], device=self.device)
+        logits = self.decoder.slide(window, torch.ones_like(window, dtype=torch.bool))
+        self.steps += 1
         return self.emit(rows, logits)
 
     def emit(self, rows: list[Row], logits: torch.Tensor) -> list[tuple[Row, Piece]]:
@@ -442,8 +488,8 @@ class Engine:
         """Every completion the engine holds, off its rows and queue, less those whose last piece is out (a new
         row may have ended at the step's prefill before its decode failed)."""
         with self.wakeup:
-            held = [r.completion for r in self.rows] + self.joining + list(self.waiting)
-            self.rows, self.joining = [], []
+            held = [r.completion for r in self.rows + self.sliding] + self.joining + list(self.waiting)
+            self.rows, self.sliding, self.joining = [], [], []
             self.waiting.clear()
         return [c for c in held if not c.finished]
 

@@ -1,7 +1,7 @@
 """A completion request's fields, checked: the JSON body of OpenAI's POST /v1/completions (plus top_k) as a
 pydantic model, CompletionRequest; what it refuses is a BadRequest whose one-line message names the field.
-The numbers take the ranges `gpt2train sample` takes (ranges.py); what needs the tokenizer and the model (the
-prompt's length against the context) is checked by the app."""
+The numbers take the ranges `gpt2train sample` takes (ranges.py); what needs the tokenizer (a prompt it cannot
+encode) is checked by the app."""
 
 from __future__ import annotations
 
