@@ -58,7 +58,7 @@ EARLY_S = 0.6  # early kills fall in [0, EARLY_S): a forked launch reaches its f
 RECIPE = {"train.optimizer": "muon", "train.muon_orthogonalizer": "polar_express", "train.muon_normalize": True,
           "train.cautious_weight_decay": True, "train.muon_weight_decay": 0.1, "model.value_embeddings": 1,
           "model.unet_skips": True, "model.attention_window": 16, "train.window_warmup_steps": 4,
-          "model.mtp_weight": 0.3}
+          "model.mtp_weight": 0.3, "train.embedding_lr": 0.01}
 
 
 def tiny_config(data_dir: Path, max_steps: int = 8, recipe: dict | None = None) -> Config:

@@ -93,9 +93,10 @@ def other_char_data(tmp_path_factory) -> Path:
 
 
 # The modern recipe's Muon, as tiny_config(**MUON_RECIPE) or setattr on cfg.train: Polar Express, NorMuon (a second
-# moment per neuron, in the checkpoint), cautious weight decay (with a weight decay for it to gate).
+# moment per neuron, in the checkpoint), cautious weight decay (with a weight decay for it to gate), the token
+# tables' own learning rate (a third AdamW group).
 MUON_RECIPE = {"optimizer": "muon", "muon_orthogonalizer": "polar_express", "muon_normalize": True,
-               "muon_weight_decay": 0.1, "cautious_weight_decay": True}
+               "muon_weight_decay": 0.1, "cautious_weight_decay": True, "embedding_lr": 0.01}
 
 
 def tiny_config(data_dir: Path, **train) -> Config:

@@ -5,6 +5,7 @@ written out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -94,6 +95,40 @@ def test_adamw_alone_stays_one_adamw():
     assert type(opt) is torch.optim.AdamW and len(opt.param_groups) == 2
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_embedding_lr_gives_the_token_tables_a_group_and_a_schedule_of_their_own(optimizer):
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(MODEL, value_embeddings=1, tied_head=False))
+    cfg = TrainConfig(optimizer=optimizer, embedding_lr=0.05, lr=0.01, warmup_steps=4, max_steps=20,
+                      schedule="wsd", decay_fraction=0.5)
+    opt = make_optimizer(model, cfg, "cpu")
+    adamw = opt if optimizer == "adamw" else opt.adamw
+    decay, no_decay, tables = group_names(model, adamw)
+    assert tables == {"transformer.wte.weight", "value_embeds.0.weight"}
+    assert "lm_head.weight" in decay and not tables & (decay | no_decay)
+    for step in (1, 4, 12, 20):  # warmup, flat, decay, end
+        set_lr(opt, step, cfg)
+        assert [g["lr"] for g in adamw.param_groups] == [lr_at(step, cfg)] * 2 + [lr_at(step, cfg, peak=0.05)]
+    assert len(make_optimizer(model, TrainConfig(optimizer=optimizer), "cpu").param_groups) == len(
+        adamw.param_groups) - 1 + (optimizer == "muon")  # 0: the groups as before, so older checkpoints load
+
+
+def test_a_token_tables_step_is_adamws_at_the_embedding_lr():
+    model, opt = muon_model(embedding_lr=0.05, weight_decay=0.1)
+    reference = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    by_hand = torch.optim.AdamW([reference], lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    cfg = TrainConfig(optimizer="muon", embedding_lr=0.05, warmup_steps=0, schedule="constant")
+    for _ in range(3):
+        idx = torch.randint(0, MODEL.vocab_size, (2, 8))
+        opt.zero_grad()
+        model(idx, idx)[1].backward()
+        reference.grad = model.transformer.wte.weight.grad.clone()
+        set_lr(opt, 1, cfg)
+        opt.step()
+        by_hand.step()
+    assert torch.equal(model.transformer.wte.weight, reference)
+
+
 # --- the update --------------------------------------------------------------------------------------------
 def test_muon_update_of_a_matrix_is_orthogonalized():
     """Given a full-rank gradient whose singular values span 1 to 0.03, the step moves each block matrix by
@@ -162,7 +197,7 @@ def test_a_checkpoint_of_torchs_muon_loads_and_steps_on_as_torchs_would():
     old_model.load_state_dict(model.state_dict())
     named = list(old_model.named_parameters())
     old_muon = torch.optim.Muon([p for n, p in named if n in BLOCK_MATRICES], lr=0.02, weight_decay=0.1)
-    old_adamw = optim.make_adamw([p for n, p in named if n not in BLOCK_MATRICES], TrainConfig(), "cpu")
+    old_adamw = optim.make_adamw([(n, p) for n, p in named if n not in BLOCK_MATRICES], TrainConfig(), "cpu")
     x = torch.randint(0, 66, (2, 32))
 
     def one_step(model, optimizers):

@@ -74,6 +74,10 @@ class TrainConfig(Section):
     time_budget: float = 0.0
     tokens_per_s: float = 0.0
     lr: float = 6e-4
+    # AdamW's peak for the token tables (wte, the value tables) where > 0; 0: train.lr like the rest. The size
+    # dial scales train.lr as 1/width and leaves this one: a table's rows are read one at a time, not summed
+    # over the width.
+    embedding_lr: float = 0.0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     # Warmup, in steps when warmup_steps is set (in the file, with --set or in code); else warmup_fraction x
     # max_steps, so that a run shortened with --set train.max_steps warms up for its share of the steps, not for a
@@ -202,7 +206,8 @@ RANGES: dict[str, Range] = {
     "train.flops_budget": at_least(0),  # 0: tokens_per_param decides
     "train.time_budget": at_least(0),  # 0: off
     "train.tokens_per_s": at_least(0),  # 0: measured or estimated, for time_budget
-    "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
+    "train.lr": at_least(0),
+    "train.embedding_lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
     "train.warmup_fraction": between(0, 1),

@@ -66,27 +66,36 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str,
     matrices and AdamW for the rest. The split goes by parameter name, so a wrapped model splits alike."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied weights appear once
     if cfg.optimizer == "adamw":
-        return make_adamw([p for _, p in named], cfg, device_type, fused)
+        return make_adamw(named, cfg, device_type, fused)
     emulated_bf16 = device_type == "cpu" and not cpu_has_native_bf16()
     muon = Muon([p for n, p in named if is_muon_param(n, p)], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                 weight_decay=cfg.muon_weight_decay, orthogonalizer=cfg.muon_orthogonalizer,
                 normalize=cfg.muon_normalize, beta2=cfg.muon_beta2, cautious_weight_decay=cfg.cautious_weight_decay,
                 orthogonalize_in=torch.float32 if emulated_bf16 else torch.bfloat16)
-    adamw = make_adamw([p for n, p in named if not is_muon_param(n, p)], cfg, device_type, fused)
+    adamw = make_adamw([(n, p) for n, p in named if not is_muon_param(n, p)], cfg, device_type, fused)
     return MuonAdamW(muon, adamw)
 
 
-def make_adamw(params: list[torch.Tensor], cfg: TrainConfig, device_type: str,
+def is_token_table(name: str) -> bool:
+    """An embedding the token ids index (wte, the value tables): what train.embedding_lr sets the rate of."""
+    return name.endswith("wte.weight") or ".value_embeds." in name or name.startswith("value_embeds.")
+
+
+def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_type: str,
                fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW that decays only 2-D+ weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
+    With cfg.embedding_lr > 0 the token tables are a group of their own (marked "token_tables") at that peak.
 
     fused None (the trainer's choice): the fused CUDA kernel, which updates every parameter in one launch,
     on CUDA, and the foreach path, which batches them, elsewhere. fused True / False force the fused kernel
     / one small kernel chain per tensor (the journey's naive stage).
     """
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    tables = [p for n, p in named if cfg.embedding_lr > 0 and is_token_table(n)]
+    rest = [p for n, p in named if not (cfg.embedding_lr > 0 and is_token_table(n))]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    if tables:
+        groups.append({"params": tables, "weight_decay": cfg.weight_decay, "lr": cfg.embedding_lr, "token_tables": True})
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if fused is None:
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
@@ -227,10 +236,11 @@ class MuonAdamW:
 
 def set_lr(optimizer: torch.optim.Optimizer | MuonAdamW, step: int, cfg: TrainConfig) -> float:
     """Give every param group its LR for optimizer step `step`: lr_at's schedule with the group's own peak
-    (cfg.muon_lr for Muon's groups, cfg.lr for the rest). Returns AdamW's LR, the one logs report."""
+    (cfg.muon_lr for Muon's groups, cfg.embedding_lr for the token tables' where they have one, cfg.lr for the
+    rest). Returns AdamW's LR, the one logs report."""
     lr = lr_at(step, cfg)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr_at(step, cfg, peak=cfg.embedding_lr) if group.get("token_tables") else lr
     if isinstance(optimizer, MuonAdamW):
         for group in optimizer.muon.param_groups:
             group["lr"] = lr_at(step, cfg, peak=cfg.muon_lr)
