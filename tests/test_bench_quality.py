@@ -28,7 +28,8 @@ from gpt2train.ranges import UsageError
 from gpt2train.runconfig import Environment, resolve_run
 
 SKIPPED = ["rotary", "untied head", "zero-init projections", "logit soft cap", "Polar Express", "NorMuon",
-           "cautious weight decay", "value embeddings", "U-net skips", "attention-window warmup",
+           "cautious weight decay", "value embeddings", "U-net skips", "embedding learning rate",
+           "attention-window warmup",
            "multi-token prediction", "batch-size schedule", "weight average"]
 
 
@@ -265,7 +266,10 @@ def test_the_default_pair_differs_in_the_recipes_keys_alone():
 def test_each_row_warms_up_for_its_share_of_the_bench_steps():
     """Both presets state warmup as a share of the steps. A row that took the WSD change's keys with equal
     values wrote train.warmup_steps as its default (100), which won over the share: 100 warmup steps in a
-    300-step row. Only keys that differ are taken, so every row resolves to the same warmup."""
-    for steps, warmup in ((0, 30), (40, 4)):
+    300-step row. Only keys that differ are taken, so every row resolves to its share: GPT-2's 10% until the
+    WSD change, the recipe's 3% from it on."""
+    for steps, gpt2, recipe in ((0, 30, 9), (40, 4, 1)):
         rows, _ = plan_rows(*quality.load_pair(QualityOptions(steps=steps)))
-        assert [resolve_run(r.cfg, env=Environment()).config.train.warmup_steps for r in rows] == [warmup] * len(rows)
+        wsd = [r.name for r in rows].index("+ WSD schedule")
+        warmups = [resolve_run(r.cfg, env=Environment()).config.train.warmup_steps for r in rows]
+        assert warmups == [gpt2] * wsd + [recipe] * (len(rows) - wsd)
