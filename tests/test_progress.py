@@ -4,6 +4,7 @@ carriage return; on a terminal, tqdm's bar. The same for every command (gpt2trai
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from time import monotonic
@@ -101,4 +102,4 @@ def test_eval_without_a_terminal_writes_plain_progress_lines(char_data, tmp_path
     assert b"\r" not in r.stderr and r.stdout.endswith(b"\n")
     lines = progress_lines(r.stderr, "val")
     assert 1 <= len(lines) <= 1 + elapsed / LINE_EVERY_S, r.stderr
-    assert lines[-1].startswith("val: 100% 20/20"), lines
+    assert re.match(r"val: 100% (\d+)/\1 ", lines[-1]), lines  # the windows the run validates on, all read
