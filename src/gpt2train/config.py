@@ -206,8 +206,8 @@ RANGES: dict[str, Range] = {
     "train.flops_budget": at_least(0),  # 0: tokens_per_param decides
     "train.time_budget": at_least(0),  # 0: off
     "train.tokens_per_s": at_least(0),  # 0: measured or estimated, for time_budget
-    "train.lr": at_least(0),
-    "train.embedding_lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
+    "train.lr": at_least(0),  # 0 leaves the weights as they are: a check of the plumbing (tests do it)
+    "train.embedding_lr": at_least(0),
     "train.min_lr_ratio": between(0, 1),
     "train.warmup_steps": at_least(0),
     "train.warmup_fraction": between(0, 1),
