@@ -8,7 +8,13 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from conftest import run_cli
-from gpt2train.bench.prepare import min_synthetic_chars, plain_loop, write_synthetic_corpus
+from gpt2train.bench.prepare import (
+    LONG_FILES,
+    min_synthetic_chars,
+    plain_loop,
+    write_long_document_corpus,
+    write_synthetic_corpus,
+)
 from gpt2train.data.prepare import SplitRule, prepare_files
 from gpt2train.data.shards import open_shard
 from gpt2train.tokenizer import GPT2Tokenizer
@@ -30,14 +36,15 @@ def test_the_plain_loop_writes_the_tokens_prepare_writes(tmp_path):
     assert ours.tolist() == expected
 
 
-def test_bench_prepare_reports_both_at_two_sizes(tmp_path):
+def test_bench_prepare_reports_both_on_short_and_long_documents(tmp_path):
     out = tmp_path / "bench.json"
-    r = run_cli("bench", "prepare", "--chars", "60000,120000", "--workers", "2", "--repeats", "2", "--out", str(out))
+    r = run_cli("bench", "prepare", "--chars", "60000", "--long-chars", "120000", "--workers", "2", "--repeats", "2",
+                "--out", str(out))
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     runs = result["runs"]  # per corpus: 2 timed runs each, alternating, then one each for memory
     assert [(x["corpus"], x["impl"], x["peak_mib"] is None) for x in runs] == [
-        (corpus, impl, timed) for corpus in ("synthetic 60,000 chars", "synthetic 120,000 chars")
+        (corpus, impl, timed) for corpus in ("synthetic 60,000 chars", "long documents 120,000 chars")
         for timed in (True, True, False) for impl in ("plain loop", "gpt2train")]
     assert len({x["tokens"] for x in runs[:6]}) == 1 and runs[0]["tokens"] < runs[6]["tokens"]
     assert all(x["wall_s"] > 0 and (x["peak_mib"] is None or x["peak_mib"] > 10) for x in runs)
@@ -48,6 +55,18 @@ def test_bench_prepare_reports_both_at_two_sizes(tmp_path):
     assert "gpt2train" in r.stdout and "x the plain loop's speed at" in r.stdout and result["workers"] == 2
 
 
+def test_the_long_document_corpus_has_few_long_documents_per_file_in_one_row_group(tmp_path):
+    paths = write_long_document_corpus(tmp_path / "long", 2_000_000)
+    texts = [pq.read_table(p).column("text").to_pylist() for p in paths]
+    sizes = [len(t) for file in texts for t in file]
+    assert len(paths) == LONG_FILES and all(pq.read_metadata(p).num_row_groups == 1 for p in paths)
+    assert 2_000_000 <= sum(sizes) < 2_000_000 + 100_000 and min(sizes) >= 1_000 and max(sizes) <= 100_000
+    assert max(sizes) > 20 * min(sizes) and max(len(file) for file in texts) < 40  # a spread of sizes, few to a file
+    assert len(sizes) >= SplitRule(None, None).documents_for_val()
+    assert write_long_document_corpus(tmp_path / "again", 2_000_000) and all(  # the same corpus from the same seed
+        pq.read_table(a).equals(pq.read_table(b)) for a, b in zip(paths, sorted((tmp_path / "again").glob("*"))))
+
+
 def test_bench_prepare_on_files_that_are_not_parquet_is_one_line(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     r = run_cli("bench", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "b.json"))
@@ -56,6 +75,8 @@ def test_bench_prepare_on_files_that_are_not_parquet_is_one_line(tmp_path):
     r = run_cli("bench", "prepare", "--chars", "12e6,5")
     assert r.returncode == 2 and f"at least {min_synthetic_chars()} characters" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("bench", "prepare", "--long-chars", "5000")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "0 (no long-document corpus)" in r.stderr
 
 
 def test_the_smallest_synthetic_corpus_accepted_can_be_split(tmp_path):

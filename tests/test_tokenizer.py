@@ -104,6 +104,39 @@ def test_gpt2s_encoding_is_built_once_at_first_use_whatever_the_threads(monkeypa
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
 
 
+def test_each_thread_encodes_documents_with_an_encoding_of_its_own(monkeypatch):
+    """tiktoken's regex serves one thread on its fast path; prepare's second thread, sharing it, took a lock at every
+    match (a third of its time, perf on the long-document corpus). Each thread now builds its own, once, and the
+    ids are the shared encoding's."""
+    import threading
+
+    import gpt2train.tokenizer as tokenizer
+
+    built = []
+
+    def counted():
+        built.append(threading.get_ident())
+        return real()
+
+    real = tokenizer.own_gpt2_encoding
+    monkeypatch.setattr(tokenizer, "own_gpt2_encoding", counted)
+    tok = tokenizer.GPT2Tokenizer()
+    texts = VARIED + ["the cat sat <|endoftext|> on the mat"]
+    expected = [i for t in texts for i in [tok.eot_id, *tok.encode(t)]]
+    out = {}
+
+    def work(name):
+        out[name] = [tok.encode_documents(texts)[0].tolist() for _ in range(3)]
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 2 and len(set(built)) == 2  # once per thread
+    assert all(ids == expected for runs in out.values() for ids in runs)
+
+
 def test_gpt2_tokenizer_pickles_and_copies(gpt2):
     """It holds a lock (for the build at first use); a copy or a pickle is a tokenizer of its own."""
     import copy

@@ -126,6 +126,20 @@ def batch_size_list(text: str) -> list[int]:
                                          f"({e})") from None
 
 
+def long_corpus_chars(text: str) -> int:
+    """--long-chars: 0, or a corpus size in characters that holds documents enough for a val split."""
+    from gpt2train.bench.prepare import MIN_LONG_CHARS
+
+    try:
+        chars = int(float(text))
+    except ValueError:
+        chars = -1
+    if chars != 0 and chars < MIN_LONG_CHARS:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 0 (no long-document corpus) or at least {MIN_LONG_CHARS} "
+                                         "characters, e.g. 120e6")
+    return chars
+
+
 def char_count_list(text: str) -> list[int]:
     """--chars: synthetic corpus sizes (characters, enough for a val split) separated by commas; 1.2e7 style is
     fine."""
@@ -523,8 +537,8 @@ def cmd_bench_generate(args) -> int:
 def cmd_bench_prepare(args) -> int:
     from gpt2train.bench.prepare import PrepareBenchOptions, run_prepare_bench
 
-    options = PrepareBenchOptions(inputs=args.inputs, chars=args.chars, workers=args.workers or 0,
-                                  repeats=args.repeats)
+    options = PrepareBenchOptions(inputs=args.inputs, chars=args.chars, long_chars=args.long_chars,
+                                  workers=args.workers or 0, repeats=args.repeats)
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-prepare", ".json")
     result = run_prepare_bench(options, out)
     print(result["markdown"])
@@ -1010,7 +1024,11 @@ def add_bench_prepare(bench) -> None:
     p.add_argument("inputs", nargs="*", help="parquet files or folders of them (default: synthetic corpora of "
                    "--chars characters)")
     p.add_argument("--chars", type=char_count_list, default="12e6,120e6",
-                   help="synthetic corpus sizes in characters, comma-separated (default %(default)s)")
+                   help="sizes of the synthetic corpora of short documents in characters, comma-separated (default "
+                   "%(default)s)")
+    p.add_argument("--long-chars", type=long_corpus_chars, default="120e6",
+                   help="size of the synthetic corpus of long documents (1 KB to 6 MB each) in characters; 0: none "
+                   "(default %(default)s)")
     p.add_argument("--workers", type=WORKERS, help="processes or threads for both (default: all CPU cores)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed runs of each, alternating; then one more "
                    "each for memory (default %(default)s)")

@@ -51,10 +51,8 @@ def local_gpt2_files() -> tuple[Path, Path] | None:
 
 @lru_cache(maxsize=1)
 def gpt2_encoding():
-    """tiktoken's GPT-2 encoding, from local files when available (identical ids either way)."""
+    """tiktoken's GPT-2 encoding, from local files when available (identical ids either way); one, shared."""
     import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
 
     local = local_gpt2_files()
     if local is None:
@@ -63,12 +61,37 @@ def gpt2_encoding():
         except Exception as e:  # noqa: BLE001 - no network and no cache; tiktoken raises many kinds
             raise FileNotFoundError(f"GPT-2 tokenizer files not found and download failed ({type(e).__name__}); "
                                f"run `{DATA_PACKAGE_HINT}`") from None
-    encoder_json, vocab_bpe = local
-    ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json))
-    return tiktoken.Encoding(
-        name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens={GPT2_EOT: GPT2_EOT_ID},
-        explicit_n_vocab=GPT2_VOCAB_SIZE,
-    )
+    return gpt2_encoding_from_files(*local)
+
+
+def own_gpt2_encoding():
+    """A GPT-2 encoding of its own, not the shared one, for a thread that encodes beside others: tiktoken's regex
+    keeps its match caches in a pool with a fast path for one thread only, and a second thread sharing the
+    encoding takes the pool's lock at every match (prepare's threads: docs/benchmarks.md)."""
+    local = local_gpt2_files()
+    if local is None:
+        import tiktoken
+        from tiktoken_ext.openai_public import gpt2
+
+        gpt2_encoding()  # the download, or its one-line error, as for the shared encoding
+        return tiktoken.Encoding(**gpt2())  # from tiktoken's cache
+    return gpt2_encoding_from_files(*local)
+
+
+def gpt2_encoding_from_files(encoder_json: Path, vocab_bpe: Path):
+    import tiktoken
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=gpt2_ranks(str(encoder_json), str(vocab_bpe)),
+                             special_tokens={GPT2_EOT: GPT2_EOT_ID}, explicit_n_vocab=GPT2_VOCAB_SIZE)
+
+
+@lru_cache(maxsize=1)
+def gpt2_ranks(encoder_json: str, vocab_bpe: str) -> dict[bytes, int]:
+    """GPT-2's BPE ranks read from its two files (read once: each encoding built from them shares the dict)."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    return data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
 
 
 def byte_level_chars() -> list[str]:
@@ -125,6 +148,7 @@ class GPT2Tokenizer:
     def __init__(self):
         self.vocab_size, self.eot_id = GPT2_VOCAB_SIZE, GPT2_EOT_ID
         self._enc, self._building = None, threading.Lock()
+        self._per_thread = threading.local()  # encode_documents' encodings, one per thread (own_gpt2_encoding)
         if local_gpt2_files() is None:
             self._enc = gpt2_encoding()  # a download, or its one-line error, now rather than mid-work
 
@@ -154,9 +178,13 @@ class GPT2Tokenizer:
         """prepare's form: every text as [eot] + its ids, all in one uint32 array, and each one's length.
         tiktoken writes a text's ids straight into an array, making no Python int per token (which needs the
         GIL, so prepare's threads would wait on each other: docs/benchmarks.md); with no special token
-        disallowed, special-token text is plain text, as in encode()."""
+        disallowed, special-token text is plain text, as in encode(). Prepare's threads call it side by side, so
+        each thread encodes with an encoding of its own."""
+        enc = getattr(self._per_thread, "enc", None)
+        if enc is None:
+            enc = self._per_thread.enc = own_gpt2_encoding()
         eot = np.array([self.eot_id], dtype=np.uint32)
-        parts = [part for text in texts for part in (eot, self.enc.encode_to_numpy(text, disallowed_special=()))]
+        parts = [part for text in texts for part in (eot, enc.encode_to_numpy(text, disallowed_special=()))]
         lengths = np.array([len(part) + 1 for part in parts[1::2]], dtype=np.int64)
         return np.concatenate(parts) if parts else np.zeros(0, np.uint32), lengths
 

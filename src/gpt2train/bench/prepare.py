@@ -10,8 +10,11 @@ largest sum over its processes (the parent and its workers) of their proportiona
 shared by n processes counts 1/n to each), sampled every 20 ms from /proc, which slows the run and so is
 never timed; where there is no /proc, the largest single process's peak RSS instead (said in the result).
 
-The default corpus is synthetic: documents of 200 to 6,000 characters cut at random from Tiny Shakespeare,
-written as parquet files, at two sizes ten times apart, so that growth of memory with the corpus shows.
+The default corpora are synthetic, made from Tiny Shakespeare. Short documents: 200 to 6,000 characters cut at
+random places, in row groups of 1,024, at two sizes ten times apart, so that growth of memory with the corpus
+shows. Long documents: 1 KB to 6 MB each (Tiny Shakespeare repeated past its end), log-uniform, a few to a file
+and one row group per file, as a corpus of source files and manuals is: a worker then gets one document at a
+time, and what its threads share shows (what it showed: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ from gpt2train.units import format_utc
 SYNTHETIC_FILES = 4
 DOC_CHARS = (200, 6000)  # a synthetic document's length in characters: at least, and below
 ROW_GROUP_ROWS = 1024  # a few MB of text per row group at any corpus size, as in published parquet datasets
+LONG_DOC_CHARS = (1_000, 6_000_000)  # a long document's length in characters: at least, and at most
+LONG_FILES = 8
+MIN_LONG_CHARS = 20_000  # a long-document corpus this small still holds the documents a val split needs
 PLAIN_SHARD_TOKENS = 100_000_000  # fineweb.py's shard size
 
 
 @dataclass
 class PrepareBenchOptions:
     inputs: list[str] = field(default_factory=list)  # the user's files or folders; empty: synthetic corpora
-    chars: list[int] = field(default_factory=lambda: [12_000_000, 120_000_000])  # synthetic corpus sizes
+    chars: list[int] = field(default_factory=lambda: [12_000_000, 120_000_000])  # short-document corpus sizes
+    long_chars: int = 120_000_000  # the long-document corpus's size; 0: none
     workers: int = 0  # processes for both (0: this machine's CPU count)
     repeats: int = 3  # timed runs of each
 
@@ -191,6 +198,34 @@ def write_synthetic_corpus(out_dir: str | Path, chars: int, files: int = SYNTHET
     return paths
 
 
+def write_long_document_corpus(out_dir: str | Path, chars: int, files: int = LONG_FILES, seed: int = 0) -> list[Path]:
+    """Parquet files of about `chars` characters in all, one row group each: documents of LONG_DOC_CHARS characters
+    (at most a twentieth of the corpus, so that a small one still has documents enough for a val split),
+    log-uniform, taken from a random place in Tiny Shakespeare repeated end to end."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpt2train.data.prepare import shakespeare_text
+
+    text, rng = shakespeare_text(), np.random.default_rng(seed)
+    low, high = LONG_DOC_CHARS[0], max(LONG_DOC_CHARS[0] + 1, min(LONG_DOC_CHARS[1], chars // 20))
+    docs, size = [], 0
+    while size < chars:
+        length = int(np.exp(rng.uniform(np.log(low), np.log(high))))
+        start = int(rng.integers(0, len(text)))
+        repeated = text * (1 + (start + length) // len(text))
+        docs.append(repeated[start:start + length])
+        size += length
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in range(files):
+        part = docs[f::files]
+        paths.append(out_dir / f"long_{f:03d}.parquet")
+        pq.write_table(pa.table({"text": part}), paths[-1], row_group_size=max(1, len(part)))
+    return paths
+
+
 def min_synthetic_chars() -> int:
     """The smallest synthetic corpus `prepare files` can split by its default --val-fraction: each file holds
     documents until it reaches its share of the characters, so a share above (k - 1) of the longest documents
@@ -213,6 +248,9 @@ def run_prepare_bench(options: PrepareBenchOptions, out_path: str | Path) -> dic
         else:
             corpora = [(f"synthetic {chars:,} chars", write_synthetic_corpus(Path(tmp) / f"corpus-{chars}", chars))
                        for chars in options.chars]
+            if options.long_chars:
+                corpora.append((f"long documents {options.long_chars:,} chars",
+                                write_long_document_corpus(Path(tmp) / "long", options.long_chars)))
         for name, paths in corpora:
             # timed runs alternating, so drift in the machine's speed hits both; then one run each for memory
             for memory in [False] * options.repeats + [True]:
