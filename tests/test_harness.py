@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from conftest import one_line, tiny_config
 from gpt2train import cli
-from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows, score_continuations
+from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows
+from gpt2train.eval.likelihood import score_continuations
 from gpt2train.loading import load_for_inference
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -234,4 +235,5 @@ def test_task_list_parsing():
 
     assert parse_tasks("val,lm-eval:arc_easy,piqa,hellaswag,lm-eval:hellaswag") == [
         "val", "lm-eval:arc_easy", "lm-eval:piqa", "hellaswag", "lm-eval:hellaswag"]
-    assert "unknown task 'piqa'" in one_line(ValueError, parse_tasks, "val,piqa")
+    assert parse_tasks("val,piqa") == ["val", "piqa"]  # a bare piqa before any lm-eval: item is the suite's own
+    assert "unknown task 'lambada_openai'" in one_line(ValueError, parse_tasks, "val,lambada_openai")

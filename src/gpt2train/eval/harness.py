@@ -11,13 +11,11 @@ no probability. The harness is an optional extra (`pip install gpt2train[eval]`)
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from gpt2train.eval import rank_and_world
+from gpt2train.eval.likelihood import score_continuations, split_context
 from gpt2train.generation import generate_stream
 from gpt2train.ranges import UsageError
 
@@ -36,47 +34,7 @@ def import_lm_eval():
     return lm_eval
 
 
-# --- scoring with our model (plain torch, no harness needed) -----------------------------------------
-@torch.no_grad()
-def score_continuations(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], batch_size: int = 16,
-                        autocast=None) -> list[tuple[float, bool]]:
-    """(sum of log-probs of the continuation's tokens, whether greedy decoding picks each of them) for every
-    (context ids, continuation ids) pair; the context must hold at least one token.
-
-    A row is context + continuation cropped from the left to block_size + 1 tokens (the input is all but
-    the last). Rows are batched longest first, right-padded: a causal model's logits at a position do not
-    depend on what comes after it, so padding changes no score.
-    """
-    device = next(model.parameters()).device
-    block_size, vocab_size = model.config.block_size, model.config.vocab_size
-    rows, lengths = [], []
-    for context, continuation in pairs:
-        if not context:
-            raise ValueError("a continuation needs at least one context token (the end-of-text token for none)")
-        rows.append((context + continuation)[-(block_size + 1):])
-        lengths.append(min(len(continuation), block_size))
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-    results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        T = len(rows[batch[0]]) - 1  # the longest input in this batch
-        inputs = torch.zeros((len(batch), T), dtype=torch.long)
-        for b, i in enumerate(batch):
-            inputs[b, : len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
-        with autocast or nullcontext():
-            logits = model(inputs.to(device))  # (B, T, V)
-        logprobs = F.log_softmax(logits[..., :vocab_size].float(), dim=-1)
-        for b, i in enumerate(batch):
-            end, n = len(rows[i]) - 1, lengths[i]
-            if n == 0:
-                continue
-            targets = torch.tensor(rows[i][-n:], device=device)
-            scored = logprobs[b, end - n : end]  # (n, V): the positions that predict the continuation
-            total = scored.gather(1, targets[:, None]).sum().item()
-            results[i] = (total, bool((scored.argmax(-1) == targets).all()))
-    return results
-
-
+# --- documents as continuations (plain torch, no harness needed) -------------------------------------
 def rolling_windows(ids: list[int], prefix_id: int, block_size: int) -> list[tuple[list[int], list[int]]]:
     """A document as (context, continuation) pairs that predict each of its tokens exactly once.
 
@@ -100,13 +58,6 @@ def rolling_loglikelihood(model: torch.nn.Module, documents: list[list[int]], pr
     for d, (logprob, _) in zip(owner, score_continuations(model, windows, batch_size, autocast)):
         totals[d] += logprob
     return totals
-
-
-def split_context(context: str, continuation: str) -> tuple[str, str]:
-    """Move trailing spaces of the context onto the continuation: GPT-2's BPE puts a word's leading space
-    in the word's token, so ("The sky is ", "blue") must score " blue", not "blue" after a lone " "."""
-    stripped = context.rstrip(" ")
-    return stripped, context[len(stripped):] + continuation
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:

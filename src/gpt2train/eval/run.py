@@ -20,6 +20,8 @@ from gpt2train import distributed as D
 from gpt2train.checkpoint import resolve_checkpoint
 from gpt2train.config import data_sources
 from gpt2train.data.prepared import load_meta
+from gpt2train.eval.suite import CORE, DEFAULT_SEED
+from gpt2train.eval.suite import TASKS as SUITE_TASKS
 from gpt2train.files import write_json_atomic
 from gpt2train.loading import load_for_inference
 from gpt2train.ranges import UsageError
@@ -28,12 +30,13 @@ from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec
 
 TASKS = ("val", "hellaswag")
 HARNESS_PREFIX = "lm-eval:"  # --tasks lm-eval:arc_easy,piqa: tasks of EleutherAI's lm-evaluation-harness
+CHOICES = f"{', '.join(TASKS)}, core, {', '.join(SUITE_TASKS)} or lm-eval:TASK (comma-separated)"
 
 
 def parse_tasks(text: str | list[str]) -> list[str]:
-    """Task names, each "val", "hellaswag" or "lm-eval:NAME". After an lm-eval: item, bare names other
-    than val and hellaswag continue the harness list (lm-eval:arc_easy,piqa); lm-eval:hellaswag is the
-    harness's own HellaSwag."""
+    """Task names, each "val", "hellaswag", a task of the multiple-choice suite (suite.py; "core" stands for its
+    ten CORE tasks) or "lm-eval:NAME". After an lm-eval: item, bare names other than val, hellaswag and core
+    continue the harness list (lm-eval:arc_easy,piqa); lm-eval:hellaswag is the harness's own HellaSwag."""
     items = [t.strip() for t in text.split(",")] if isinstance(text, str) else list(text)
     tasks, in_harness_list = [], False
     for item in filter(None, items):
@@ -42,25 +45,32 @@ def parse_tasks(text: str | list[str]) -> list[str]:
             in_harness_list = True
         elif item in TASKS:
             tasks.append(item)
+        elif item == "core":
+            tasks += CORE
         elif in_harness_list:
             tasks.append(HARNESS_PREFIX + item)
+        elif item in SUITE_TASKS:
+            tasks.append(item)
         else:
-            raise UsageError(f"unknown task {item!r}; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+            raise UsageError(f"unknown task {item!r}; choose from {CHOICES}")
     if not tasks:
-        raise UsageError(f"--tasks names no task; choose from {', '.join(TASKS)} or lm-eval:TASK (comma-separated)")
+        raise UsageError(f"--tasks names no task; choose from {CHOICES}")
     return list(dict.fromkeys(tasks))
 
 
 def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, *, limit: int = 0, batch_size: int = 0,
                         data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
-                        dtype: str = "auto", lm_eval_include: list[str] | None = None, progress: bool = True) -> dict:
+                        dtype: str = "auto", lm_eval_include: list[str] | None = None, seed: int = DEFAULT_SEED,
+                        progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
 
     tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer.
 
-    limit caps HellaSwag examples and val windows (spread evenly over the split); 0 means all.
-    batch_size counts sequences per forward: val windows, or 4 HellaSwag rows per example; 0 picks one that
-    fills the device (see auto_batch_size).
+    limit caps HellaSwag examples, val windows (spread evenly over the split) and each suite task's examples;
+    0 means all. batch_size counts sequences per forward: val windows, 4 HellaSwag rows per example, or a suite
+    example's rows (one per choice); 0 picks one that fills the device (see auto_batch_size).
+    Suite tasks (suite.py) draw their few-shot examples with `seed`; each is one entry, and when several ran,
+    one more, "core" (the ten CORE tasks) or "suite" (any other set), holds the mean centered accuracy.
     lm-eval:NAME tasks run EleutherAI's harness (the `eval` extra) on the model, with limit and batch_size
     as above; lm_eval_include adds folders of task YAMLs. Each task and group it reports is one entry,
     tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
@@ -84,6 +94,9 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
             jobs["val"] = _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
+        suite_tasks = [t for t in tasks if t in SUITE_TASKS]
+        if suite_tasks:
+            jobs["suite"] = _suite_job(model, meta, suite_tasks, limit, seed, batch_size, autocast, progress)
         harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
         if lm_eval_include and not harness_tasks:  # it was ignored: a user would think their tasks ran
             raise UsageError("--lm-eval-include is read only with --tasks lm-eval:TASK; add one, or leave it out")
@@ -95,9 +108,10 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
         results = {}
         for name, job in jobs.items():
             start = time.time()
-            # The harness job answers for several tasks at once: {"lm-eval:NAME": results}.
-            for task, out in (job() if name == "lm-eval" else {name: job()}).items():
-                results[task] = with_speed(task, {**out, "wall_s": time.time() - start})
+            # The harness and suite jobs answer for several tasks at once: {"lm-eval:NAME": results}; a suite
+            # task times itself.
+            for task, out in (job() if name in ("lm-eval", "suite") else {name: job()}).items():
+                results[task] = with_speed(task, {"wall_s": time.time() - start, **out})
         record = {"checkpoint": str(ckpt_dir), "step": meta.get("step"), "world_size": info.world_size,
                   "device": str(info.device), "dtype": str(resolved).removeprefix("torch."), "time": time.time(),
                   "tasks": results}
@@ -137,11 +151,11 @@ def auto_batch_size(model, device, dtype) -> int:
 
 
 def with_speed(task: str, out: dict) -> dict:
-    """Add how fast the task ran: tokens/s for validation, examples/s for HellaSwag."""
+    """Add how fast the task ran: tokens/s for validation, examples/s for HellaSwag and the suite's tasks."""
     seconds = max(out["wall_s"], 1e-9)
     if task == "val":
         return {**out, "tokens_per_s": out["tokens"] / seconds}
-    if task == "hellaswag":
+    if task == "hellaswag" or task in SUITE_TASKS:
         return {**out, "examples_per_s": out["n"] / seconds}
     return out
 
@@ -223,6 +237,24 @@ def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     return run
 
 
+def _suite_job(model, meta, names, limit, seed, batch_size, autocast, progress):
+    """The suite's tasks, each its entry, and the mean of their centered accuracies when several run."""
+    from gpt2train.eval.suite import check_tokenizer, evaluate_suite, load_suite
+
+    check_tokenizer(meta["tokenizer"])
+    prepared = load_suite(names, limit, seed)  # every file read and checked now, before any task runs
+    tokenizer = tokenizer_from_spec(meta["tokenizer"])
+
+    def run() -> dict:
+        out = evaluate_suite(model, tokenizer, prepared, batch_size, autocast, progress)
+        if len(names) < 2:
+            return out["tasks"]
+        summary = "core" if set(names) == set(CORE) else "suite"
+        return {**out["tasks"], summary: {"centered_mean": out["centered_mean"], "tasks": names, "seed": seed,
+                                          "wall_s": sum(r["wall_s"] for r in out["tasks"].values())}}
+    return run
+
+
 def _harness_job(model, meta, names, include, limit, batch_size, autocast):
     from gpt2train.eval.harness import check_task_names, run_harness, task_manager
 
@@ -273,6 +305,16 @@ def format_table(record: dict) -> str:
         elif task.startswith(HARNESS_PREFIX):
             lines += _harness_rows(task, r, width, metric_width)
             continue
+        elif "centered_mean" in r:  # the suite's summary: "core" or "suite"
+            rows = [("centered", f"{r['centered_mean']:.4f}")]
+            over = f"the mean over {len(r['tasks'])} tasks, few-shot seed {r['seed']}"
+        elif task in SUITE_TASKS:
+            over = f"{r['n']} examples, {r['shots']}-shot"
+            if r.get("cropped"):
+                over += f", {r['cropped']} cropped on the left"
+            if r.get("examples_per_s"):
+                over += f", {r['examples_per_s']:,.1f} examples/s"
+            rows = [("acc", f"{r['acc']:.4f}"), ("centered", f"{r['centered']:.4f}")]
         else:
             over = f"{r['n']} examples of {r.get('source_name') or r['source']}"
             if r.get("examples_per_s"):
