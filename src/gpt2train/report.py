@@ -24,7 +24,7 @@ from gpt2train import runlog
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.runlog import Run
 from gpt2train.spikes import SPIKE_RULE
-from gpt2train.units import format_bytes, format_duration, format_utc
+from gpt2train.units import format_bytes, format_count, format_duration, format_utc
 
 
 class ReportError(ValueError):
@@ -262,6 +262,55 @@ def _hellaswag_chart(runs: list[Run]) -> Chart | None:
     return Chart("hellaswag", "HellaSwag accuracy", fig, [f"HellaSwag's examples: {'; '.join(sources)}."] if sources else [])
 
 
+def _suite_chart(runs: list[Run]) -> Chart | None:
+    """The mean centered accuracy over the tasks (bold) and each task's (thin) against tokens. One run: a colour
+    per task, named in the legend. Several: a colour per run, the tasks unnamed (ten names per run would not read)."""
+    if not any(run.of("suite") for run in runs):
+        return None  # optional during training (eval.tasks); its absence needs no note
+    Line2D = _matplotlib().Line2D
+    fig, ax = _new_axes()
+    ax.set_xlabel("tokens")  # runs with other batches compare at the same data seen
+    ax.xaxis.set_major_formatter(_matplotlib().FuncFormatter(lambda x, _: format_count(x)))  # 1.50B, not 1.5 x 1e9
+    one = len(runs) == 1
+    styles = []
+    for i, run in enumerate(runs):
+        records = [{**r, "step": r["tokens"]} for r in run.of("suite") if runlog.is_int(r.get("tokens"))]
+        for j, name in enumerate(_task_names(records)):
+            task = [{"step": r["step"], **r["tasks"][name]} for r in records
+                    if isinstance(r.get("tasks"), dict) and isinstance(r["tasks"].get(name), dict)]
+            style = {"color": _colour(j), "ls": "-" if j < 10 else "--", "lw": 1} if one else \
+                {"color": _colour(i), "lw": 0.8, "alpha": 0.4}
+            ax.plot(*_xy(task, "centered"), **style)
+            if one:
+                styles.append(Line2D([], [], **style, label=name))
+        ax.plot(*_xy(records, "centered_mean"), color="black" if one else _colour(i), lw=2.2, marker="o", ms=4)
+    ax.axhline(0.0, color="grey", lw=0.8, ls=":")
+    ax.set_ylabel("centered accuracy")
+    styles = [Line2D([], [], color="black" if one else "grey", lw=2.2, marker="o", ms=4, label="mean"), *styles]
+    if not one:
+        styles.append(Line2D([], [], color="grey", lw=0.8, alpha=0.4, label="one task"))
+    styles.append(Line2D([], [], color="grey", lw=0.8, ls=":", label="chance (0)"))
+    if one:  # the run is the page's title; the colours are the tasks'
+        fig.legend(handles=styles, loc="outside upper center", ncols=min(len(styles), 6), fontsize="small", frameon=False)
+    else:
+        _legend(fig, runs, styles)
+    notes = ["Centered accuracy: (accuracy - chance) / (1 - chance) of each task, 0 at chance and 1 when every "
+             "example is right."]
+    if not one:
+        notes.append("Each task of each run is a thin line in the run's colour; a report of one run names them.")
+    return Chart("suite", "Multiple-choice suite (centered accuracy)", fig,
+                 notes + _missing(runs, "suite records", lambda run: bool(run.of("suite"))))
+
+
+def _task_names(records: list[dict]) -> list[str]:
+    """The tasks of a run's suite records, in the order first logged."""
+    names = {}
+    for r in records:
+        if isinstance(r.get("tasks"), dict):
+            names.update(dict.fromkeys(map(str, r["tasks"])))
+    return list(names)
+
+
 def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:
     charts = [
         _loss_chart(runs, log_y),
@@ -276,6 +325,7 @@ def _charts(runs: list[Run], log_y: bool = False) -> list[Chart]:
         _series_chart(runs, "memory", "Peak memory", "train", "peak_mem_mb", "peak memory (GiB)",
                       "peak memory is only measured on CUDA devices.", scale=1 / 1024),
         _hellaswag_chart(runs),
+        _suite_chart(runs),
     ]
     return [c for c in charts if c is not None]
 
@@ -350,6 +400,8 @@ SUMMARY_ROWS = [
     ("val loss per source at best val", "best_val_sources", lambda v: "; ".join(  # a mixture's (data.sources)
         f"{name} {_format(each['val_loss'], lambda x: f'{x:.4f}')}" for name, each in v.items())),
     ("last train loss", "last_train_loss", lambda v: f"{v:.4f}"),
+    ("suite centered mean (last)", "suite_centered_mean", lambda v: f"{v:.4f}"),  # eval.tasks
+    ("suite step (last)", "suite_step", lambda v: f"{v:,}"),
     ("mean tokens/s", "mean_tokens_per_s", lambda v: f"{v:,.0f}"),
     ("mean MFU", "mean_mfu", lambda v: f"{100 * v:.1f}%"),
     ("peak memory", "peak_mem_mb", lambda v: format_bytes(v * 2**20)),
@@ -371,7 +423,7 @@ SUMMARY_ROWS = [
 ]
 
 
-ONLY_WHEN_PRESENT = {"best_val_sources"}  # rows left out where no run has them
+ONLY_WHEN_PRESENT = {"best_val_sources", "suite_centered_mean", "suite_step"}  # rows left out where no run has them
 
 
 def _page(runs: list[Run], summaries: list[dict], charts: list[Chart], images: dict[str, bytes]) -> str:

@@ -115,6 +115,7 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
 
     try:
         validate(cfg)
+        check_tasks(cfg)
         problem = batch_problem(cfg.train.total_batch_tokens, cfg.train.micro_batch, cfg.train.seq_len, env.world_size)
         if problem:
             raise ConfigError(problem)
@@ -122,6 +123,19 @@ def resolve_run(config: str | Path | Config | None = None, overrides: Sequence[s
         raise ConfigError(with_origins(str(e), cfg, origins)) from None
     seal(cfg)
     return RunConfig(cfg, user, origins, tuple(dial), env, resumed)
+
+
+def check_tasks(cfg: Config) -> None:
+    """eval.tasks names the suite's tasks (or "core"): an unknown name is a one-line ConfigError here, before a
+    run starts, rather than a warning at its first suite step."""
+    if not cfg.eval.tasks:
+        return
+    from gpt2train.eval.suite import resolve_tasks  # the suite's own list of names
+
+    try:
+        resolve_tasks(cfg.eval.tasks)
+    except ValueError as e:
+        raise ConfigError(f"eval.tasks = {cfg.eval.tasks!r}: {str(e).splitlines()[0]}") from None
 
 
 def as_run(cfg: Config | RunConfig, env: Environment | None = None) -> RunConfig:

@@ -33,16 +33,17 @@ RUN_START = "run_start"
 TRAIN = "train"
 VAL = "val"
 HELLASWAG = "hellaswag"
+SUITE = "suite"
 SAMPLE = "sample"
 GUARD = "guard"
 CHECKPOINT = "checkpoint"
 AVERAGE = "average"
 RUN_END = "run_end"
-KNOWN_KINDS = (RUN_START, TRAIN, VAL, HELLASWAG, SAMPLE, GUARD, CHECKPOINT, AVERAGE, RUN_END)
+KNOWN_KINDS = (RUN_START, TRAIN, VAL, HELLASWAG, SUITE, SAMPLE, GUARD, CHECKPOINT, AVERAGE, RUN_END)
 # Kinds that describe the state of training at a step. A resume or a rollback re-does steps, and
 # the re-done records replace these. The other kinds are events (a launch, a guard action, a save):
 # they stay, since they are the history a reader lists.
-SERIES_KINDS = (TRAIN, VAL, HELLASWAG, SAMPLE)
+SERIES_KINDS = (TRAIN, VAL, HELLASWAG, SUITE, SAMPLE)
 
 COMMON_FIELDS = ("kind", "time")  # on every record; time is Unix seconds
 # The other fields of each kind. Some are null or only sometimes there (docs/metrics.md says when).
@@ -53,12 +54,16 @@ FIELDS: dict[str, tuple[str, ...]] = {
             "compile_ms"),
     VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb", "sources"),
     HELLASWAG: ("step", "acc", "acc_norm", "n", "source"),
+    SUITE: ("step", "tokens", "centered_mean", "tasks"),
     SAMPLE: ("step", "prompt", "text"),
     GUARD: ("step", "action", "reason", "loss", "grad_norm", "to_step"),
     CHECKPOINT: ("step", "path", "best"),
     AVERAGE: ("step", "steps", "blend"),
     RUN_END: ("step", "tokens", "wall_s", "reason", "error"),
 }
+SUITE_TASK_FIELDS = ("acc", "centered", "n")  # each task's, under a suite record's "tasks"
+# Fields that hold {name: {field: number}}: the mirrors get each number as KIND/PREFIXNAME/FIELD.
+NESTED_SCALARS = {"sources": "sources/", "tasks": ""}  # val/sources/FOLDER/val_loss, suite/TASK/acc
 HARDWARE_FIELDS = ("device", "device_name", "torch", "world_size", "cuda")  # run_start's "hardware"
 # run_start's "runtime" (also in each checkpoint's meta.json): what the config's "auto"s resolved to. Absent
 # from logs written before it was recorded.
@@ -137,9 +142,10 @@ class MetricsLogger:
             return
         scalars = {f"{kind}/{k}": v for k, v in fields.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        for name, each in (fields.get("sources") or {}).items():  # a mixture's: val/sources/FOLDER/val_loss
-            scalars.update({f"{kind}/sources/{name}/{k}": v for k, v in each.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for key, prefix in NESTED_SCALARS.items():
+            for name, each in (fields.get(key) or {}).items():
+                scalars.update({f"{kind}/{prefix}{name}/{k}": v for k, v in each.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
@@ -388,6 +394,7 @@ def summarize(run: Run) -> dict:
     cfg, hw, ran = object_field(start, "config"), object_field(start, "hardware"), object_field(start, "runtime")
 
     best = min((r for r in val if is_finite(r.get("val_loss"))), key=lambda r: r["val_loss"], default=None)
+    suite = [r for r in run.of(SUITE) if is_finite(r.get("centered_mean"))]
     # The first compiled step includes compilation: its speed says nothing about the run's.
     timed = [r for r in train if not r.get("compile_ms")]
     series = [r for r in run.records if r["kind"] in SERIES_KINDS]
@@ -406,6 +413,8 @@ def summarize(run: Run) -> dict:
         "best_val_sources": _sources_at(best),
         "best_val_step": best["step"] if best else None,
         "last_train_loss": train[-1].get("loss") if train else None,
+        "suite_centered_mean": suite[-1]["centered_mean"] if suite else None,  # the last suite record's (eval.tasks)
+        "suite_step": suite[-1]["step"] if suite else None,
         "mean_tokens_per_s": _mean(r.get("tokens_per_s") for r in timed),
         "mean_mfu": _mean(r.get("mfu") for r in timed),
         "peak_mem_mb": max((r["peak_mem_mb"] for r in train if is_finite(r.get("peak_mem_mb"))), default=None),

@@ -1,6 +1,7 @@
 """Evaluations during training: validation loss every eval.interval steps (and at the end), HellaSwag every
-eval.hellaswag_interval steps, a few text samples every eval.sample_interval steps, logged as `val`,
-`hellaswag` and `sample` records (docs/metrics.md).
+eval.hellaswag_interval steps, the multiple-choice suite (eval.tasks) every eval.tasks_interval steps (and at
+the end), a few text samples every eval.sample_interval steps, logged as `val`, `hellaswag`, `suite` and
+`sample` records (docs/metrics.md).
 
 All run the plain, uncompiled model under no_grad, so they never trigger a recompile, and all run on every
 rank: under FSDP each forward gathers weights from all ranks. Sampling uses its own seeded generator, so
@@ -20,6 +21,8 @@ from gpt2train.config import Config
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.mixture import MixtureLoader
 from gpt2train.eval.val import mixture_validation, validation_loss
+from gpt2train.ranges import UsageError
+from gpt2train.runlog import SUITE, SUITE_TASK_FIELDS
 from gpt2train.tokenizer import tokenizer_from_spec
 
 SAMPLE_TEMPERATURE = 0.8
@@ -37,6 +40,15 @@ class PeriodicEvals:
         self.log, self.say, self.is_main = log, say, is_main  # log(kind, **fields); say(line) prints on rank 0
         self.examples = self.hellaswag_source = None  # HellaSwag examples and where they come from, read at the first run
         self.hellaswag_disabled = False  # set, with one warning, when HellaSwag cannot run for this model
+        self.suite = None  # the suite's prepared tasks, read at its first run
+        self.suite_disabled = not cfg.eval.tasks  # set, with one warning, when the suite cannot run for this model
+        if cfg.eval.tasks:
+            from gpt2train.eval.suite import check_tokenizer
+
+            try:  # said at the launch, not at the first suite step thousands of steps later
+                check_tokenizer(tokenizer_spec)
+            except UsageError as e:
+                self._disable_suite(str(e).splitlines()[0])
         self.val_notes = small_val_notes(val_loader, cfg.eval.val_batches)  # said at the first validation
 
     def after_step(self, step: int, tokens: int, last: bool, best_val: float) -> float | None:
@@ -55,6 +67,8 @@ class PeriodicEvals:
             self.say(f"step {step}: val loss {val_loss:.4f}{bits}" + (" (best)" if val_loss < best_val else "") + each)
         if cfg.hellaswag_interval and step % cfg.hellaswag_interval == 0 and not self.hellaswag_disabled:
             self.hellaswag(step)
+        if self.suite_due(step, last):
+            self.run_suite(step, tokens)
         if cfg.sample_interval and step % cfg.sample_interval == 0:
             self.samples(step)
         return val_loss
@@ -99,6 +113,34 @@ class PeriodicEvals:
         self.log("hellaswag", step=step, acc=out["acc"], acc_norm=out["acc_norm"], n=out["n"], source=self.hellaswag_source)
         self.say(f"step {step}: hellaswag acc_norm {out['acc_norm']:.4f} acc {out['acc']:.4f} ({out['n']} examples)")
 
+    def suite_due(self, step: int, last: bool) -> bool:
+        """Every eval.tasks_interval steps (0: every eval.interval steps, with validation) and at the last step."""
+        if self.suite_disabled:
+            return False
+        every = self.cfg.eval.tasks_interval or self.cfg.eval.interval
+        return last or bool(every and step % every == 0)
+
+    def run_suite(self, step: int, tokens: int):
+        from gpt2train.eval.suite import evaluate_suite, load_suite, resolve_tasks
+
+        if self.suite is None:
+            try:  # the suite's own seed picks the examples: every run, whatever its train.seed, sees the same ones
+                self.suite = load_suite(resolve_tasks(self.cfg.eval.tasks), self.cfg.eval.tasks_limit)
+            except (OSError, ValueError) as e:
+                return self._disable_suite(str(e).splitlines()[0])
+            limit = f", at most {self.cfg.eval.tasks_limit:,} examples each" if self.cfg.eval.tasks_limit else ""
+            self.say(f"suite: {len(self.suite)} task{'s' if len(self.suite) != 1 else ''}{limit}")
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = evaluate_suite(self.model, self.tokenizer, self.suite, self.cfg.train.micro_batch, self.autocast())
+        finally:
+            self.model.train()
+        tasks = {name: {key: each[key] for key in SUITE_TASK_FIELDS} for name, each in out["tasks"].items()}
+        self.log(SUITE, step=step, tokens=tokens, centered_mean=out["centered_mean"], tasks=tasks)
+        examples = sum(each["n"] for each in tasks.values())
+        self.say(f"step {step}: suite centered mean {out['centered_mean']:.4f} ({len(tasks)} tasks, {examples:,} examples)")
+
     def samples(self, step: int):
         from gpt2train.generation import generate
 
@@ -124,6 +166,11 @@ class PeriodicEvals:
         self.hellaswag_disabled = True
         if self.is_main:
             print(f"warning: skipping HellaSwag during training: {reason}", file=sys.stderr, flush=True)
+
+    def _disable_suite(self, reason: str):
+        self.suite_disabled = True
+        if self.is_main:
+            print(f"warning: skipping the suite (eval.tasks) during training: {reason}", file=sys.stderr, flush=True)
 
 
 def small_val_notes(val_loader: TokenLoader | MixtureLoader, val_batches: int) -> list[str]:
