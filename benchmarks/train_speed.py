@@ -1,7 +1,7 @@
 """Tokens/s of `gpt2train train` on this machine for a config and a few variants of it, one after the other.
 
 Each variant is a real training run (the CLI in a subprocess, so the checkout under test can be another
-worktree: --src) of --steps steps with validation and checkpoints off, on the config's device (`auto`: a GPU
+worktree: --src) of --steps steps with validation, the suite and checkpoints off, on the config's device (`auto`: a GPU
 where there is one); the figure is the median tokens/s of the logged steps after the first --skip
 (compilation and warm-up); beside it the median MFU and the peak GPU memory where the run logged them, and
 the process's peak RSS. Machines differ: compare only figures from one invocation of this script.
@@ -30,6 +30,10 @@ def run_variant(src: Path, config: str, data: str, steps: int, overrides: list[s
         sets = [f"train.max_steps={steps}", "log.interval=1", "eval.interval=0", "checkpoint.every_steps=0",
                 "checkpoint.save_final=false", "checkpoint.save_best=false", "eval.sample_interval=0",
                 "log.progress=lines", f"data.dir={data}", *overrides]
+        # The suite during training (eval.tasks, on in the GPT-2 presets) is no part of a step's speed; a checkout
+        # from before the key would refuse it, so only one that has it is told.
+        if "tasks_limit" in (src / "src" / "gpt2train" / "config.py").read_text():
+            sets.append("eval.tasks=[]")
         cmd = [sys.executable, "-m", "gpt2train", "train", "--config", config, "--out", f"{tmp}/run"]
         for s in sets:
             cmd += ["--set", s]

@@ -273,3 +273,53 @@ def test_each_row_warms_up_for_its_share_of_the_bench_steps():
         wsd = [r.name for r in rows].index("+ WSD schedule")
         warmups = [resolve_run(r.cfg, env=Environment()).config.train.warmup_steps for r in rows]
         assert warmups == [gpt2] * wsd + [recipe] * (len(rows) - wsd)
+
+
+# --- a suite score as the target (--target suite) ------------------------------------------------------------
+def test_a_suite_score_is_reached_from_below():
+    gpt2 = curve(1, [2.0, 1.5], [1.0, 2.0])
+    gpt2.suite_score, gpt2.final_suite_score = [0.1, 0.3], 0.3
+    recipe = curve(1, [1.9, 1.4], [0.5, 1.0])
+    recipe.suite_score, recipe.final_suite_score = [0.2, 0.6], 0.6
+    score(recipe, gpt2, "suite")
+    assert recipe.target == 0.3 and recipe.reach_tokens == pytest.approx(125.0)  # 100 + 100 * 0.1 / 0.4
+    assert recipe.reach_s == pytest.approx(0.625) and recipe.tokens_ratio == pytest.approx(125 / 200)
+    behind = curve(1, [1.9, 1.4], [0.5, 1.0])
+    behind.suite_score, behind.final_suite_score = [0.0, 0.2], 0.2
+    score(behind, gpt2, "suite")
+    assert behind.reach_tokens is None  # never up to 0.3, though its loss ends below GPT-2's
+    score(behind, gpt2)
+    assert behind.target == 1.5 and behind.reach_tokens == pytest.approx(180.0)  # the loss target: 1.9 -> 1.4
+
+
+def test_the_suite_runs_at_each_evaluation_for_its_target_and_not_at_all_otherwise(char_data):
+    preset = load_config("gpt2")  # runs the core suite every 2,000 steps as shipped
+    assert quality.shared_settings(copy.deepcopy(preset), QualityOptions()).eval.tasks == []
+    for cfg in (preset, load_config("shakespeare-cpu")):  # named tasks kept; none named: the core
+        ran = quality.shared_settings(copy.deepcopy(cfg), QualityOptions(target="suite")).eval
+        assert (ran.tasks, ran.tasks_interval, ran.interval) == (["core"], 0, 25)
+    assert one_line(UsageError, QualityOptions, target="hellaswag") == "target 'hellaswag' is not one of val, suite"
+
+
+def test_a_tiny_journey_to_gpt2s_suite_score(gpt2_data, tmp_path):
+    base = tiny_config(gpt2_data, max_steps=4)
+    recipe = copy.deepcopy(base)
+    recipe.train.schedule = "wsd"
+    save_config(base, tmp_path / "base.toml")
+    save_config(recipe, tmp_path / "recipe.toml")
+    options = QualityOptions(config=str(tmp_path / "base.toml"), modern=str(tmp_path / "recipe.toml"), eval_interval=2,
+                             val_batches=1, overrides=["eval.tasks_limit=3"], target="suite")
+    result = run_quality(options, tmp_path / "out", progress=False)
+    gpt2, wsd = (row.runs[0] for row in result.rows)
+    for run in (gpt2, wsd):
+        logged = [r for r in map(json.loads, open(f"{run.run_dir}/metrics.jsonl")) if r["kind"] == "suite"]
+        assert run.status == "ok" and run.steps == [2, 4] == [r["step"] for r in logged]
+        assert run.suite_score == [r["centered_mean"] for r in logged] and run.final_suite_score == logged[-1]["centered_mean"]
+        assert run.target == gpt2.final_suite_score
+        assert run.reach_tokens == reach(run.tokens, [-v for v in run.suite_score], -run.target)
+    assert "| row | final val loss | final suite score | tokens to GPT-2's suite score |" in result.table
+    assert {line.count("|") for line in result.table.splitlines()} == {10}  # head, rule and rows: 9 columns each
+    assert "target: the GPT-2 row's final suite score" in result.markdown and "--target suite" in result.command
+    assert ("full recipe reaches GPT-2's suite score" in result.markdown
+            or "full recipe does not reach GPT-2's suite score" in result.markdown)
+    assert json.loads((tmp_path / "out" / "quality.json").read_text())["target"]["reaches"] == "GPT-2's suite score"

@@ -142,6 +142,22 @@ def test_doctor_prints_the_last_suite_score(suite_run):
     assert not any("eval.tasks" in note for note in d.notes)
 
 
+def test_doctor_notes_a_missing_suite_only_once_it_was_due():
+    from gpt2train.config import Config
+    from gpt2train.doctor import last_suite
+
+    cfg = Config()
+    cfg.eval.tasks, cfg.eval.tasks_interval = ["core"], 10
+    trained = [{"kind": "train", "step": s} for s in range(1, 11)]
+    assert last_suite(trained, cfg) == (None, [])  # at step 10 the suite may still be running
+    (note,) = last_suite([*trained, {"kind": "train", "step": 11}], cfg)[1]
+    assert note.startswith("eval.tasks = ['core'] is set but the run wrote no suite record")
+    assert last_suite([*trained[:3], {"kind": "run_end", "step": 3, "reason": "done"}], cfg)[1] == [note]  # it ended
+    assert last_suite([*trained[:3], {"kind": "run_end", "step": 3, "reason": "signal"}], cfg) == (None, [])
+    cfg.eval.tasks = []
+    assert last_suite([*trained, {"kind": "train", "step": 11}], cfg) == (None, [])  # not asked for
+
+
 # --- where it cannot run -----------------------------------------------------------------------------------
 def test_a_char_tokenizer_run_warns_once_trains_the_same_and_doctor_says_why(char_data, tmp_path, capfd):
     plain, hooked = tmp_path / "plain", tmp_path / "hooked"

@@ -566,7 +566,7 @@ def cmd_bench_quality(args) -> int:
     options = QualityOptions(config=args.config, modern=args.modern, ablate=args.ablate,
                              recipe_only=args.recipe_only, seeds=args.seeds,
                              steps=args.steps or 0, eval_interval=args.eval_interval, val_batches=args.val_batches,
-                             overrides=args.set or [], device=args.device or "")
+                             overrides=args.set or [], device=args.device or "", target=args.target)
     out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-quality")
     result = run_quality(options, out)
     print(result.table)
@@ -1143,6 +1143,9 @@ def add_bench_quality(bench) -> None:
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every row "
                    "(repeatable), e.g. data.dir=... (default: none)")
     p.add_argument("--device", type=device_name, help="train.device of every row (default: the config's)")
+    p.add_argument("--target", choices=("val", "suite"), default="val", help="what a row must reach: GPT-2's final "
+                   "validation loss, or its final score on the multiple-choice suite (eval.tasks, \"core\" where unset), "
+                   "which then runs at every evaluation (default %(default)s)")
     p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-quality-<time>)")
     p.set_defaults(func=cmd_bench_quality)
 
