@@ -15,10 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
+from conftest import REPO, random_checkpoint
 from gpt2train import cli
-from gpt2train.checkpoint import model_state, save_checkpoint
-from gpt2train.config import Config, to_dict
 from gpt2train.eval import suite
 from gpt2train.eval.likelihood import split_context
 from gpt2train.eval.run import evaluate_checkpoint, parse_tasks
@@ -125,6 +123,10 @@ def test_shots_come_from_the_pool_never_from_scored_rows_and_follow_the_seed():
     assert other.pool != prepared.pool and other.prompt(0) != prepared.prompt(0)
     zero_shot = prepare_task("copa", limit=3)
     assert zero_shot.pool == [] and zero_shot.prompt(0) == zero_shot.examples[0].pairs
+    # shots in place of the task's own (--shots): a pool for COPA's two; none for ARC's zero, the file's first rows
+    two = prepare_task("copa", limit=3, shots=2)
+    assert len(two.pool) == suite.POOL_SIZE and two.prompt(0)[0][0].count(SHOT_SEPARATOR) == 2
+    assert prepare_task("arc_challenge", limit=3, shots=0).rows == [0, 1, 2]
 
 
 # --- scoring ---------------------------------------------------------------------------------------------
@@ -209,16 +211,6 @@ def test_a_random_model_scores_chance_on_core(small_model, small_tokenizer, one_
 
 
 # --- `gpt2train eval` ---------------------------------------------------------------------------------------
-def random_checkpoint(run, vocab_size: int, tokenizer: dict):
-    cfg = Config()
-    cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size)
-    cfg.train.dtype = "float32"  # eval's --dtype auto is the run's own
-    torch.manual_seed(0)
-    save_checkpoint(run, step=0, weights=model_state(GPT(cfg.model)), state={},
-                    meta={"config": to_dict(cfg), "tokenizer": tokenizer})
-    return run / "checkpoints" / "step_00000000"
-
-
 @pytest.fixture(scope="module")
 def gpt2_checkpoint(tmp_path_factory):
     """A random model with GPT-2's tokenizer, saved as an imported run is (no training needed)."""

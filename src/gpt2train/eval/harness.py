@@ -137,10 +137,11 @@ def harness_model(model: torch.nn.Module, tokenizer, batch_size: int = 16, autoc
 
 
 # --- running tasks ------------------------------------------------------------------------------------
-def task_manager(include: list[str] | None = None):
-    """The harness's task index: its own tasks plus the task YAMLs in the `include` folders."""
+def task_manager(include: list[str] | None = None, defaults: bool = True):
+    """The harness's task index: its own tasks (unless not `defaults`: indexing them takes seconds) plus the task
+    YAMLs in the `include` folders."""
     lm_eval = import_lm_eval()
-    return lm_eval.tasks.TaskManager(include_path=list(include) if include else None)
+    return lm_eval.tasks.TaskManager(include_path=[str(f) for f in include] if include else None, include_defaults=defaults)
 
 
 def check_task_names(manager, names: list[str]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -61,7 +62,7 @@ def parse_tasks(text: str | list[str]) -> list[str]:
 def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, *, limit: int = 0, batch_size: int = 0,
                         data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
                         dtype: str = "auto", lm_eval_include: list[str] | None = None, seed: int = DEFAULT_SEED,
-                        progress: bool = True) -> dict:
+                        shots: int | None = None, progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
 
     tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer.
@@ -69,10 +70,12 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
     limit caps HellaSwag examples, val windows (spread evenly over the split) and each suite task's examples;
     0 means all. batch_size counts sequences per forward: val windows, 4 HellaSwag rows per example, or a suite
     example's rows (one per choice); 0 picks one that fills the device (see auto_batch_size).
-    Suite tasks (suite.py) draw their few-shot examples with `seed`; each is one entry, and when several ran,
-    one more, "core" (the ten CORE tasks) or "suite" (any other set), holds the mean centered accuracy.
+    Suite tasks (suite.py) draw their few-shot examples with `seed`, `shots` of them (None: each task's own);
+    each is one entry, and when several ran, one more, "core" (the ten CORE tasks) or "suite" (any other set),
+    holds the mean centered accuracy.
     lm-eval:NAME tasks run EleutherAI's harness (the `eval` extra) on the model, with limit and batch_size
-    as above; lm_eval_include adds folders of task YAMLs. Each task and group it reports is one entry,
+    as above; lm_eval_include adds folders of task YAMLs. lm-eval:gpt2train_NAME is suite task NAME in the
+    harness, zero-shot (harness_tasks.py). Each task and group it reports is one entry,
     tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
     Returns {"checkpoint", "step", "tasks": {task: results}, ...}; eval.json keeps earlier tasks' results.
     """
@@ -95,8 +98,10 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
         suite_tasks = [t for t in tasks if t in SUITE_TASKS]
+        if shots is not None and not suite_tasks:  # it was ignored: a user would think their shots counted
+            raise UsageError("--shots is read only with suite tasks (core, arc_easy, ...); add one, or leave it out")
         if suite_tasks:
-            jobs["suite"] = _suite_job(model, meta, suite_tasks, limit, seed, batch_size, autocast, progress)
+            jobs["suite"] = _suite_job(model, meta, suite_tasks, limit, seed, shots, batch_size, autocast, progress)
         harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
         if lm_eval_include and not harness_tasks:  # it was ignored: a user would think their tasks ran
             raise UsageError("--lm-eval-include is read only with --tasks lm-eval:TASK; add one, or leave it out")
@@ -237,12 +242,12 @@ def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
     return run
 
 
-def _suite_job(model, meta, names, limit, seed, batch_size, autocast, progress):
+def _suite_job(model, meta, names, limit, seed, shots, batch_size, autocast, progress):
     """The suite's tasks, each its entry, and the mean of their centered accuracies when several run."""
     from gpt2train.eval.suite import check_tokenizer, evaluate_suite, load_suite
 
     check_tokenizer(meta["tokenizer"])
-    prepared = load_suite(names, limit, seed)  # every file read and checked now, before any task runs
+    prepared = load_suite(names, limit, seed, shots)  # every file read and checked now, before any task runs
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 
     def run() -> dict:
@@ -256,18 +261,33 @@ def _suite_job(model, meta, names, limit, seed, batch_size, autocast, progress):
 
 
 def _harness_job(model, meta, names, include, limit, batch_size, autocast):
+    """The harness's tasks; the suite's own twins (gpt2train_NAME) are written for this run into a temporary
+    folder, first in the index, so a folder of --lm-eval-include cannot shadow them."""
     from gpt2train.eval.harness import check_task_names, run_harness, task_manager
+    from gpt2train.eval.harness_tasks import PREFIX, write_harness_tasks
 
     for folder in include or []:
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"--lm-eval-include {folder} is not a folder of task YAMLs")
-    manager = task_manager(include)  # indexes the harness's tasks: a few seconds, done once
+    twins = [n.removeprefix(PREFIX) for n in names if n.startswith(PREFIX) and n.removeprefix(PREFIX) in SUITE_TASKS]
+    folders, written = list(include or []), None
+    if twins:
+        written = tempfile.TemporaryDirectory(prefix="gpt2train_harness_tasks_")
+        # datasets' copies of the Arrow files go there too, and go with it
+        write_harness_tasks(written.name, twins, cache_dir=Path(written.name) / "datasets")
+        folders.insert(0, written.name)
+    # The harness's own thousands of tasks take seconds to index: only when a name may be one of them.
+    manager = task_manager(folders, defaults=bool(include) or len(twins) < len(names))
     check_task_names(manager, names)
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 
     def run() -> dict:
-        return run_harness(model, tokenizer, names, manager=manager, limit=limit, batch_size=batch_size,
-                           autocast=autocast)
+        try:
+            return run_harness(model, tokenizer, names, manager=manager, limit=limit, batch_size=batch_size,
+                               autocast=autocast)
+        finally:
+            if written is not None:
+                written.cleanup()
     return run
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -250,11 +250,17 @@ def parse_rows(task: Task, path: Path, table, rows: list[int]) -> list[MultipleC
     return examples
 
 
-def prepare_task(name: str, limit: int = 0, seed: int = DEFAULT_SEED) -> PreparedTask:
-    """One task's scored examples (the first `limit` rows outside the pool; 0: all) and its few-shot pool."""
+def prepare_task(name: str, limit: int = 0, seed: int = DEFAULT_SEED, shots: int | None = None) -> PreparedTask:
+    """One task's scored examples (the first `limit` rows outside the pool; 0: all) and its few-shot pool.
+
+    shots: few-shot examples per prompt in place of the task's own (None); at 0 no pool is set aside, so the
+    first `limit` rows of the file are scored, as lm-evaluation-harness's --limit does (harness_tasks.py).
+    """
     if name not in TASKS:
         raise UsageError(f"unknown suite task {name!r}; choose from {', '.join(TASKS)}")
-    task = TASKS[name]
+    if shots is not None and not 0 <= shots <= POOL_SIZE:
+        raise UsageError(f"--shots must be between 0 and {POOL_SIZE} (the few-shot pool's size), got {shots}")
+    task = TASKS[name] if shots is None else replace(TASKS[name], shots=shots)
     path = task_file(task)
     table = read_table(path)
     pool_rows = []
@@ -270,9 +276,9 @@ def prepare_task(name: str, limit: int = 0, seed: int = DEFAULT_SEED) -> Prepare
                         parse_rows(task, path, table, pool_rows), seed)
 
 
-def load_suite(names: list[str], limit: int = 0, seed: int = DEFAULT_SEED) -> list[PreparedTask]:
+def load_suite(names: list[str], limit: int = 0, seed: int = DEFAULT_SEED, shots: int | None = None) -> list[PreparedTask]:
     """Every named task prepared (see prepare_task): all files are read and checked before any is scored."""
-    return [prepare_task(name, limit, seed) for name in resolve_tasks(names)]
+    return [prepare_task(name, limit, seed, shots) for name in resolve_tasks(names)]
 
 
 # --- scoring --------------------------------------------------------------------------------------------
