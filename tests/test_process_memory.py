@@ -36,3 +36,19 @@ def test_what_is_not_there_reads_as_nothing(tmp_path):
     assert M.proc_kib("no-such-process/status", "VmRSS") == 0
     assert M.tree_pss(2**22 + 1) == 0  # above Linux's largest pid: no such process
     assert M.rusage_bytes(3) in (3, 3 * 1024)
+
+
+def test_a_process_that_ends_while_its_tree_is_read_has_no_children(monkeypatch):
+    """bench prepare's memory sampler died with FileNotFoundError: /proc/PID/task was there when the walk started
+    and gone when it was listed, as the run exited. A process gone mid-walk now counts as having no children."""
+    def vanished(real):
+        def listing(path="."):
+            if str(path).startswith(f"/proc/{os.getpid()}/task"):
+                raise FileNotFoundError(2, "No such file or directory", str(path))
+            return real(path)
+        return listing
+
+    for name in ("listdir", "scandir"):  # either way of listing a folder finds it gone
+        monkeypatch.setattr(os, name, vanished(getattr(os, name)))
+    assert M.process_tree(os.getpid()) == [os.getpid()]
+    assert M.tree_pss(2**22 + 1) == 0

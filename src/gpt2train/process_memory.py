@@ -57,12 +57,17 @@ def tree_pss(pid: int) -> int:
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants, from /proc's children lists (every thread's)."""
+    """`pid` and its descendants, from /proc's children lists (every thread's). A process may end while it is
+    read (bench prepare samples a run up to its exit): what is gone has no children."""
     pids, i = [pid], 0
     while i < len(pids):
-        for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+        try:
+            tasks = os.listdir(f"/proc/{pids[i]}/task")
+        except OSError:
+            tasks = []
+        for task in tasks:
             try:
-                pids += [int(c) for c in (task / "children").read_text().split()]
+                pids += [int(c) for c in Path(f"/proc/{pids[i]}/task/{task}/children").read_text().split()]
             except (OSError, ValueError):
                 pass
         i += 1

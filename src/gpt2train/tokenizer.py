@@ -86,9 +86,18 @@ def gpt2_encoding_from_files(encoder_json: Path, vocab_bpe: Path):
                              special_tokens={GPT2_EOT: GPT2_EOT_ID}, explicit_n_vocab=GPT2_VOCAB_SIZE)
 
 
-@lru_cache(maxsize=1)
+_reading_ranks = threading.Lock()
+
+
 def gpt2_ranks(encoder_json: str, vocab_bpe: str) -> dict[bytes, int]:
-    """GPT-2's BPE ranks read from its two files (read once: each encoding built from them shares the dict)."""
+    """GPT-2's BPE ranks read from its two files, once: each encoding built from them shares the dict, and a
+    thread that asks while another reads them waits rather than reading them too."""
+    with _reading_ranks:
+        return _read_gpt2_ranks(encoder_json, vocab_bpe)
+
+
+@lru_cache(maxsize=1)
+def _read_gpt2_ranks(encoder_json: str, vocab_bpe: str) -> dict[bytes, int]:
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
     return data_gym_to_mergeable_bpe_ranks(vocab_bpe, encoder_json)
