@@ -376,3 +376,19 @@ def test_fused_classifier_without_gradients_is_the_same_loss():
         scored = chunked_cross_entropy(hidden, weight, targets, 5, vocab_size=10)
     plain = F.cross_entropy(hidden @ weight[:10].t(), targets, ignore_index=-1)
     torch.testing.assert_close(scored, plain, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [{}, dict(position="rotary", qk_norm=True, tied_head=False, logit_softcap=15.0,
+                                              value_embeddings=1, unet_skips=True)])
+def test_the_logits_of_chosen_positions_are_those_of_the_full_forward(recipe):
+    """Scoring a continuation asks the head for its positions alone (forward's `positions`): each row of those
+    logits is the full forward's at that (row, position)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=4, **recipe)).eval()
+    idx = torch.randint(0, 70, (3, 16))
+    rows, columns = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([15, 3, 0, 7, 8, 15])
+    with torch.no_grad():
+        full = model(idx)  # (3, 16, 70)
+        chosen = model(idx, positions=(rows, columns))  # (6, 70)
+    assert chosen.shape == (6, 70)
+    torch.testing.assert_close(chosen, full[rows, columns], rtol=0, atol=1e-6)

@@ -433,13 +433,16 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                padding_mask: torch.Tensor | None = None, last_only: bool = False):
+                padding_mask: torch.Tensor | None = None, last_only: bool = False,
+                positions: tuple[torch.Tensor, torch.Tensor] | None = None):
         """idx (B, T) token ids -> logits (B, T, vocab_size); with targets (B, T), (logits, mean cross-entropy).
 
         With targets and config.loss_chunk > 0 the logits are never materialized, and None is returned
         in their place. Targets of -1 are ignored. With a kv_cache, idx continues the cached tokens, and
         padding_mask (B, T) marks the real ones (False: left padding; default all real). last_only: the
-        logits of the last position alone (B, 1, vocab_size), all that sampling needs. In training mode with
+        logits of the last position alone (B, 1, vocab_size), all that sampling needs. positions (rows, columns),
+        two (N,) index tensors: the logits of those N positions alone (N, vocab_size), all that scoring a
+        continuation needs (the head's matmul is most of a short model's forward). In training mode with
         config.mtp_weight > 0 the loss is the training objective (next token + mtp_weight x two ahead); in
         eval mode it is always the next-token cross-entropy.
         """
@@ -488,6 +491,8 @@ class GPT(nn.Module):
             kv_cache.filled += T
         if last_only:
             x = x[:, -1:]
+        elif positions is not None:
+            x = x[positions]  # (N, C)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.classify(x)

@@ -18,7 +18,8 @@ def score_continuations(model: torch.nn.Module, pairs: list[tuple[list[int], lis
     A row is context + continuation cropped from the left to block_size + 1 tokens (the input is all but
     the last). Rows are batched longest first, right-padded: a causal model's logits at a position do not
     depend on what comes after it, so padding changes no score. Only the positions that predict a
-    continuation token go through the softmax: a long few-shot context costs its forward, not more.
+    continuation token go through the head and the softmax: a long few-shot context costs its blocks, not
+    the vocabulary-wide head at each of its positions.
     """
     device = next(model.parameters()).device
     block_size, vocab_size = model.config.block_size, model.config.vocab_size
@@ -36,17 +37,17 @@ def score_continuations(model: torch.nn.Module, pairs: list[tuple[list[int], lis
         inputs = torch.zeros((len(batch), T), dtype=torch.long)
         for b, i in enumerate(batch):
             inputs[b, : len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
-        with autocast or nullcontext():
-            logits = model(inputs.to(device))  # (B, T, V)
         # (row in the batch, position, its target) for every continuation token: the input at position t
         # predicts token t + 1 of its row
         scored = [(b, t, rows[i][t + 1]) for b, i in enumerate(batch)
                   for t in range(len(rows[i]) - 1 - lengths[i], len(rows[i]) - 1)]
         if not scored:
-            continue  # every continuation empty: nothing to score
-        owners, positions, targets = (list(column) for column in zip(*scored))
-        targets = torch.tensor(targets, device=device)
-        logprobs = F.log_softmax(logits[owners, positions, :vocab_size].float(), dim=-1)  # (scored tokens, V)
+            model(inputs[:, :1].to(device))  # nothing to score, but every rank runs the same forwards (FSDP)
+            continue
+        owners, positions, targets = (torch.tensor(column, device=device) for column in zip(*scored))
+        with autocast or nullcontext():
+            logits = model(inputs.to(device), positions=(owners, positions))  # (scored tokens, V)
+        logprobs = F.log_softmax(logits[:, :vocab_size].float(), dim=-1)
         token_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         greedy = (logprobs.argmax(-1) == targets).tolist()
         start_of = 0
