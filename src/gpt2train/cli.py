@@ -607,7 +607,9 @@ def cmd_bench_multiplier(args) -> int:
     form = "ablate" if args.ablate else "journey" if args.journey else "pair"
     options = MultiplierOptions(base=args.base, candidate=args.candidate, form=form,
                                 depths=args.depths or defaults.depths, seeds=args.seeds or defaults.seeds,
-                                floor=args.floor, overrides=args.set or [])
+                                floor=args.floor, overrides=args.set or [], target=args.target,
+                                suite_tasks=args.suite_tasks or "",
+                                suite_limit=defaults.suite_limit if args.suite_limit is None else args.suite_limit)
     out = Path(args.out) if args.out else Path("runs") / "bench-multiplier"
     result = run_multiplier(options, out)
     print(result["markdown"])
@@ -1102,8 +1104,8 @@ def add_bench_scaling(bench) -> None:
 
 def add_bench_multiplier(bench) -> None:
     p = bench.add_parser("multiplier", help="a candidate recipe's compute multiplier over a base recipe: both train a "
-                         "ladder of model.depth rungs, each ladder is fitted, and the candidate's fit is solved for the "
-                         "base's loss on its largest rung")
+                         "ladder of model.depth rungs, and the compute the candidate needs for the base's loss (or suite "
+                         "score) on its largest rung is read off its rungs (and, for the loss, off its fitted law)")
     p.add_argument("--base", default="ladder-2024", help="the reference recipe: " + CONFIG_HELP
                    + " (default %(default)s)")
     p.add_argument("--candidate", default="ladder-modern", help="the recipe measured against it, a file or preset "
@@ -1120,6 +1122,13 @@ def add_bench_multiplier(bench) -> None:
                    "that the fits keep their E above (default: the data's loss_floor in meta.json, else 0)")
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every rung "
                    "(repeatable) (default: none)")
+    p.add_argument("--target", choices=("val", "suite"), default="val", help="what the candidate must reach: the base's "
+                   "final validation loss on its largest rung, or its final score on the multiple-choice suite, which "
+                   "then runs at the end of every rung (default %(default)s)")
+    p.add_argument("--suite-tasks", metavar="TASKS", help="with --target suite: comma-separated suite tasks, core for "
+                   "the ten CORE tasks (docs/eval.md lists them) (default: the base's eval.tasks, else core)")
+    p.add_argument("--suite-limit", type=COUNT, help="with --target suite: at most N examples of each task, 0: all of "
+                   "them (default 200)")
     p.add_argument("--out", type=OUT_FOLDER, help="output folder; run again with the same one to continue, and to "
                    "reuse the ladders another form trained there (default runs/bench-multiplier)")
     p.set_defaults(func=cmd_bench_multiplier)
