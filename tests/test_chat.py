@@ -70,7 +70,8 @@ def test_render_gives_the_template_ids_and_masks_only_assistant_turns():
     assert ids.tolist() == [50256, *user, *answer, *enc("Hello"), 50258, *nl]
     trained = [0] * (1 + len(user) + len(answer)) + [1] * (len(enc("Hello")) + 1) + [0] * len(nl)
     assert mask.tolist() == trained
-    assert tok.decode(ids[1:]) == render_text(messages) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    assert tok.decode(ids[1:]) == render_text(messages) == text
     assert (tok.im_start_id, tok.im_end_id, tok.vocab_size) == (50257, 50258, 50259)
 
 
