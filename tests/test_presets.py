@@ -18,7 +18,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESETS = ("finetune-cpu", "finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern", "ladder-2024",
+PRESETS = ("chat-cpu", "finetune-cpu", "finetune-shakespeare", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt2-modern",
+           "ladder-2024",
            "ladder-gpt2", "ladder-modern", "scaling-cpu", "shakespeare-cpu", "shakespeare-modern")
 
 
@@ -40,7 +41,8 @@ def test_a_file_that_exists_wins_over_a_preset(tmp_path, monkeypatch):
 
 def test_an_unknown_name_is_one_line_listing_the_presets():
     message = one_line(ConfigError, load_config, "gpt3")
-    assert message.startswith("config gpt3 is neither a file nor a preset; presets are finetune-cpu, finetune-shakespeare, gpt2,")
+    assert message.startswith("config gpt3 is neither a file nor a preset; presets are chat-cpu, finetune-cpu, "
+                              "finetune-shakespeare, gpt2,")
     assert all(name in message for name in PRESETS)
 
 

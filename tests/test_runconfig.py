@@ -149,7 +149,7 @@ def trained(tmp_path, config, overrides, resume: str | None = None) -> dict:
 @pytest.mark.parametrize("preset", sorted(preset_files()))
 def test_config_show_plan_and_the_library_resolve_every_preset_alike(preset, gpt2_data, char_data, source_run, capsys):
     overrides = [f"data.dir={gpt2_data}"]  # GPT-2's tokens: finetune-shakespeare's source (gpt2) refuses others
-    if preset == "finetune-cpu":  # a run of ours stands in for the quickstart's, with its data and context
+    if preset in ("finetune-cpu", "chat-cpu"):  # a run of ours stands in for the quickstart's, with its data and context
         overrides = [f"data.dir={char_data}", f"train.init_from={source_run}", "train.seq_len=32"]
     library = to_dict(resolve_run(preset, overrides).config)
     assert shown(capsys, preset, overrides) == library

@@ -16,10 +16,10 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpt2train"
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"gpt2train", "units", "files", "process_memory", "ranges", "progress", "devices", "tokenizer", "distributed",
-              "spikes", "runlog", "sections", "bench_results", "mfu_basis"}),
+              "spikes", "runlog", "sections", "bench_results", "mfu_basis", "chat"}),
     ("model", {"model", "classifier", "counting", "batch_schedule", "sizing", "config", "runtime", "generation"}),
     ("data", {"data", "data.sources", "data.shards", "data.prepare", "data.prepared", "data.loader", "data.mixture",
-              "data.markov", "data.pydocs"}),
+              "data.markov", "data.pydocs", "data.conversations", "data.chat_loader"}),
     ("storage", {"checkpoint.format", "checkpoint.state", "checkpoint.inspect", "checkpoint", "hf", "loading",
                  "gguf_export"}),
     ("eval", {"eval", "eval.val", "eval.hellaswag", "eval.likelihood", "eval.suite", "eval.harness",

@@ -213,6 +213,18 @@ def cmd_prepare_files(args) -> int:
     return 0
 
 
+def cmd_prepare_chat(args) -> int:
+    from gpt2train.data.conversations import prepare_chat
+
+    meta = prepare_chat(args.paths, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                        shard_tokens=args.shard_tokens)
+    docs, tokens, assistant = meta["documents"], meta["tokens"], meta["assistant_tokens"]
+    print(f"wrote {args.out}: {docs['train']:,} train and {docs['val']:,} val conversations; {tokens['train']:,} "
+          f"train tokens ({assistant['train']:,} of them trained on: assistant turns), {tokens['val']:,} val tokens; "
+          f"ChatML template, vocab {meta['vocab_size']:,} ({meta['tokenizer']['kind']} + <|im_start|>, <|im_end|>)")
+    return 0
+
+
 def cmd_prepare_hf(args) -> int:
     from gpt2train.data.prepare import prepare_hf
 
@@ -780,6 +792,14 @@ def add_prepare(sub) -> None:
     f = prep.add_parser("files", parents=[text, common, dedup], help=".txt/.jsonl/.parquet files, folders, saved HF datasets")
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
+    c = prep.add_parser("chat", help="conversations: JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]} "
+                        "(OpenAI's fine-tuning format), rendered with the ChatML template and a loss mask (docs/chat.md)")
+    c.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl files or folders of them")
+    c.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards, masks and meta.json")
+    c.add_argument("--tokenizer", default="gpt2", help="gpt2 or bpe:PATH/TO/tokenizer.json (default %(default)s)")
+    c.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th conversation goes to val (default 0.1)")
+    c.add_argument("--shard-tokens", type=POSITIVE_INT, default=100_000_000, help="tokens per shard (default %(default)s)")
+    c.set_defaults(func=cmd_prepare_chat)
     m = prep.add_parser("markov", parents=[common, dedup], help="any amount of text sampled from Tiny Shakespeare's "
                         "character Markov chain (the scaling ladder's corpus); the char tokenizer")
     m.add_argument("--chars", type=POSITIVE_INT, required=True, help="characters of text to make")

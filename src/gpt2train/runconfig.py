@@ -234,6 +234,11 @@ def take_data_vocab(cfg: Config, meta: dict | None, origins: dict) -> None:
         else:
             origins["model.vocab_size"] = f"the prepared data, once {where} is prepared"
     elif meta is not None and cfg.model.vocab_size < int(meta["vocab_size"]):
+        if meta.get("chat") and cfg.model.vocab_size == int(meta["vocab_size"]) - 2 and "model.vocab_size" in origins:
+            # a source pretrained without the turn tokens: its vocabulary grows by them (init_from.load_into)
+            cfg.model.vocab_size = int(meta["vocab_size"])
+            origins["model.vocab_size"] += f", and the two chat turn tokens of {where}"
+            return
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({meta['vocab_size']}); set it to {meta['vocab_size']} or 0 (from the data)")
 

@@ -51,7 +51,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     RUN_START: ("step", "config", "runtime", "hardware", "git", "version", "params", "params_non_embedding",
                 "flops_per_token", "peak_flops", "mfu_basis", "resumed_from"),
     TRAIN: ("step", "tokens", "loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_mb",
-            "compile_ms"),
+            "compile_ms", "assistant_tokens"),
     VAL: ("step", "tokens", "val_loss", "val_ppl", "val_bpb", "sources"),
     HELLASWAG: ("step", "acc", "acc_norm", "n", "source"),
     SUITE: ("step", "tokens", "centered_mean", "tasks"),

@@ -9,6 +9,12 @@
 A prepared dataset records its tokenizer in meta.json (`spec()`), and `tokenizer_from_spec` rebuilds it.
 A BPE spec embeds the whole tokenizer JSON, so datasets and checkpoints never depend on the file staying put;
 `same_tokenizer` compares two specs (a BPE by that JSON, not by its path).
+
+Chat data adds two special tokens, `<|im_start|>` and `<|im_end|>`, right after the base vocabulary (GPT-2's
+50257 and 50258, inside the model's padded embedding): `ChatTokens` wraps any base tokenizer with them, and a
+spec with a "chat" key (the two tokens' ids) rebuilds that wrapper. Text never encodes to them: only the chat
+template (chat.py) inserts their ids. The chat key does not change what ordinary text encodes to, so
+`same_tokenizer` ignores it (a model pretrained on the base tokenizer fine-tunes on chat data).
 """
 
 from __future__ import annotations
@@ -356,8 +362,65 @@ def tokenizer_from_name(name: str, corpus=None):
     raise UsageError(f"unknown tokenizer {name!r}; use gpt2, char or bpe:PATH/TO/tokenizer.json")
 
 
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's turn tokens
+CHAT_TOKENS = (IM_START, IM_END)
+
+
+class ChatTokens:
+    """A base tokenizer plus ChatML's two turn tokens, with ids base.vocab_size and base.vocab_size + 1.
+    encode is the base's: text holding "<|im_end|>" stays ordinary tokens (tiktoken's encode_ordinary; a BPE
+    gets the tokens as special tokens that `encode_special_tokens` keeps out of encoding)."""
+
+    def __init__(self, base):
+        self.base, self.name, self.eot_id = base, base.name, base.eot_id
+        self.im_start_id, self.im_end_id = base.vocab_size, base.vocab_size + 1
+        self.vocab_size = base.vocab_size + 2
+        if isinstance(base, BPETokenizer):  # the BPE's own added tokens, so its decode spells them
+            from tokenizers import AddedToken
+
+            base.tok.add_special_tokens([AddedToken(t, special=True) for t in CHAT_TOKENS])
+            if (base.tok.token_to_id(IM_START), base.tok.token_to_id(IM_END)) != (self.im_start_id, self.im_end_id):
+                raise ValueError(f"the BPE tokenizer already holds {IM_START} or {IM_END} as ordinary tokens; "
+                                 "train a tokenizer without them")
+
+    def encode(self, text: str) -> list[int]:
+        return self.base.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.base.encode_batch(texts)
+
+    def decode(self, ids) -> str:
+        """The turn tokens as their text, everything between them as the base decodes it."""
+        names = {self.im_start_id: IM_START, self.im_end_id: IM_END}
+        out, run = [], []
+        for i in ids:
+            if int(i) in names:
+                out += [self.base.decode(run), names[int(i)]]
+                run = []
+            else:
+                run.append(int(i))
+        return "".join(out) + self.base.decode(run)
+
+    def spec(self) -> dict:
+        return {**self.base.spec(), "chat": {IM_START: self.im_start_id, IM_END: self.im_end_id}}
+
+    def token_bytes(self) -> np.ndarray:
+        return np.concatenate([self.base.token_bytes()[:self.im_start_id], np.zeros(2, dtype=np.int64)])
+
+
+def with_chat_tokens(tokenizer) -> ChatTokens:
+    return tokenizer if isinstance(tokenizer, ChatTokens) else ChatTokens(tokenizer)
+
+
 def tokenizer_from_spec(spec: dict):
-    """Rebuild the tokenizer recorded in a dataset's meta.json or a checkpoint."""
+    """Rebuild the tokenizer recorded in a dataset's meta.json or a checkpoint (with the turn tokens when the
+    spec has a "chat" key)."""
+    if spec.get("chat"):
+        tok = ChatTokens(tokenizer_from_spec({k: v for k, v in spec.items() if k != "chat"}))
+        if spec["chat"] != tok.spec()["chat"]:
+            raise ValueError(f"the chat token ids {spec['chat']} in meta.json do not follow the base vocabulary "
+                             f"({tok.spec()['chat']}); re-run `gpt2train prepare chat`")
+        return tok
     kind = spec.get("kind")
     if kind == "gpt2":
         return GPT2Tokenizer()
@@ -377,6 +440,7 @@ def same_tokenizer(spec: dict, other: dict) -> bool:
 
 
 def _identity(spec: dict) -> dict:
+    spec = {k: v for k, v in spec.items() if k != "chat"}  # the turn tokens leave ordinary text's ids as they are
     if spec.get("kind") == "bpe" and spec.get("json"):
         return {"kind": "bpe", "json": json.loads(spec["json"])}
     return spec

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gpt2train.config import ConfigError, DataConfig, data_sources
+from gpt2train.data.chat_loader import ChatLoader, is_chat_data
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.prepared import load_meta
 from gpt2train.tokenizer import prepare_option, tokenizer_difference
@@ -45,10 +46,14 @@ def data_meta(data: DataConfig) -> dict:
 
 
 def open_loader(data: DataConfig, split: str, batch_size: int, seq_len: int, *, seed: int, order: str,
-                **loader_args) -> TokenLoader | MixtureLoader:
-    """data.dir's TokenLoader, or a MixtureLoader over data.sources (loader_args: TokenLoader's keywords)."""
+                **loader_args) -> TokenLoader | MixtureLoader | ChatLoader:
+    """data.dir's TokenLoader (a ChatLoader for `prepare chat`'s folders), or a MixtureLoader over data.sources
+    (loader_args: TokenLoader's keywords)."""
     if not data.sources:
-        return TokenLoader(data.dir, split, batch_size, seq_len, seed=seed, order=order, **loader_args)
+        kind = ChatLoader if is_chat_data(load_meta(data.dir)) else TokenLoader
+        return kind(data.dir, split, batch_size, seq_len, seed=seed, order=order, **loader_args)
+    if any(is_chat_data(load_meta(folder)) for folder, _ in data_sources(data)):
+        raise ConfigError("data.sources cannot mix chat data (prepare chat's folders); point data.dir at one chat folder")
     return MixtureLoader(data_sources(data), split, batch_size, seq_len, seed=seed, order=order, **loader_args)
 
 

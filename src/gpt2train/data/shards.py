@@ -4,6 +4,7 @@ A shard is a 1024-byte header of 256 little-endian int32 followed by the tokens:
   header[0] magic: 20240520 for uint16 tokens, 20240801 for uint32 tokens (vocabularies above 65,535)
   header[1] version: 1 for uint16, 7 for uint32
   header[2] number of tokens; the rest is zero.
+Chat data's loss masks use the same layout with a magic of their own: 20261128, version 1, one uint8 per token.
 Writes go to a temporary file that is renamed into place, so a crash never leaves half a shard.
 
 Two headerless layouts from other projects are read too (`open_tokens`): nanoGPT's `train.bin`/`val.bin`
@@ -24,7 +25,9 @@ HEADER_BYTES = HEADER_INTS * 4
 FORMATS = {  # magic -> (version, token dtype)
     20240520: (1, np.dtype("<u2")),
     20240801: (7, np.dtype("<u4")),
+    20261128: (1, np.dtype("u1")),  # a loss mask beside a shard of chat data (data/conversations.py)
 }
+MASK_DTYPE = np.dtype("u1")
 
 
 class ShardError(ValueError):
@@ -69,8 +72,10 @@ class ShardWriter:
     is renamed into place only then (a crash never leaves half a shard under the shard's name). Keeps the
     CRC-32 and the largest id of what it wrote (prepare records both)."""
 
-    def __init__(self, path: str | Path, vocab_size: int):
-        self.path, self.vocab_size, self.dtype = Path(path), vocab_size, token_dtype(vocab_size)
+    def __init__(self, path: str | Path, vocab_size: int, dtype: np.dtype | None = None):
+        """dtype: the stored type (default: the smallest token type that holds vocab_size ids)."""
+        self.path, self.vocab_size = Path(path), vocab_size
+        self.dtype = np.dtype(dtype) if dtype is not None else token_dtype(vocab_size)
         for partial in leftover_temp_files(self.path):  # a killed writer's (prepare reruns into its staging folder)
             partial.unlink(missing_ok=True)
         self.out = AtomicFile(self.path)  # committed in close(), discarded in abandon()
@@ -108,9 +113,9 @@ class ShardWriter:
         self.out.discard()
 
 
-def write_shard(path: str | Path, tokens, vocab_size: int) -> int:
+def write_shard(path: str | Path, tokens, vocab_size: int, dtype: np.dtype | None = None) -> int:
     """Write tokens (ids < vocab_size) as one shard, atomically; returns its tokens_crc32."""
-    writer = ShardWriter(path, vocab_size)
+    writer = ShardWriter(path, vocab_size, dtype)
     writer.append(tokens)
     return writer.close()
 
@@ -124,7 +129,8 @@ def read_header(path: str | Path) -> tuple[np.dtype, int]:
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, count = int(header[0]), int(header[1]), int(header[2])
     if magic not in FORMATS:
-        raise ShardError(f"{path}: magic {magic} is not an llm.c token shard (expected 20240520 or 20240801)")
+        raise ShardError(f"{path}: magic {magic} is not an llm.c token shard (expected 20240520 or 20240801) or a "
+                         f"chat mask (20261128)")
     expected_version, dtype = FORMATS[magic]
     if version != expected_version:
         raise ShardError(f"{path}: version {version} with magic {magic}; expected version {expected_version}")

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gpt2train.config import Config
+from gpt2train.data.chat_loader import ChatLoader
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.mixture import MixtureLoader, open_loader
 from gpt2train.data.prepared import load_meta, open_split, split_paths
@@ -92,11 +93,12 @@ class ValWindows:
 
 
 def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None) -> torch.Tensor:
-    """Sum over all positions of -log p(y | x). The model's own loss: logits cut to the real vocabulary,
-    and never materialized whole when the model's loss is chunked."""
+    """Sum over all positions of -log p(y | x), those whose target is -1 (chat data's context) left out. The
+    model's own loss: logits cut to the real vocabulary, and never materialized whole when the model's loss
+    is chunked."""
     with autocast or nullcontext():
-        _, loss = model(x, y)  # the mean over B * T positions, in fp32
-    return loss.double() * y.numel()
+        _, loss = model(x, y)  # the mean over the B * T positions' targets, in fp32
+    return loss.double() * (y != -1).sum()
 
 
 def mixture_validation(model: torch.nn.Module, source: MixtureLoader, batches: int = 0, autocast=None, *,
@@ -134,7 +136,7 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     source: a data folder, whose windows are fixed (see ValWindows): those of `ids` (e.g. validation_windows'),
         else `windows` of them spread evenly over the split, else `batches` * batch_size, else all; each rank
         takes every world_size-th.
-        Or a TokenLoader (reset first), from which `batches` batches are drawn, at most one pass (0: one pass):
+        Or a TokenLoader or ChatLoader (reset first), from which `batches` batches are drawn, at most one pass (0: one pass):
         a small split is read once, not its windows again.
     token_bytes: the tokenizer's bytes per id (its `token_bytes()`); with it the result has "bpb".
     Returns {"loss", "ppl", "bpb", "tokens", "bytes", "windows", "seq_len"}, summed over all ranks.
@@ -143,15 +145,16 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
     total = torch.zeros((), dtype=torch.float64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     bytes_of = torch.as_tensor(token_bytes, device=device) if token_bytes is not None else None
-    n_windows = 0
-    if isinstance(source, TokenLoader):
+    n_windows, n_targets = 0, torch.zeros((), dtype=torch.int64, device=device)
+    if isinstance(source, (TokenLoader, ChatLoader)):
         source.reset()
         seq_len = source.T
         for _ in show_progress(range(batches_to_read(source, batches)), desc="val", unit="batch",
                                enabled=progress and rank_and_world()[0] == 0):
             x, y = source.next_batch()
             total += summed_loss(model, x, y, autocast)
-            n_bytes += bytes_of[y].sum() if bytes_of is not None else 0
+            n_bytes += (bytes_of[y.clamp(min=0)] * (y != -1)).sum() if bytes_of is not None else 0
+            n_targets += (y != -1).sum()
             n_windows += x.size(0)
     else:
         seq_len = seq_len or model.config.block_size
@@ -165,9 +168,11 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
             buf = torch.from_numpy(data.gather(ids[rows])).to(device)
             total += summed_loss(model, buf[:, :-1], buf[:, 1:], autocast)
             n_bytes += bytes_of[buf[:, 1:]].sum() if bytes_of is not None else 0
+            n_targets += buf[:, 1:].numel()
             n_windows += len(rows)
-    loss_sum, n_windows, n_bytes = sum_across_ranks([float(total), n_windows, int(n_bytes)], device)
-    tokens = int(n_windows) * seq_len
+    loss_sum, n_windows, n_bytes, tokens = sum_across_ranks([float(total), n_windows, int(n_bytes), int(n_targets)],
+                                                            device)
+    tokens = int(tokens)  # the targets scored: every position, or chat data's assistant tokens
     loss = loss_sum / tokens
     bpb = loss_sum / (math.log(2) * n_bytes) if n_bytes > 0 else None
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf, "bpb": bpb, "tokens": tokens,

@@ -161,14 +161,17 @@ class Console:
 
     # --- a step ----------------------------------------------------------------------------------
     def train_line(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float, seconds: float,
-                   tokens_per_step: int, mfu: float | None, first_compiled: bool):
-        """The `train` record and the console line (or the bar's postfix when the bar is on)."""
+                   tokens_per_step: int, mfu: float | None, first_compiled: bool, assistant_tokens: int | None = None):
+        """The `train` record and the console line (or the bar's postfix when the bar is on); assistant_tokens:
+        chat data's targets trained on so far (None on pretraining data)."""
         tok_s = tokens_per_step / seconds
         peak_mem = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
         record = dict(step=step, tokens=tokens, loss=loss, lr=lr, grad_norm=grad_norm, step_ms=seconds * 1000,
                       tokens_per_s=tok_s, mfu=mfu, peak_mem_mb=peak_mem)
         if first_compiled:
             record["compile_ms"] = seconds * 1000  # the first compiled step includes compilation
+        if assistant_tokens is not None:
+            record["assistant_tokens"] = assistant_tokens
         self.log("train", **record)
         mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""  # unknown: the banner said why, once
         line = (f"step {step:>6}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "

@@ -105,14 +105,29 @@ def check_tokenizer(data_tokenizer: dict, data_name: str, source_tokenizer: dict
 
 
 def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Copy the source's weights into the plain model, padding the embedding to this model's rows."""
+    """Copy the source's weights into the plain model, padding the embedding to this model's rows. Ids the
+    model has and the source had not (chat data's turn tokens on a model pretrained without them) start at the
+    mean of the source's embedding rows (an untied head's too): a row the model can move from, where zeros or
+    the padding's random rows would give the new tokens an arbitrary start."""
     wte = weights["transformer.wte.weight"]
     rows = model.transformer.wte.weight.size(0)
-    weights = {**weights, "transformer.wte.weight": torch.cat([wte, wte.new_zeros(rows - wte.size(0), wte.size(1))])}
+    weights = {**weights, "transformer.wte.weight": grown(wte, rows, model.config.vocab_size, wte.size(0))}
+    head = weights.get("lm_head.weight")
+    if head is not None and not model.config.tied_head:
+        weights["lm_head.weight"] = grown(head[:wte.size(0)], model.lm_head.weight.size(0), model.config.vocab_size,
+                                          wte.size(0))
     problem = weights_mismatch(model, weights)
     if problem:
         raise ConfigError(f"train.init_from = {source!r}: weights do not match the model ({problem})")
     model.load_state_dict(weights, strict=False)
+
+
+def grown(matrix: torch.Tensor, rows: int, vocab_size: int, source_rows: int) -> torch.Tensor:
+    """matrix (source_rows real ids) as `rows` rows: the ids source_rows .. vocab_size - 1 at the mean of the
+    source's rows, the padding past vocab_size zero."""
+    new = max(0, min(vocab_size, rows) - source_rows)
+    mean = matrix.float().mean(0, keepdim=True).to(matrix.dtype).expand(new, -1)
+    return torch.cat([matrix, mean, matrix.new_zeros(rows - source_rows - new, matrix.size(1))])
 
 
 def weights_to_start_from(run, data_tokenizer: dict) -> tuple[dict[str, torch.Tensor] | None, str | None]:

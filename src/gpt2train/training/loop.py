@@ -199,7 +199,7 @@ class Trainer:
         tok_s = step_tokens / out["seconds"]
         mfu = tok_s * self.flops_per_token / (self.mfu_basis.flop_s * self.dist.world_size) if self.mfu_basis.flop_s else None
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
-                                step_tokens, mfu, first_compiled)
+                                step_tokens, mfu, first_compiled, getattr(self.train_loader, "targets_seen", None))
 
     def close(self, failed: bool = False):
         """Give the run directory back to the next run; a failed launch takes back a directory it made, holding no run."""

@@ -1,0 +1,64 @@
+"""The chat template: a conversation rendered to token ids and the loss mask that says which of them train.
+
+ChatML, the template llama.cpp, Ollama and transformers all recognise, one block per message:
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n
+
+The turn tokens are ids of their own (tokenizer.ChatTokens), never text: a user who types "<|im_end|>" gets
+ordinary tokens. Only what the model should learn to say trains: each assistant message's content and the
+<|im_end|> that closes it. The role header, the newline after <|im_end|> and every other message are context.
+A conversation starts with the end-of-text token, as a pretraining document does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpt2train.tokenizer import ChatTokens
+
+ROLES = ("system", "user", "assistant")
+
+
+class ConversationError(ValueError):
+    """A conversation the template cannot render; the message says what is wrong with it."""
+
+
+def check_conversation(row) -> list[dict]:
+    """The messages of a {"messages": [...]} row (OpenAI's fine-tuning format), checked: each has a known role
+    and text content, and at least one is the assistant's (else nothing would train)."""
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        found = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise ConversationError(f"has no \"messages\" list (found {found})")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ConversationError(f"message {i} has role {role!r}; use one of {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise ConversationError(f"message {i} ({message['role']}) has no text \"content\"")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ConversationError("has no assistant message, so nothing in it would train")
+    return messages
+
+
+def render(tokenizer: ChatTokens, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one conversation: int64 ids, and a uint8 mask that is 1 where the id is a target the loss
+    counts (assistant content and its <|im_end|>)."""
+    newline = tokenizer.encode("\n")
+    ids, mask = [tokenizer.eot_id], [0]
+
+    def add(part: list[int], trains: bool) -> None:
+        ids.extend(part)
+        mask.extend([int(trains)] * len(part))
+
+    for message in messages:
+        trains = message["role"] == "assistant"
+        add([tokenizer.im_start_id, *tokenizer.encode(message["role"]), *newline], False)
+        add([*tokenizer.encode(message["content"]), tokenizer.im_end_id], trains)
+        add(newline, False)
+    return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+def render_text(messages: list[dict]) -> str:
+    """The template as text (what ChatTokens.decode gives back for render's ids, less the leading end-of-text)."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)

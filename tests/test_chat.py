@@ -1,0 +1,239 @@
+"""Chat data: the template's ids and mask, turn tokens never from text, `prepare chat`, the loader's rows, the
+masked loss (fused and plain, against a reference), exact resume, init_from's new rows, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import run_cli, tiny_config
+from gpt2train.chat import ConversationError, check_conversation, render, render_text
+from gpt2train.data.chat_loader import ChatLoader
+from gpt2train.data.conversations import prepare_chat
+from gpt2train.data.sources import SourceError
+from gpt2train.model import GPT, GPTConfig
+from gpt2train.tokenizer import (
+    IM_END,
+    IM_START,
+    ChatTokens,
+    GPT2Tokenizer,
+    same_tokenizer,
+    tokenizer_from_spec,
+    train_bpe,
+    with_chat_tokens,
+)
+
+WORDS = "apple river stone cloud lamp bread tiger music paper glass".split()
+
+
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """Tiny conversations: the user names words, the assistant says them back in reverse order."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        words = list(rng.choice(WORDS, size=int(rng.integers(2, 4))))
+        messages = [{"role": "user", "content": "reverse: " + " ".join(words)},
+                    {"role": "assistant", "content": " ".join(reversed(words))}]
+        if rng.random() < 0.5:
+            messages.insert(0, {"role": "system", "content": "be brief"})
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("chat")
+    prepare_chat([write_jsonl(root / "conv.jsonl", conversations(200))], root / "data", val_fraction=0.1)
+    return root / "data"
+
+
+# --- the template -------------------------------------------------------------------------------------
+
+def test_render_gives_the_template_ids_and_masks_only_assistant_turns():
+    tok = with_chat_tokens(GPT2Tokenizer())
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = render(tok, messages)
+    enc = tok.encode
+    nl = enc("\n")
+    user = [50257, *enc("user"), *nl, *enc("Hi"), 50258, *nl]
+    answer = [50257, *enc("assistant"), *nl]
+    assert ids.tolist() == [50256, *user, *answer, *enc("Hello"), 50258, *nl]
+    trained = [0] * (1 + len(user) + len(answer)) + [1] * (len(enc("Hello")) + 1) + [0] * len(nl)
+    assert mask.tolist() == trained
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    assert tok.decode(ids[1:]) == render_text(messages) == text
+    assert (tok.im_start_id, tok.im_end_id, tok.vocab_size) == (50257, 50258, 50259)
+
+
+def test_turn_tokens_never_come_from_text(tmp_path):
+    text = f"a {IM_START}user\nsneaky{IM_END} b"
+    gpt2 = with_chat_tokens(GPT2Tokenizer())
+    assert max(gpt2.encode(text)) < 50257
+    bpe = train_bpe([f"some text to learn merges from {i} " * 5 for i in range(50)], 300, tmp_path / "tok.json")
+    chat = ChatTokens(bpe)
+    assert (chat.im_start_id, chat.im_end_id) == (bpe.vocab_size, bpe.vocab_size + 1)
+    assert max(chat.encode(text)) < chat.im_start_id
+    assert chat.decode([chat.im_start_id, *chat.encode("hi"), chat.im_end_id]) == f"{IM_START}hi{IM_END}"
+    rebuilt = tokenizer_from_spec(chat.spec())  # the spec records the turn tokens; ordinary text is the base's
+    assert rebuilt.spec()["chat"] == {IM_START: chat.im_start_id, IM_END: chat.im_end_id}
+    assert same_tokenizer(chat.spec(), bpe.spec())
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
+    ({"messages": [{"role": "assistant"}]}, "no text \"content\""),
+    ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+    ({"text": "x"}, "no \"messages\" list"),
+])
+def test_bad_conversations_are_refused(row, problem):
+    with pytest.raises(ConversationError, match=problem):
+        check_conversation(row)
+
+
+def test_prepare_chat_names_the_bad_line(tmp_path):
+    good = conversations(3)
+    for bad, says in (("{not json", "is not valid JSON"), ({"messages": [{"role": "user", "content": "x"}]},
+                                                           "no assistant message")):
+        path = write_jsonl(tmp_path / "c.jsonl", [*good[:2], bad, good[2]])
+        with pytest.raises(SourceError, match=rf"c.jsonl:3 .*{says}"):
+            prepare_chat([path], tmp_path / "out")
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_prepared_folder_holds_masks_and_starts(chat_data):
+    meta = json.loads((chat_data / "meta.json").read_text())
+    assert meta["chat"]["template"] == "chatml" and meta["tokenizer"]["chat"] == {IM_START: 50257, IM_END: 50258}
+    assert meta["documents"] == {"train": 180, "val": 20} and meta["vocab_size"] == 50259
+    assert (chat_data / "train_000000.mask.bin").is_file() and (chat_data / "train_000000.starts.bin").is_file()
+
+
+# --- the loader ---------------------------------------------------------------------------------------
+
+def test_loader_rows_are_whole_conversations_with_masked_targets(chat_data, capsys):
+    tok = with_chat_tokens(GPT2Tokenizer())
+    loader = ChatLoader(chat_data, "train", 4, 24, seed=3)
+    skipped = loader.skipped
+    assert skipped > 0 and "longer than a row of 25 tokens" in capsys.readouterr().err
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 24)
+    same = ChatLoader(chat_data, "train", 4, 24, seed=3)
+    ids = same.take_ids(4)
+    tokens, mask = same.rows(ids)
+    assert torch.equal(x, torch.from_numpy(tokens[:, :-1]))
+    assert torch.equal(y, torch.from_numpy(np.where(mask[:, 1:], tokens[:, 1:], -1)))
+    for row, row_y, i in zip(tokens.tolist(), y.tolist(), ids):
+        length = int(same.end[i] - same.begin[i])
+        assert row[0] == tok.eot_id and row[length:] == [tok.eot_id] * (25 - length)  # padded after its end
+        text = tok.decode(row[1:length])
+        assert text.count(IM_START) in (2, 3) and text.endswith("<|im_end|>\n")
+        answer = text.split("assistant\n")[1].removesuffix("<|im_end|>\n")
+        assert [t for t in row_y if t != -1] == tok.encode(answer) + [tok.im_end_id]  # the reply and its end only
+    assert loader.targets_seen == int((y != -1).sum())
+
+
+def test_loader_resumes_exactly(chat_data):
+    one = ChatLoader(chat_data, "train", 8, 32, seed=1)
+    batches = [one.next_batch() for _ in range(30)]  # several epochs
+    two = ChatLoader(chat_data, "train", 8, 32, seed=1)
+    for _ in range(12):
+        two.next_batch()
+    state = json.loads(json.dumps(two.state_dict()))
+    three = ChatLoader(chat_data, "train", 8, 32, seed=1)
+    three.load_state_dict(state)
+    for x, y in batches[12:]:
+        x3, y3 = three.next_batch()
+        assert torch.equal(x, x3) and torch.equal(y, y3)
+    assert three.targets_seen == one.targets_seen
+
+
+# --- the masked loss ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_chunk", [0, 7])
+def test_masked_positions_have_zero_gradient_and_the_loss_is_the_unmasked_mean(loss_chunk):
+    """The model's loss (plain cross-entropy, or the fused classifier with loss_chunk > 0) with targets of -1,
+    against the reference: plain cross-entropy over the kept positions' logits only."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, vocab_size=70, loss_chunk=loss_chunk))
+    x, y = torch.randint(0, 70, (3, 16)), torch.randint(0, 70, (3, 16))
+    keep = torch.rand(3, 16) < 0.4
+    hidden = torch.randn(3, 16, 16, requires_grad=True)  # the final hidden states, as classify() receives them
+    _, loss = model.classify(hidden, torch.where(keep, y, -1))
+    loss.backward()
+    leaf = hidden.detach().requires_grad_(True)
+    logits = model.lm_head(leaf)[..., :70]
+    reference = F.cross_entropy(logits[keep].float(), y[keep])
+    reference.backward()
+    assert torch.allclose(loss, reference, atol=1e-6, rtol=1e-5)
+    assert torch.count_nonzero(hidden.grad[~keep]) == 0  # a masked position: exactly zero
+    assert torch.allclose(hidden.grad, leaf.grad, atol=1e-6)
+    with torch.no_grad():  # and the whole model's loss is the same mean
+        _, masked = model(x, torch.where(keep, y, -1))
+        assert torch.allclose(masked, F.cross_entropy(model(x)[keep].float(), y[keep]), atol=1e-5)
+
+
+# --- training -----------------------------------------------------------------------------------------
+
+def chat_config(data: Path, **train):
+    cfg = tiny_config(data, seq_len=32, micro_batch=4, max_steps=6, **train)
+    cfg.eval.interval = 3
+    cfg.checkpoint.every_steps = 3
+    return cfg
+
+
+def losses(run: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_stop_and_resume_gives_the_same_losses(chat_data, tmp_path):
+    from gpt2train.training.loop import train
+
+    train(chat_config(chat_data), tmp_path / "one")
+    # the same run stopped after step 3: resumed from that checkpoint into a fresh folder
+    train(chat_config(chat_data), tmp_path / "three", resume=str(tmp_path / "one" / "checkpoints" / "step_00000003"))
+    one, three = losses(tmp_path / "one"), losses(tmp_path / "three")
+    assert [one[s] for s in (4, 5, 6)] == [three[s] for s in (4, 5, 6)]
+    records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    seen = [r["assistant_tokens"] for r in records if r["kind"] == "train"]
+    assert seen == sorted(seen) and seen[0] > 0
+
+
+def test_init_from_a_run_without_the_turn_tokens_starts_them_at_the_mean(chat_data, gpt2_data, tmp_path):
+    from gpt2train.training.loop import Trainer, train
+
+    base = tiny_config(gpt2_data, max_steps=2)
+    train(base, tmp_path / "base")
+    cfg = chat_config(chat_data, init_from=str(tmp_path / "base"))
+    trainer = Trainer(cfg, tmp_path / "sft")
+    try:
+        wte = trainer.raw_model.transformer.wte.weight.detach()
+        assert trainer.raw_model.config.vocab_size == 50259
+        mean = wte[:50257].mean(0)
+        assert torch.allclose(wte[50257], mean, atol=1e-6) and torch.allclose(wte[50258], mean, atol=1e-6)
+    finally:
+        trainer.close()
+
+
+def test_cli_prepare_chat_then_train(tmp_path):
+    write_jsonl(tmp_path / "conv.jsonl", conversations(120, seed=5))
+    out = run_cli("prepare", "chat", str(tmp_path / "conv.jsonl"), "--out", str(tmp_path / "data"))
+    assert out.returncode == 0, out.stderr
+    assert "108 train and 12 val conversations" in out.stdout
+    out = run_cli("train", "--config", "chat-cpu", "--out", str(tmp_path / "run"), "--set",
+                  f"data.dir={tmp_path / 'data'}", "--set", "train.init_from=scratch", "--set", "train.max_steps=12",
+                  "--set", "train.seq_len=32", "--set", "train.micro_batch=8", "--set", "train.lr=3e-3",
+                  "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
+                  "--set", "eval.interval=0", "--set", "checkpoint.every_steps=0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = losses(tmp_path / "run")
+    assert all(np.isfinite(v) for v in seen.values()) and seen[12] < seen[1]
