@@ -186,3 +186,20 @@ def test_serve_refuses_a_bad_checkpoint_and_a_port_in_use(tmp_path):
     bad = run_cli("serve", "--ckpt", str(tmp_path / "run"), "--max-batch", "0")
     assert bad.returncode == 2 and "--max-batch" in bad.stderr
 
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_serve_exits_by_the_stop_signal_even_where_uvicorn_does_not_raise_it_again(signum, status, tmp_path,
+                                                                                   monkeypatch):
+    """Once shut down, uvicorn raises the stop signal again so that Ctrl-C exits as Ctrl-C does; in one suite run
+    that was lost (asyncio's own SIGINT handler took it) and serve exited 0. A server whose run returns after a stop
+    signal, saying nothing, now exits with the shell's status for it all the same."""
+    import uvicorn
+
+    def stopped_quietly(self, sockets=None):
+        self.handle_exit(signum, None)  # what uvicorn's signal handler does, and then its run returns
+        assert self.should_exit
+
+    monkeypatch.setattr(uvicorn.Server, "run", stopped_quietly)
+    save_tiny_run(tmp_path / "run")
+    assert cli.main(["serve", "--ckpt", str(tmp_path / "run"), "--port", str(free_port())]) == status

@@ -16,6 +16,7 @@ import importlib.resources
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -536,6 +537,30 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_server_class():
+    import uvicorn
+
+    class SignalledServer(uvicorn.Server):
+        """uvicorn's server, remembering the stop signal it shut down for. uvicorn raises the signal again once it
+        has shut down, so that Ctrl-C exits as Ctrl-C does (130); under load that was sometimes lost, asyncio's
+        own SIGINT handler taking it, and serve exited 0. serve raises it itself then."""
+
+        stopped_by: int | None = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.stopped_by = sig
+            super().handle_exit(sig, frame)
+
+    return SignalledServer
+
+
+def stopped_by_signal(signum: int) -> KeyboardInterrupt:
+    """What the CLI turns into the shell's status for the signal (128 + its number)."""
+    interrupt = KeyboardInterrupt(signal.Signals(signum).name)
+    interrupt.signum = signum
+    return interrupt
+
+
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
@@ -565,7 +590,7 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
 
     app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None,
                      on_load_error=stop_on_failure, on_loaded=say_loaded)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    server = uvicorn_server_class()(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
     listening = listen(host, port)  # a port in use fails here in one line, before uvicorn logs anything
     key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
     print(f"loading {Path(ckpt)} to serve on {url} ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "
@@ -574,3 +599,5 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
         server.run(sockets=[listening])
     if failures:
         raise failures[0]
+    if server.stopped_by is not None:
+        raise stopped_by_signal(server.stopped_by)
