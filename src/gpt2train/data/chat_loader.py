@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpt2train.data.conversations import mask_name, starts_name
-from gpt2train.data.loader import DataError, choose_mode
+from gpt2train.data.loader import DataError, check_batch_shape, choose_mode
 from gpt2train.data.prepared import load_meta, open_split, recorded, split_paths
 from gpt2train.data.shards import ShardError, open_tokens, tokens_crc32
 
@@ -50,9 +50,7 @@ class ChatLoader:
                  vocab_size: int | None = None, fit: bool = False):
         """TokenLoader's arguments; order is not used (conversations are always read in a seeded permutation
         per epoch); fit: a split of fewer conversations than one batch gives fewer rows (validation)."""
-        if batch_size < 1 or seq_len < 1 or not 0 <= rank < world_size:
-            raise DataError(f"batch_size {batch_size}, seq_len {seq_len}, rank {rank} of {world_size}: "
-                            f"batch size and sequence length must be positive and rank < world size")
+        check_batch_shape(batch_size, seq_len, rank, world_size)
         meta = load_meta(data_dir)
         self.paths = split_paths(data_dir, meta, split)
         if not self.paths:

@@ -72,6 +72,13 @@ def fitting_batch(shard_tokens: list[int], batch_size: int, seq_len: int, world_
     return (1, shorter) if shorter else (batch_size, seq_len)
 
 
+def check_batch_shape(batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
+    """DataError unless a loader's rows and rank can be: every loader checks its arguments so."""
+    if batch_size < 1 or seq_len < 1 or not 0 <= rank < world_size:
+        raise DataError(f"batch_size {batch_size}, seq_len {seq_len}, rank {rank} of {world_size}: "
+                        f"batch size and sequence length must be positive and rank < world size")
+
+
 class TokenLoader:
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, seq_len: int, *, rank: int = 0,
                  world_size: int = 1, seed: int = 0, order: str = "random", mode: str = "auto", device="cpu",
@@ -84,9 +91,7 @@ class TokenLoader:
             raise DataError(f"data.order {order!r} is not one of random, sequential")
         if mode not in ("auto", "ram", "memmap"):
             raise DataError(f"data.loader {mode!r} is not one of auto, ram, memmap")
-        if batch_size < 1 or seq_len < 1 or not 0 <= rank < world_size:
-            raise DataError(f"batch_size {batch_size}, seq_len {seq_len}, rank {rank} of {world_size}: "
-                            f"batch size and sequence length must be positive and rank < world size")
+        check_batch_shape(batch_size, seq_len, rank, world_size)
         meta = load_meta(data_dir)
         self.paths = split_paths(data_dir, meta, split)
         if not self.paths:
