@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_cli, tiny_config
-from gpt2train.chat import ConversationError, check_conversation, render, render_text
+from gpt2train.chat import ConversationError, check_conversation, check_messages, fit_prompt, render, render_prompt, render_text
 from gpt2train.data.chat_loader import ChatLoader
 from gpt2train.data.conversations import prepare_chat
 from gpt2train.data.sources import SourceError
@@ -73,6 +73,43 @@ def test_render_gives_the_template_ids_and_masks_only_assistant_turns():
     text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
     assert tok.decode(ids[1:]) == render_text(messages) == text
     assert (tok.im_start_id, tok.im_end_id, tok.vocab_size) == (50257, 50258, 50259)
+
+
+def test_a_prompt_is_the_rendered_conversation_then_the_assistant_header():
+    tok = with_chat_tokens(GPT2Tokenizer())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = render_prompt(tok, messages)
+    assert tok.decode(ids[1:]) == render_text(messages) + "<|im_start|>assistant\n"
+    # what a reply of "Yo" then <|im_end|> completes is exactly what training rendered for the whole conversation
+    whole, _ = render(tok, [*messages, {"role": "assistant", "content": "Yo"}])
+    assert [*ids, *tok.encode("Yo"), tok.im_end_id, *tok.encode("\n")] == whole.tolist()
+
+
+def test_a_long_history_drops_its_oldest_messages_first_and_keeps_the_system_message():
+    tok = with_chat_tokens(GPT2Tokenizer())
+    system = {"role": "system", "content": "Be brief."}
+    turns = [{"role": r, "content": f"message {i} " * 5} for i, r in enumerate(["user", "assistant"] * 3 + ["user"])]
+    full = render_prompt(tok, [system, *turns])
+    assert fit_prompt(tok, [system, *turns], len(full)) == (full, 0)
+    ids, dropped = fit_prompt(tok, [system, *turns], len(full) - 1)
+    assert (ids, dropped) == (render_prompt(tok, [system, *turns[1:]]), 1)
+    ids, dropped = fit_prompt(tok, [system, *turns], len(render_prompt(tok, [system, turns[-1]])))
+    assert dropped == 6 and ids == render_prompt(tok, [system, turns[-1]])
+    ids, dropped = fit_prompt(tok, [system, *turns], len(render_prompt(tok, turns[-1:])))  # the system goes last
+    assert (ids, dropped) == (render_prompt(tok, turns[-1:]), 7)
+    with pytest.raises(ConversationError, match="the last message alone takes"):
+        fit_prompt(tok, [system, *turns], 5)
+
+
+@pytest.mark.parametrize("messages, problem", [
+    ([], "non-empty list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "end with the user's turn"),
+    ([{"role": "robot", "content": "hi"}], "role 'robot'"),
+    ([{"role": "user"}], "no text"),
+])
+def test_bad_chat_requests_are_refused(messages, problem):
+    with pytest.raises(ConversationError, match=problem):
+        check_messages(messages)
 
 
 def test_turn_tokens_never_come_from_text(tmp_path):

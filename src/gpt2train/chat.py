@@ -62,3 +62,45 @@ def render(tokenizer: ChatTokens, messages: list[dict]) -> tuple[np.ndarray, np.
 def render_text(messages: list[dict]) -> str:
     """The template as text (what ChatTokens.decode gives back for render's ids, less the leading end-of-text)."""
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+
+
+def check_messages(messages) -> list[dict]:
+    """The messages of a chat request (the server's, the terminal's): each has a known role and text content,
+    and the last is not the assistant's (the reply is what comes next)."""
+    if not isinstance(messages, list) or not messages:
+        raise ConversationError("\"messages\" must be a non-empty list of {\"role\", \"content\"}")
+    check_conversation({"messages": [*messages, {"role": "assistant", "content": ""}]})
+    if messages[-1]["role"] == "assistant":
+        raise ConversationError("the last message is the assistant's; end with the user's turn to get a reply")
+    return messages
+
+
+def render_prompt(tokenizer: ChatTokens, messages: list[dict]) -> list[int]:
+    """The ids a reply is generated after: the conversation as training rendered it, then the assistant's header
+    (<|im_start|>assistant\\n). The reply ends at <|im_end|>."""
+    ids, _ = render(tokenizer, messages)
+    return [*ids.tolist(), tokenizer.im_start_id, *tokenizer.encode("assistant"), *tokenizer.encode("\n")]
+
+
+def fit_prompt(tokenizer: ChatTokens, messages: list[dict], budget: int) -> tuple[list[int], int]:
+    """(ids, dropped): the prompt of the newest messages that fits in `budget` tokens, dropping the oldest
+    messages first (a leading system message is kept while anything else can go). The last message is never
+    dropped: one that does not fit alone raises ConversationError."""
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    rest = messages[len(system):]
+    for dropped in range(len(rest)):
+        ids = render_prompt(tokenizer, system + rest[dropped:])
+        if len(ids) <= budget:
+            return ids, dropped
+    if system:  # the system message itself is what does not fit beside the last message
+        ids = render_prompt(tokenizer, rest[-1:])
+        if len(ids) <= budget:
+            return ids, len(messages) - 1
+    raise ConversationError(f"the last message alone takes {len(render_prompt(tokenizer, messages[-1:]))} tokens "
+                            f"of the prompt; the model's context leaves {budget} for it")
+
+
+def has_chat_tokens(tokenizer) -> bool:
+    """Whether a model's tokenizer was trained with the template (its spec's "chat" key: tokenizer_from_spec
+    rebuilt a ChatTokens)."""
+    return isinstance(tokenizer, ChatTokens)
