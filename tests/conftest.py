@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,3 +208,40 @@ def tiktoken_offline_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tiktoken.load, "read_file", no_download)
     return tmp_path
+
+
+WORDS = "apple river stone cloud lamp bread tiger music paper glass".split()
+
+
+def chat_conversations(n: int, seed: int = 0) -> list[dict]:
+    """Tiny conversations: the user names words, the assistant says them back in reverse order."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        words = list(rng.choice(WORDS, size=int(rng.integers(2, 4))))
+        messages = [{"role": "user", "content": "reverse: " + " ".join(words)},
+                    {"role": "assistant", "content": " ".join(reversed(words))}]
+        if rng.random() < 0.5:
+            messages.insert(0, {"role": "system", "content": "be brief"})
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory) -> Path:
+    """A tiny model (GPT-2's tokenizer and the turn tokens) fine-tuned from scratch on chat_conversations until
+    its greedy replies end with <|im_end|>: a run for what serves, exports and talks to a chat model."""
+    from gpt2train.data.conversations import prepare_chat
+    from gpt2train.training.loop import train
+
+    root = tmp_path_factory.mktemp("chat_run")
+    prepare_chat([write_jsonl(root / "conv.jsonl", chat_conversations(200))], root / "data", val_fraction=0.1)
+    cfg = tiny_config(root / "data", micro_batch=8, max_steps=80, lr=1e-2, warmup_steps=5)
+    cfg.eval.interval = cfg.checkpoint.every_steps = 80
+    cfg.log.interval = 20
+    train(cfg, root / "run")
+    return root / "run"

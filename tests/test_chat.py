@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_cli, tiny_config
+from conftest import chat_conversations as conversations
+from conftest import run_cli, tiny_config, write_jsonl
 from gpt2train.chat import ConversationError, check_conversation, check_messages, fit_prompt, render, render_prompt, render_text
 from gpt2train.data.chat_loader import ChatLoader
 from gpt2train.data.conversations import prepare_chat
@@ -27,27 +28,6 @@ from gpt2train.tokenizer import (
     train_bpe,
     with_chat_tokens,
 )
-
-WORDS = "apple river stone cloud lamp bread tiger music paper glass".split()
-
-
-def conversations(n: int, seed: int = 0) -> list[dict]:
-    """Tiny conversations: the user names words, the assistant says them back in reverse order."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        words = list(rng.choice(WORDS, size=int(rng.integers(2, 4))))
-        messages = [{"role": "user", "content": "reverse: " + " ".join(words)},
-                    {"role": "assistant", "content": " ".join(reversed(words))}]
-        if rng.random() < 0.5:
-            messages.insert(0, {"role": "system", "content": "be brief"})
-        out.append({"messages": messages})
-    return out
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +254,16 @@ def test_cli_prepare_chat_then_train(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     seen = losses(tmp_path / "run")
     assert all(np.isfinite(v) for v in seen.values()) and seen[12] < seen[1]
+
+
+def test_the_chat_run_fixture_replies_and_ends_its_turn(chat_run):
+    """What the serve, terminal and export tests rely on: chat_run's greedy replies end with <|im_end|>."""
+    from gpt2train.chat import render_prompt
+    from gpt2train.generation import generate
+    from gpt2train.loading import load_for_inference, load_pretrained_tokenizer
+
+    model, _, _ = load_for_inference(chat_run)
+    tok = load_pretrained_tokenizer(chat_run)
+    for row in conversations(3, seed=5):
+        reply = generate(model, render_prompt(tok, row["messages"][:-1]), 12, temperature=0, eot_id=tok.im_end_id)
+        assert reply[-1] == tok.im_end_id and len(reply) > 1
