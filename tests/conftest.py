@@ -227,6 +227,15 @@ def chat_conversations(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+# Requests for a chat model: a system message and the user's, and a turn of history before the user's; each
+# renders within chat_run's context with room for its reply.
+CHAT_REQUESTS = [
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse: apple river stone"}],
+    [{"role": "user", "content": "reverse: lamp"}, {"role": "assistant", "content": "lamp"},
+     {"role": "user", "content": "reverse: tiger music"}],
+]
+
+
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

@@ -267,3 +267,19 @@ def test_the_chat_run_fixture_replies_and_ends_its_turn(chat_run):
     for row in conversations(3, seed=5):
         reply = generate(model, render_prompt(tok, row["messages"][:-1]), 12, temperature=0, eot_id=tok.im_end_id)
         assert reply[-1] == tok.im_end_id and len(reply) > 1
+
+
+def test_the_jinja_template_renders_what_render_prompt_encodes():
+    """The exports' template (transformers and llama-cpp-python render it in a sandbox that trims block tags' newlines):
+    the end-of-text token given as bos_token, the conversation as render_text writes it, the assistant's header."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from gpt2train.chat import JINJA_TEMPLATE
+
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(JINJA_TEMPLATE)
+    for row in conversations(4, seed=3):
+        messages = row["messages"][:-1]
+        text = template.render(messages=messages, bos_token="<|endoftext|>", add_generation_prompt=True)
+        assert text == "<|endoftext|>" + render_text(messages) + "<|im_start|>assistant\n"
+        assert template.render(messages=messages, bos_token="<|endoftext|>") == "<|endoftext|>" + render_text(messages)
+

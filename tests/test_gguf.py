@@ -9,6 +9,7 @@ best tokens are closer than that, either may come first: `assert_same_greedy` sa
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shlex
@@ -19,15 +20,26 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, missing, one_line, run_cli, tiny_config
+from conftest import CHAT_REQUESTS, REPO, missing, one_line, run_cli, tiny_config
+from gpt2train import cli
+from gpt2train.chat import JINJA_TEMPLATE, render_prompt
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.data.shards import open_shard
 from gpt2train.generation import generate
-from gpt2train.gguf_export import GGUFExportError, export_gguf
-from gpt2train.loading import load_for_inference
+from gpt2train.gguf_export import GGUFExportError, export_gguf, gguf_vocabulary
+from gpt2train.loading import load_for_inference, load_pretrained_tokenizer
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
-from gpt2train.tokenizer import GPT2_EOT, GPT2Tokenizer, tokenizer_from_spec, train_bpe
+from gpt2train.tokenizer import (
+    GPT2_EOT,
+    IM_END,
+    IM_START,
+    BPETokenizer,
+    ChatTokens,
+    GPT2Tokenizer,
+    tokenizer_from_spec,
+    train_bpe,
+)
 from gpt2train.training.loop import train
 
 try:
@@ -382,6 +394,65 @@ def assert_same_tokens(llm, tokenizer):
         assert llm.detokenize(ids).decode("utf-8") == text, repr(text)
     assert llm.tokenize(GPT2_EOT.encode(), add_bos=False, special=True) == [tokenizer.eot_id]
     assert llm.token_eos() == tokenizer.eot_id and llm.token_bos() == tokenizer.eot_id
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_a_chat_run_exported_chats_in_llama_cpp_as_in_gpt2train(chat_run, tmp_path, capsys):
+    """A model trained with the chat template: its turn tokens are control tokens at our ids, the file's template
+    gives render_prompt's ids both where llama-cpp-python renders it (create_chat_completion) and where llama.cpp's
+    own ChatML does (llama-server without --jinja: it adds <|endoftext|> as the bos token), and the reply is our
+    greedy one, ended at <|im_end|>."""
+    assert cli.main(["export-gguf", "--ckpt", str(chat_run), "--out", str(tmp_path / "chat.gguf")]) == 0
+    assert "a chat model: llama.cpp's chat" in capsys.readouterr().out
+    model, cfg, _ = load_for_inference(chat_run)
+    tok = load_pretrained_tokenizer(chat_run)
+    fields = {name: field.contents() for name, field in gguf.GGUFReader(tmp_path / "chat.gguf").fields.items()
+              if name.startswith("tokenizer.")}
+    assert fields["tokenizer.ggml.tokens"][50256:] == [GPT2_EOT, IM_START, IM_END]
+    assert fields["tokenizer.ggml.token_type"][50256:] == [3, 3, 3]  # control
+    assert fields["tokenizer.chat_template"] == JINJA_TEMPLATE
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.eot_token_id"], fields["tokenizer.ggml.add_bos_token"]) == (50256, 50258, 50258, True)
+
+    llm = llama(tmp_path / "chat.gguf", n_ctx=cfg.model.block_size)
+    stopped = False
+    for messages in CHAT_REQUESTS:
+        ids = render_prompt(tok, messages)
+        # create_chat_completion: the file's template rendered with its bos token's text, parsed, no bos added
+        formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter(fields["tokenizer.chat_template"], eos_token=IM_END,
+                                                                    bos_token=GPT2_EOT)
+        assert llm.tokenize(formatter(messages=messages).prompt.encode(), add_bos=False, special=True) == ids
+        assert llm.tokenize(llama_cpp_render(fields["tokenizer.chat_template"], messages), add_bos=True, special=True) == ids
+
+        n = cfg.model.block_size - len(ids)  # GPT-2's learned positions end at the context
+        theirs = assert_same_greedy(llm, model, ids, n)  # ours, but for a near-tie (see there)
+        reply = theirs[: theirs.index(tok.im_end_id)] if tok.im_end_id in theirs else theirs
+        answer = llm.create_chat_completion(messages, temperature=0, max_tokens=n)
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        assert answer["choices"][0]["message"]["content"] == tok.decode(reply)
+        assert answer["choices"][0]["finish_reason"] == ("stop" if len(reply) < n else "length")
+        stopped |= len(reply) + 1 < n  # it stopped at <|im_end|>, with tokens to spare
+    assert stopped
+
+
+def llama_cpp_render(template: str, messages) -> bytes:
+    """The text llama.cpp renders without a Jinja engine (llama_chat_apply_template, what llama-server and
+    llama-cli use without --jinja): it recognises the template as ChatML and writes no bos token of its own."""
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *(llama_cpp.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages))
+    buffer = ctypes.create_string_buffer(4096)
+    n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(messages), True, buffer, len(buffer))
+    assert 0 < n <= len(buffer)
+    return buffer.raw[:n]
+
+
+def test_our_own_bpe_with_the_turn_tokens_gives_them_its_ids_after_its_vocabulary(tmp_path):
+    base = train_bpe([shakespeare_text()[:20000]], 300, tmp_path / "tok.json")
+    vocab = gguf_vocabulary(ChatTokens(BPETokenizer(tmp_path / "tok.json")).spec(), base.vocab_size + 2)
+    assert vocab["tokens"][base.vocab_size:] == [IM_START, IM_END] and vocab["chat"][IM_END] == base.vocab_size + 1
+    assert gguf_vocabulary(base.spec(), base.vocab_size)["chat"] == {}
 
 
 # ---------------------------------------------------------------- GPT-2 124M's shape, through Hugging Face

@@ -11,16 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import one_line, run_cli, tiny_config
+from conftest import CHAT_REQUESTS, one_line, run_cli, tiny_config
 from gpt2train import cli
+from gpt2train.chat import render_prompt
 from gpt2train.checkpoint import CheckpointError, read_meta, resolve_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.data.prepare import prepare_shakespeare, shakespeare_text
 from gpt2train.generation import generate
-from gpt2train.hf import HFConversionError, export_hf, import_hf, import_hf_to_run
-from gpt2train.loading import load_for_inference
+from gpt2train.hf import HFConversionError, export_hf, hf_tokenizer_spec, import_hf, import_hf_to_run
+from gpt2train.loading import load_for_inference, load_pretrained_tokenizer
 from gpt2train.model import GPT, GPTConfig
-from gpt2train.tokenizer import BPETokenizer, GPT2Tokenizer, train_bpe
+from gpt2train.tokenizer import BPETokenizer, ChatTokens, GPT2Tokenizer, same_tokenizer, train_bpe
 from gpt2train.training.loop import Trainer, train
 
 transformers = pytest.importorskip("transformers")
@@ -495,6 +496,75 @@ def test_import_hf_refuses_a_model_its_tokenizer_does_not_fit_before_writing(bpe
     (tmp_path / "padded" / "tokenizer.json").write_text((bpe_run / "tokenizer.json").read_text())
     import_hf_to_run(tmp_path / "padded", tmp_path / "run3")
     assert recorded_tokenizer(tmp_path / "run3")["kind"] == "bpe"
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_a_chat_run_exported_renders_our_prompts_in_transformers_and_gives_our_greedy_replies(chat_run, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """A model trained with the chat template: its turn tokens are the tokenizer's, at our ids (the two rows past
+    GPT-2's vocabulary are exported), apply_chat_template renders render_prompt's ids, greedy generate stops at
+    <|im_end|> with our reply, and import-hf records the chat tokenizer again."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "hf"
+    assert cli.main(["export-hf", "--ckpt", str(chat_run), "--out", str(out)]) == 0
+    assert "a chat model: transformers' `apply_chat_template(" in capsys.readouterr().out
+    model, cfg, meta = load_for_inference(chat_run)
+    tok = load_pretrained_tokenizer(chat_run)
+    hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    theirs = GPT2LMHeadModel.from_pretrained(out, local_files_only=True).eval()
+    assert hf_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [tok.im_start_id, tok.im_end_id] == [50257, 50258]
+    assert theirs.config.vocab_size == 50259 and theirs.generation_config.eos_token_id == tok.im_end_id
+    assert torch.equal(theirs.transformer.wte.weight[-2:], model.transformer.wte.weight[50257:50259])
+
+    stopped = False
+    for messages in CHAT_REQUESTS:
+        ids = render_prompt(tok, messages)
+        assert hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == ids
+        n = cfg.model.block_size - len(ids)  # GPT-2's learned positions end at the context
+        ours = generate(model, ids, n, temperature=0, eot_id=tok.im_end_id)
+        with torch.no_grad():
+            new = theirs.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=tok.eot_id)
+        assert new[0, len(ids):].tolist() == ours
+        assert hf_tok.decode(ours, skip_special_tokens=True) == tok.decode([t for t in ours if t != tok.im_end_id])
+        stopped |= ours[-1] == tok.im_end_id and len(ours) < n  # generate stopped there, with tokens to spare
+    assert stopped
+
+    card = (out / "README.md").read_text()
+    assert "| tokenizer | GPT-2's BPE with the chat template's turn tokens, 50,259 tokens |" in card
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "generator(messages, max_new_tokens=" in code
+    exec(code, {})  # the card's own example, a conversation, within the context
+
+    import_hf_to_run(out, tmp_path / "imported")
+    assert recorded_tokenizer(tmp_path / "imported") == meta["tokenizer"] == {"kind": "gpt2", "chat": {
+        "<|im_start|>": 50257, "<|im_end|>": 50258}}
+
+
+def test_our_own_bpe_with_the_turn_tokens_exports_them_at_its_ids_and_imports_back(tmp_path, monkeypatch):
+    """Ids V and V + 1 after a BPE of V tokens, in tokenizer.json and tokenizer_config.json; the same model
+    exported without the template is the base model's folder, as before: no turn tokens, <|endoftext|> its eos."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = train_bpe([shakespeare_text()[:20000]], 300, tmp_path / "tok.json")
+    tok = ChatTokens(BPETokenizer(tmp_path / "tok.json"))
+    V = base.vocab_size
+    model = random_gpt(vocab_size=V + 2, block_size=64)
+    export_hf(model, tmp_path / "chat", tokenizer_spec=tok.spec())
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "chat", local_files_only=True)
+    assert hf_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [V, V + 1] and hf_tok.eos_token_id == V + 1
+    for messages in CHAT_REQUESTS:
+        assert hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == \
+            render_prompt(tok, messages)
+    spec = hf_tokenizer_spec(tmp_path / "chat")
+    assert spec["chat"] == {"<|im_start|>": V, "<|im_end|>": V + 1} and same_tokenizer(spec, base.spec())
+
+    export_hf(model, tmp_path / "plain", tokenizer_spec=base.spec())
+    config = json.loads((tmp_path / "plain" / "tokenizer_config.json").read_text())
+    assert "chat_template" not in config and "added_tokens_decoder" not in config
+    assert (tmp_path / "plain" / "tokenizer.json").read_text() == (tmp_path / "tok.json").read_text()
+    assert json.loads((tmp_path / "plain" / "generation_config.json").read_text())["eos_token_id"] == base.eot_id
+    assert "chat" not in hf_tokenizer_spec(tmp_path / "plain")
 
 
 def test_gpt2s_tokenizer_imports_as_gpt2_from_its_slow_and_fast_files(tmp_path):

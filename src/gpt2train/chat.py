@@ -7,7 +7,8 @@ ChatML, the template llama.cpp, Ollama and transformers all recognise, one block
 The turn tokens are ids of their own (tokenizer.ChatTokens), never text: a user who types "<|im_end|>" gets
 ordinary tokens. Only what the model should learn to say trains: each assistant message's content and the
 <|im_end|> that closes it. The role header, the newline after <|im_end|> and every other message are context.
-A conversation starts with the end-of-text token, as a pretraining document does.
+A conversation starts with the end-of-text token, as a pretraining document does. The exports carry the same
+template as Jinja (JINJA_TEMPLATE), for transformers and llama.cpp to render.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ import numpy as np
 from gpt2train.tokenizer import ChatTokens
 
 ROLES = ("system", "user", "assistant")
+
+# The template as Jinja, for the tools that render a conversation to text themselves and then tokenize it
+# (transformers' apply_chat_template, llama.cpp): the exports write it beside the tokenizer. Their `bos_token` is
+# the end-of-text token, and the turn tokens' text is parsed back into their ids, so it gives render_prompt's ids.
+JINJA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 class ConversationError(ValueError):

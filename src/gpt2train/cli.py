@@ -417,6 +417,12 @@ def cmd_export_hf(args) -> int:
     out = export_hf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype,
                     card=model_card(cfg, meta, args.out, name=run_name(args.ckpt)))
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}")
+    if (meta.get("tokenizer") or {}).get("chat"):
+        exact = args.dtype == "float32"
+        print("a chat model: transformers' `apply_chat_template(messages, add_generation_prompt=True)` renders its "
+              f"template, and greedy `generate` gives {'' if exact else 'nearly '}gpt2train's reply, ending at "
+              f"<|im_end|>{'' if exact else rounded(args.dtype)}: docs/export.md")
+        return 0
     sample, n = greedy_sample_command(args.ckpt, model.config.block_size, meta.get("tokenizer"))
     exact = args.dtype == "float32"
     print(f"greedy, transformers' `generate(ids, do_sample=False, max_new_tokens={n})` continues \"{GREEDY_PROMPT}\" "
@@ -432,6 +438,10 @@ def cmd_export_gguf(args) -> int:
     out = export_gguf(model, args.out, tokenizer_spec=meta.get("tokenizer"), dtype=args.dtype)
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype}); run it with llama.cpp or Ollama: "
           "docs/export.md")
+    if (meta.get("tokenizer") or {}).get("chat"):
+        print("a chat model: llama.cpp's chat (`llama-server`'s /v1/chat/completions, llama-cpp-python's "
+              "create_chat_completion) renders its template and ends a reply at <|im_end|>: docs/export.md")
+        return 0
     sample, n = greedy_sample_command(args.ckpt, model.config.block_size, meta.get("tokenizer"))
     llama = f"llama-completion -m {shlex.quote(str(out))} -p {GREEDY_PROMPT} -n {n} --temp 0"
     exact = args.dtype == "f32"

@@ -7,7 +7,8 @@ llama.cpp's `gpt2` architecture computes GPT-2's recipe as our model does, so th
   the padded vocabulary rows are dropped; a tied head is left out (llama.cpp reads the token embedding
   for it), an untied one is written as `output.weight`; bias = false is written as zero biases (exact);
 - the tokenizer: GPT-2's BPE or a byte-level BPE of our own, as the vocabulary and merges llama.cpp's
-  `gpt2` tokenizer applies after GPT-2's pre-tokenizer split.
+  `gpt2` tokenizer applies after GPT-2's pre-tokenizer split; a model trained with the chat template also gets
+  its turn tokens (control tokens), the template as Jinja and <|im_end|> as the end of a reply.
 
 Rotary positions, QK norm, ReLU², the logit soft cap and the char tokenizer have no place in that graph:
 they are refused, in one line naming them, before anything is written. The `gguf` package (PyPI, the
@@ -22,10 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2train.chat import JINJA_TEMPLATE
 from gpt2train.files import AtomicFile
 from gpt2train.model import GPTConfig
 from gpt2train.ranges import GGUF_DTYPE_NAMES, UsageError
-from gpt2train.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, gpt2_vocab_and_merges, tokenizer_from_spec
+from gpt2train.tokenizer import GPT2_EOT, GPT2_VOCAB_SIZE, IM_END, gpt2_vocab_and_merges, tokenizer_from_spec
 
 ARCH = "gpt2"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which every LayerNorm of ours uses
@@ -199,7 +201,8 @@ def write_metadata(writer, cfg: GPTConfig, dtype: str, name: str) -> None:
 
 def gguf_vocabulary(tokenizer_spec: dict | None, vocab_size: int) -> dict:
     """The tokenizer as llama.cpp's gpt2 BPE holds it: tokens (byte-level strings, one per model row), their
-    types, the merges and the end-of-text id. Rows past the tokenizer's vocabulary get unused tokens."""
+    types, the merges, the end-of-text id and, for a model trained with the chat template, the turn tokens' ids
+    ("chat"). Rows past the tokenizer's vocabulary get unused tokens."""
     from gguf import TokenType
 
     if tokenizer_spec is None:
@@ -207,17 +210,23 @@ def gguf_vocabulary(tokenizer_spec: dict | None, vocab_size: int) -> dict:
             raise GGUFExportError(f"no tokenizer given and vocab_size {vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE}; "
                                   "pass the run's tokenizer spec (meta.json's \"tokenizer\")")
         tokenizer_spec = {"kind": "gpt2"}
+    chat = tokenizer_spec.get("chat") or {}
     kind = tokenizer_spec.get("kind")
     if kind == "gpt2":
         vocab, merges = gpt2_files()
     elif kind == "bpe":
-        vocab, merges = bpe_vocab_and_merges(tokenizer_from_spec(tokenizer_spec).json_str)
+        base = tokenizer_from_spec({k: v for k, v in tokenizer_spec.items() if k != "chat"})
+        vocab, merges = bpe_vocab_and_merges(base.json_str)
     else:
         raise GGUFExportError(f"a run with the {kind} tokenizer cannot be exported to GGUF: llama.cpp has no "
                               "tokenizer like it; prepare the data with --tokenizer gpt2 or bpe:tokenizer.json "
                               "(gpt2train tokenizer train) and train on that to export")
     if GPT2_EOT not in vocab:
         raise GGUFExportError(f"the tokenizer has no {GPT2_EOT} token, which llama.cpp needs as its end of text")
+    if chat and sorted(chat.values()) != [len(vocab), len(vocab) + 1]:
+        raise GGUFExportError(f"the chat turn tokens' ids {chat} do not follow the tokenizer's {len(vocab)} tokens; "
+                              "it is not the tokenizer the model was trained with")
+    vocab = {**vocab, **chat}  # the turn tokens, right after the base vocabulary
     if len(vocab) > vocab_size:
         raise GGUFExportError(f"the tokenizer has {len(vocab)} tokens but the model only {vocab_size} rows; "
                               "it is not this model's tokenizer")
@@ -226,8 +235,9 @@ def gguf_vocabulary(tokenizer_spec: dict | None, vocab_size: int) -> dict:
     for token, i in vocab.items():
         tokens[i], types[i] = token, TokenType.NORMAL
     eot = vocab[GPT2_EOT]
-    types[eot] = TokenType.CONTROL
-    return {"tokens": tokens, "types": types, "merges": merges, "eot": eot}
+    for i in (eot, *chat.values()):  # tokens that mark structure: llama.cpp leaves them out of the text it prints
+        types[i] = TokenType.CONTROL
+    return {"tokens": tokens, "types": types, "merges": merges, "eot": eot, "chat": chat}
 
 
 def write_vocabulary(writer, vocab: dict) -> None:
@@ -237,8 +247,17 @@ def write_vocabulary(writer, vocab: dict) -> None:
     writer.add_token_types(vocab["types"])
     writer.add_token_merges(vocab["merges"])
     writer.add_bos_token_id(vocab["eot"])  # GPT-2 begins and ends documents with <|endoftext|>
-    writer.add_eos_token_id(vocab["eot"])
-    writer.add_add_bos_token(False)  # prompts are taken as they are, as `gpt2train sample` takes them
+    if not vocab["chat"]:
+        writer.add_eos_token_id(vocab["eot"])
+        writer.add_add_bos_token(False)  # prompts are taken as they are, as `gpt2train sample` takes them
+        return
+    # A chat model: a reply ends at <|im_end|>, and a conversation begins with <|endoftext|>. The template starts
+    # with bos_token, which llama.cpp's own chat (llama-server) drops from its text where add_bos_token is set
+    # and adds as a token instead; llama-cpp-python parses the text's <|endoftext|> and adds none: one either way.
+    writer.add_eos_token_id(vocab["chat"][IM_END])
+    writer.add_eot_token_id(vocab["chat"][IM_END])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(JINJA_TEMPLATE)
 
 
 def gpt2_files() -> tuple[dict[str, int], list[str]]:

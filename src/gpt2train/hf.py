@@ -7,11 +7,13 @@ Our parameter names are Hugging Face's, so a conversion is:
 - store the tied lm_head once, as `transformer.wte.weight`, which is how HF saves it too.
 
 Imported: `import_hf("gpt2")` or `import_hf("/path/to/hf_dir")` -> (GPT, GPTConfig); `import_hf_to_run`
-also records the folder's tokenizer (GPT-2's, or a byte-level BPE of its own, embedded).
+also records the folder's tokenizer (GPT-2's, or a byte-level BPE of its own, embedded; with the chat turn tokens
+when the folder adds them as an export of ours does).
 Exported: `export_hf(model, out_dir, tokenizer_spec)` writes a folder that
 `transformers.GPT2LMHeadModel.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)` load
-offline, the tokenizer's files included. transformers itself is not needed for either direction, only
-safetensors (and huggingface_hub to fetch a model by name).
+offline, the tokenizer's files included; a model trained with the chat template gets its turn tokens, the
+template as Jinja (apply_chat_template) and <|im_end|> as the end of generation. transformers itself is not
+needed for either direction, only safetensors (and huggingface_hub to fetch a model by name).
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from gpt2train.chat import JINJA_TEMPLATE, has_chat_tokens, render_prompt
 from gpt2train.checkpoint.format import short_reason
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import DTYPES
 from gpt2train.tokenizer import (
+    CHAT_TOKENS,
     GPT2_EOT,
     GPT2_EOT_ID,
     GPT2_VOCAB_SIZE,
+    IM_END,
     BPETokenizer,
     gpt2_vocab_and_merges,
     tokenizer_from_spec,
@@ -69,7 +74,7 @@ def import_hf(hf_dir_or_name: str | Path, pad_vocab_multiple: int = 64) -> tuple
     return model.eval(), cfg
 
 
-HF_TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt"]  # what hf_tokenizer_spec reads
+HF_TOKENIZER_FILES = ["tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"]  # what hf_tokenizer_spec reads
 
 
 def is_hub_name(path: str | Path) -> bool:
@@ -238,20 +243,68 @@ def check_vocab_fits_tokenizer(vocab_size: int, tokenizer_spec: dict | None, sou
 
 
 def describe_tokenizer(spec: dict) -> str:
-    return "GPT-2's BPE" if spec["kind"] == "gpt2" else "a byte-level BPE of its own"
+    base = "GPT-2's BPE" if spec["kind"] == "gpt2" else "a byte-level BPE of its own"
+    return base + (" with the chat template's turn tokens" if spec.get("chat") else "")
 
 
 def hf_tokenizer_spec(folder: Path) -> dict | None:
     """The tokenizer a HF folder holds, as a spec of ours: GPT-2's (`{"kind": "gpt2"}`) when it is the very
-    GPT-2 BPE installed here, else the BPE itself, embedded (from tokenizer.json, else vocab.json + merges.txt);
-    None when the folder holds no tokenizer."""
+    GPT-2 BPE installed here, else the BPE itself, embedded (from tokenizer.json, else vocab.json + merges.txt),
+    with the "chat" key where the folder adds the chat turn tokens right after that vocabulary (as export_hf
+    writes a model trained with the template); None when the folder holds no tokenizer."""
+    chat = hf_chat_tokens(folder)
     if (folder / "tokenizer.json").is_file():
         tokenizer = BPETokenizer(folder / "tokenizer.json")
+        if chat:  # the turn tokens are ChatTokens' to add: the spec's BPE is the one without them
+            base = BPETokenizer(json_str=json_without_chat_tokens(tokenizer.json_str))._with_path(tokenizer.path)
+            tokenizer = base if chat == chat_ids(base) else tokenizer
     elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         tokenizer = bpe_from_vocab_and_merges(folder)
     else:
         return None
-    return {"kind": "gpt2"} if is_gpt2_bpe(json.loads(tokenizer.json_str)) else tokenizer.spec()
+    spec = {"kind": "gpt2"} if is_gpt2_bpe(json.loads(tokenizer.json_str)) else tokenizer.spec()
+    return {**spec, "chat": chat} if chat and chat == chat_ids(tokenizer) else spec
+
+
+def chat_ids(tokenizer) -> dict[str, int]:
+    """Where the turn tokens go after a base tokenizer's vocabulary: ids V and V + 1 (ChatTokens')."""
+    return dict(zip(CHAT_TOKENS, (tokenizer.vocab_size, tokenizer.vocab_size + 1)))
+
+
+def hf_chat_tokens(folder: Path) -> dict[str, int] | None:
+    """The turn tokens' ids a HF folder's tokenizer adds (tokenizer.json's added tokens, tokenizer_config.json's
+    added_tokens_decoder); None unless it adds both."""
+    added = {}
+    try:
+        if (folder / "tokenizer.json").is_file():
+            added |= {t["content"]: t["id"] for t in json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+                      .get("added_tokens") or ()}
+        if (folder / "tokenizer_config.json").is_file():
+            decoder = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder")
+            added |= {t["content"]: int(i) for i, t in (decoder or {}).items()}
+    except (ValueError, TypeError, KeyError, AttributeError):  # not what transformers writes: no turn tokens read
+        return None  # (a tokenizer.json that is no tokenizer is refused by BPETokenizer, in its own words)
+    return {t: added[t] for t in CHAT_TOKENS} if all(t in added for t in CHAT_TOKENS) else None
+
+
+def json_without_chat_tokens(tokenizer_json: str) -> str:
+    data = json.loads(tokenizer_json)
+    data["added_tokens"] = [t for t in data.get("added_tokens") or () if t.get("content") not in CHAT_TOKENS]
+    return json.dumps(data, ensure_ascii=False)
+
+
+def json_with_chat_tokens(tokenizer_json: str, chat: dict[str, int]) -> str:
+    """A tokenizer.json with the turn tokens added as special tokens at their ids (the base's own JSON is the
+    spec's; the tokens are ChatTokens')."""
+    data = json.loads(tokenizer_json)
+    data["added_tokens"] = [*(data.get("added_tokens") or ()), *({"id": i, **added_token(t)} for t, i in chat.items())]
+    return json.dumps(data, ensure_ascii=False, indent=2)
+
+
+def added_token(content: str) -> dict:
+    """A special token as transformers and `tokenizers` describe one: matched whole in text, never split."""
+    return {"content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": True}
 
 
 def bpe_from_vocab_and_merges(folder: Path) -> BPETokenizer:
@@ -316,14 +369,14 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
         raise HFConversionError(f"a model with {', '.join(cfg.beyond_gpt2())} cannot be exported: Hugging Face's "
                                 "GPT-2 holds only GPT-2's recipe; use the checkpoint with gpt2train itself")
     tokenizer_files = hf_tokenizer_files(tokenizer_spec, cfg.block_size)
-    eot_id = _eot_id(cfg, tokenizer_spec)
+    bos_id, eos_id = special_ids(cfg, tokenizer_spec)
     out = Path(out_dir)
     refuse_to_export_over_a_run(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_from_gpt(model).items()}
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
-    write_json_atomic(out / "config.json", hf_config_from_gpt(cfg, eot_id, dtype))
-    write_json_atomic(out / "generation_config.json", {"bos_token_id": eot_id, "eos_token_id": eot_id})
+    write_json_atomic(out / "config.json", hf_config_from_gpt(cfg, bos_id, eos_id, dtype))
+    write_json_atomic(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
     for name, text in tokenizer_files.items():
         write_text_atomic(out / name, text)
     readme = out / "README.md"
@@ -358,6 +411,10 @@ def model_card(cfg, meta: dict, folder: str | Path, name: str) -> str:
     imported_from = meta.get("imported_from")
     val, best = meta.get("val_loss"), meta.get("best_val_loss")
     runtime = meta.get("runtime") or {}
+    chat = bool(spec.get("chat"))  # a model trained with the chat template: the example is a conversation
+    prompt = "Hello" if chat else "The"
+    # the example's prompt and its new tokens stay within the context
+    prompt_tokens = len(render_prompt(tokenizer_from_spec(spec), [{"role": "user", "content": prompt}])) if chat else 1
     if imported_from:
         started_from = f"the Hugging Face model `{imported_from}`"
     else:
@@ -378,7 +435,8 @@ def model_card(cfg, meta: dict, folder: str | Path, name: str) -> str:
         "training_time": format_duration(meta["train_wall_s"]) if meta.get("train_wall_s") else "not recorded",
         "val_loss": ("not measured" if val is None else
                      f"{val:.4f} at the last step" + ("" if best is None or best == val else f", best {best:.4f}")),
-        "folder": Path(folder).as_posix(), "prompt": "The", "new_tokens": min(40, m.block_size - 1),  # within the context
+        "folder": Path(folder).as_posix(), "prompt": prompt, "new_tokens": min(40, m.block_size - prompt_tokens),
+        "chat": chat,
     }
     env = jinja2.Environment(loader=jinja2.PackageLoader("gpt2train", "templates"), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
@@ -417,7 +475,7 @@ def hf_state_from_gpt(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config_from_gpt(cfg: GPTConfig, bos_id: int | None, eos_id: int | None, dtype: str = "float32") -> dict:
     """A GPT2Config dict (what GPT2LMHeadModel.save_pretrained writes) for our config."""
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -440,25 +498,32 @@ def hf_config_from_gpt(cfg: GPTConfig, eot_id: int | None, dtype: str = "float32
         "reorder_and_upcast_attn": False,
         "tie_word_embeddings": True,
         "use_cache": True,
-        "bos_token_id": eot_id,
-        "eos_token_id": eot_id,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
         "torch_dtype": dtype,  # of the stored tensors
     }
 
 
-def _eot_id(cfg: GPTConfig, tokenizer_spec: dict | None) -> int | None:
-    if tokenizer_spec:
-        return tokenizer_from_spec(tokenizer_spec).eot_id
-    return GPT2_EOT_ID if cfg.vocab_size == GPT2_VOCAB_SIZE else None
+def special_ids(cfg: GPTConfig, tokenizer_spec: dict | None) -> tuple[int | None, int | None]:
+    """(bos, eos) for config.json and generation_config.json: <|endoftext|> both, as GPT-2's own; a model trained
+    with the chat template ends its turn, and so its generation, with <|im_end|>."""
+    if not tokenizer_spec:
+        eot = GPT2_EOT_ID if cfg.vocab_size == GPT2_VOCAB_SIZE else None
+        return eot, eot
+    tokenizer = tokenizer_from_spec(tokenizer_spec)
+    return tokenizer.eot_id, tokenizer.im_end_id if has_chat_tokens(tokenizer) else tokenizer.eot_id
 
 
 def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str, str]:
     """The files that make a tokenizer of ours one transformers' AutoTokenizer loads, by name and text. GPT-2's
     BPE: OpenAI's vocabulary and merges under HF's names (vocab.json, merges.txt); our byte-level BPE: its
     tokenizer.json. Both name <|endoftext|> as bos, eos and unk, as GPT-2's own tokenizer_config.json does.
-    The char tokenizer has no such form and is refused."""
+    A spec with the chat turn tokens adds them as special tokens at their ids, the template as Jinja
+    (`chat_template`, which apply_chat_template renders) and <|im_end|> as eos. The char tokenizer has no such
+    form and is refused."""
     if not tokenizer_spec:
         return {}
+    chat = tokenizer_spec.get("chat")
     kind = tokenizer_spec.get("kind")
     if kind == "gpt2":
         vocab, merges = gpt2_vocab_and_merges()
@@ -466,13 +531,17 @@ def hf_tokenizer_files(tokenizer_spec: dict | None, max_length: int) -> dict[str
                  "merges.txt": "\n".join(["#version: 0.2", *map(" ".join, merges)]) + "\n"}
         tokenizer_class = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False}
     elif kind == "bpe":
-        files = {"tokenizer.json": tokenizer_from_spec(tokenizer_spec).json_str}
+        tokenizer_json = tokenizer_from_spec({k: v for k, v in tokenizer_spec.items() if k != "chat"}).json_str
+        files = {"tokenizer.json": json_with_chat_tokens(tokenizer_json, chat) if chat else tokenizer_json}
         tokenizer_class = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     else:
         raise HFConversionError(f"a run with the {kind} tokenizer cannot be exported: Hugging Face has no tokenizer "
                                 "like it; prepare the data with --tokenizer gpt2 or bpe:tokenizer.json "
                                 "(gpt2train tokenizer train) and train on that to export")
-    special = {"bos_token": GPT2_EOT, "eos_token": GPT2_EOT, "unk_token": GPT2_EOT}
+    special = {"bos_token": GPT2_EOT, "eos_token": IM_END if chat else GPT2_EOT, "unk_token": GPT2_EOT}
     tokenizer_config = {**tokenizer_class, "model_max_length": max_length, **special}
+    if chat:
+        tokenizer_config |= {"added_tokens_decoder": {str(i): added_token(t) for t, i in chat.items()},
+                             "chat_template": JINJA_TEMPLATE}
     return {**files, "tokenizer_config.json": json.dumps(tokenizer_config, indent=2) + "\n",
             "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
