@@ -180,13 +180,13 @@ AS_CPU_KIND = ("import sys, gpt2train.runtime as r; r.cpu_has_native_bf16 = lamb
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None,
-            cpu_bf16: bool | None = None) -> subprocess.CompletedProcess:
+            cpu_bf16: bool | None = None, input: str | None = None) -> subprocess.CompletedProcess:
     """Run `python -m gpt2train ARGS` in a subprocess with this checkout's sources first on the path;
-    cpu_bf16 True/False runs it as on a CPU with/without native bf16 (see CPU_KINDS)."""
+    cpu_bf16 True/False runs it as on a CPU with/without native bf16 (see CPU_KINDS); `input` is its stdin."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     entry = ["-m", "gpt2train"] if cpu_bf16 is None else ["-c", AS_CPU_KIND.format(native=cpu_bf16)]
     return subprocess.run([sys.executable, *entry, *args], cwd=cwd or REPO, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, input=input)
 
 
 @pytest.fixture

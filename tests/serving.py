@@ -1,5 +1,6 @@
-"""Helpers of the serve tests: a tiny char-level model, its engine and app, a run directory holding it, a real
-uvicorn server on a free port of 127.0.0.1 in a thread, and what `generate` gives for a prompt (the reference)."""
+"""Helpers of the serve tests: a tiny char-level model, its engine and app (and a chat app, its tokenizer with the
+turn tokens), a run directory holding it, a real uvicorn server on a free port of 127.0.0.1 in a thread, and what
+`generate` gives for a prompt (the reference)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from gpt2train.generation import generate
 from gpt2train.model import GPT, GPTConfig
 from gpt2train.serve.app import create_app
 from gpt2train.serve.engine import Engine
-from gpt2train.tokenizer import CharTokenizer
+from gpt2train.tokenizer import CharTokenizer, ChatTokens
 
 TOKENIZER = CharTokenizer("abcdefgh \n")  # ten characters and end-of-text: a token is a character
+CHAT_TOKENIZER = ChatTokens(CharTokenizer("abcdefghimnrstuy \n"))  # the letters of the roles, which the template spells
 CONTEXT = 48
 
 
@@ -42,6 +44,16 @@ def tiny_app(max_batch: int = 4, max_queue: int = 16, **kwargs):
     return create_app(lambda: tiny_engine(max_batch, max_queue), model_id="tiny", **kwargs)
 
 
+def tiny_chat_model() -> GPT:
+    return tiny_model(vocab_size=CHAT_TOKENIZER.vocab_size)
+
+
+def tiny_chat_app(max_batch: int = 4, max_queue: int = 4, **kwargs):
+    """An app whose model's tokenizer has the turn tokens (random weights: replies are whatever `generate` gives)."""
+    return create_app(lambda: Engine(tiny_chat_model(), CHAT_TOKENIZER, max_batch=max_batch, max_queue=max_queue,
+                                     compile=False), model_id="tiny-chat", **kwargs)
+
+
 def save_tiny_run(folder, model: GPT | None = None, tokenizer=TOKENIZER) -> Path:
     """A run directory holding the model (tiny_model()) at step 0; returns its checkpoints/step_* folder."""
     model = model or tiny_model()
@@ -53,10 +65,18 @@ def save_tiny_run(folder, model: GPT | None = None, tokenizer=TOKENIZER) -> Path
 
 def greedy(model: GPT, prompt: str, max_tokens: int, tokenizer=TOKENIZER) -> tuple[str, str]:
     """(text, finish_reason) of `generate`'s greedy continuation, as the server must answer it."""
-    ids = generate(model, tokenizer.encode(prompt) or [tokenizer.eot_id], max_tokens, temperature=0,
-                   eot_id=tokenizer.eot_id)
-    ended = ids[-1] == tokenizer.eot_id
-    return tokenizer.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
+    text, reason, _ = continuation(model, tokenizer, tokenizer.encode(prompt) or [tokenizer.eot_id], max_tokens,
+                                   tokenizer.eot_id)
+    return text, reason
+
+
+def continuation(model: GPT, tokenizer, prompt_ids: list[int], max_tokens: int, end_id: int,
+                 **sampling) -> tuple[str, str, int]:
+    """(text, finish_reason, tokens) of `generate`'s continuation of the ids, up to end_id (not in the text; a
+    chat reply's is <|im_end|>): greedy, or sampled with generate's options (temperature, seed ...)."""
+    ids = generate(model, prompt_ids, max_tokens, **{"temperature": 0, **sampling}, eot_id=end_id)
+    ended = ids[-1] == end_id
+    return tokenizer.decode(ids[:-1] if ended else ids), "stop" if ended else "length", len(ids)
 
 
 def wait_ready(client, timeout: float = 60) -> None:

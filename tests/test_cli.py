@@ -384,7 +384,7 @@ def test_every_dtype_auto_says_the_one_rule_that_runs():
     """Found walking the first hour: `eval --help` said auto is fp32 on a CPU, where it ran bfloat16."""
     dtype_helps = [_help_of(parser.format_help(), "--dtype") for command, parser in _all_parsers(cli.build_parser())
                    if "--dtype" in parser.format_help() and "auto" in _help_of(parser.format_help(), "--dtype")]
-    assert len(dtype_helps) == 5  # sample, serve, eval, bench generate, bench serve
+    assert len(dtype_helps) == 6  # sample, chat, serve, eval, bench generate, bench serve
     rule = " ".join(cli.AUTO_DTYPE_HELP.split())
     assert all(rule in entry for entry in dtype_helps), dtype_helps
     assert "bf16 on CPUs with native bf16, else fp32" in rule

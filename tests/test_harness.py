@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from conftest import one_line, tiny_config
 from gpt2train import cli
+from gpt2train.eval import harness
 from gpt2train.eval.harness import MISSING, harness_model, rolling_loglikelihood, rolling_windows
 from gpt2train.eval.likelihood import score_continuations
 from gpt2train.loading import load_for_inference
@@ -185,11 +186,15 @@ def gpt2_ckpt(gpt2_data, tmp_path_factory):
     return run / "checkpoints" / "step_00000004"
 
 
-@pytest.mark.slow  # about 35 s here: the harness indexes its thousands of task YAMLs on each of three runs
+@pytest.mark.slow  # the harness indexes its thousands of task YAMLs for the unknown name
 def test_eval_cli_runs_local_harness_tasks_beside_val(lm_eval, gpt2_ckpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     write_tasks(tmp_path / "tasks", tmp_path / "hf_cache")
+    indexed = []  # the harness's own tasks are indexed (seconds) only for a name the included folder lacks
+    real_task_manager = harness.task_manager
+    monkeypatch.setattr(harness, "task_manager", lambda folders, defaults=True: indexed.append(defaults)
+                        or real_task_manager(folders, defaults))
     args = ["eval", "--ckpt", str(gpt2_ckpt), "--device", "cpu", "--dtype", "float32", "--batch-size", "5", "--limit", "4",
             "--lm-eval-include", str(tmp_path / "tasks")]
     assert cli.main([*args, "--tasks", "val,lm-eval:tiny_choice,tiny_text,tiny_answer"]) == 0
@@ -222,6 +227,7 @@ def test_eval_cli_runs_local_harness_tasks_beside_val(lm_eval, gpt2_ckpt, tmp_pa
     assert cli.main([*args, "--tasks", "lm-eval:no_such_task"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "unknown lm-eval task 'no_such_task'" in lines[-1], lines
+    assert indexed == [False, False, False, True]
 
 
 def test_missing_harness_is_a_one_line_error(gpt2_ckpt, monkeypatch, capsys):

@@ -1,5 +1,6 @@
 """The playground page at `/`, in a real browser: Debian's chromium driven by Playwright, against `gpt2train serve`
-started in a subprocess on a tiny checkpoint. The screenshot is kept in the test's tmp folder (its path printed)."""
+started in a subprocess on a tiny checkpoint (and on the session's chat_run for the Chat view). The screenshot is
+kept in the test's tmp folder (its path printed)."""
 
 from __future__ import annotations
 
@@ -287,3 +288,52 @@ def test_playground_defaults_fit_a_short_context_and_go_past_it_as_sample_does(b
         expect(status).to_have_text("Done: max tokens (length). The prompt's first 16 tokens were cropped: the model "
                                     "reads its last 32.", timeout=60_000)
         assert completion_length(page) == 5
+
+
+def chat_reply(url: str, messages: list[dict], max_tokens: int) -> tuple[str, int]:
+    """The server's greedy reply to the conversation (its JSON answer), and how many messages it left out."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    return answer["choices"][0]["message"]["content"], answer["usage"].get("prompt_messages_dropped", 0)
+
+
+def test_playground_chat_streams_each_reply_into_the_conversation_it_keeps(browser, chat_run, tmp_path):
+    """Two turns with chat_run in the Chat view: each streamed reply is the API's greedy reply to the whole
+    conversation so far (the page keeps it, and sends it all), the status saying when the oldest messages had to be
+    left out of chat_run's 32-token context."""
+    with running_server(chat_run, tmp_path / "serve.log") as url, open_page(browser, url) as page:
+        status = page.get_by_role("status")
+        expect(page.locator("#model")).to_contain_text("context 32 tokens")
+        page.get_by_role("tab", name="Chat").click()
+        expect(page.get_by_role("button", name="Send")).to_be_enabled()
+        page.get_by_label("Max tokens").fill("8")
+        page.get_by_label("Temperature").fill("0")
+        history = []
+        for turn, text in enumerate(["reverse: apple river", "reverse: stone cloud lamp"]):
+            page.get_by_label("Message", exact=True).fill(text)
+            page.get_by_role("button", name="Send").click()
+            expect(page.locator("#messages li")).to_have_count(2 * turn + 2)
+            expect(status).to_have_text(re.compile(r"^Done: "))
+            history.append({"role": "user", "content": text})
+            want, dropped = chat_reply(url, history, 8)
+            assert page.locator("#messages .assistant .content").nth(turn).text_content() == want
+            history.append({"role": "assistant", "content": want})
+            left_out = {0: "", 1: " The oldest message was left out to fit the context."}.get(
+                dropped, f" The oldest {dropped} messages were left out to fit the context.")
+            assert status.text_content() == "Done: the model ended its turn (stop)." + left_out
+        assert dropped > 0  # the second turn's conversation outgrew the context less max_tokens
+        assert page.locator("#messages .user .content").all_text_contents() == [m["content"] for m in history[::2]]
+        expect(page.get_by_label("Message", exact=True)).to_have_value("")
+        page.screenshot(path=str(tmp_path / "playground-chat.png"), full_page=True)
+
+
+def test_playground_chat_says_when_the_model_has_no_chat_template(page):
+    page.get_by_role("tab", name="Chat").click()
+    expect(page.locator("#chat-note")).to_contain_text("not fine-tuned on conversations with the chat template")
+    expect(page.get_by_role("button", name="Send")).to_be_disabled()
+    page.get_by_role("tab", name="Generate").click()
+    expect(page.get_by_label("Prompt")).to_be_visible()
+    expect(page.get_by_role("button", name="Generate")).to_be_enabled()

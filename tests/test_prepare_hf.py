@@ -14,7 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpt2train.data.prepare as prepare_module
-from conftest import missing, run_cli
+from conftest import chat_conversations, missing, one_line, run_cli, write_jsonl
+from gpt2train.cli import main
+from gpt2train.data.conversations import prepare_chat_hf
 from gpt2train.data.prepare import shakespeare_text
 
 OPTIONS = ["--shard-tokens", "4000", "--val-fraction", "0.1"]  # several shards, so a run can stop between them
@@ -104,8 +106,6 @@ def test_prepare_hf_streams_a_dataset_on_disk_like_prepare_files_and_resumes(fmt
     assert shard_bytes(tmp_path / "hf", hf_meta) == shard_bytes(tmp_path / "files", files_meta)
     assert len(hf_meta["shards"]["train"]) >= 4
 
-    from gpt2train.cli import main
-
     out = tmp_path / "resumed"
     with offline_in_process(datasets, tmp_path, monkeypatch), ctrl_c_after_shards(2, monkeypatch):
         monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 4)  # small chunks: the Ctrl-C comes mid-corpus
@@ -134,3 +134,68 @@ def test_prepare_hf_dedup_drops_what_prepare_files_dedup_drops(tmp_path, monkeyp
     assert hub["dedup"] == local["dedup"] == {"documents_dropped": len(texts) - 4, "hash": "blake2b-128"}
     assert sum(hub["documents"].values()) == 4
     assert shard_bytes(tmp_path / "hf", hub) == shard_bytes(tmp_path / "files", local)
+
+
+# --- prepare chat --hf: the same loading (sources.hf_rows), a column of messages -----------------------------
+
+def write_chat_dataset(datasets, folder, fmt: str, rows: list[dict]):
+    """The conversations as a dataset on disk, and what --hf names: a folder save_to_disk wrote (of a Dataset, or
+    of a DatasetDict whose split "sft" holds them), a folder of Parquet files, or one Parquet file."""
+    dataset = datasets.Dataset.from_list(rows)
+    if fmt == "saved":
+        dataset.save_to_disk(str(folder))
+    elif fmt == "saved-dict":
+        datasets.DatasetDict({"sft": dataset, "other": dataset.select([0])}).save_to_disk(str(folder))
+    else:
+        folder.mkdir()
+        dataset.to_parquet(str(folder / "part-00000.parquet"))
+        return folder / "part-00000.parquet" if fmt == "parquet-file" else folder
+    return folder
+
+
+@pytest.mark.parametrize("fmt", ["saved", "saved-dict", "parquet", "parquet-file"])
+def test_prepare_chat_reads_a_hf_dataset_as_it_reads_the_same_jsonl(fmt, tmp_path, monkeypatch, capsys):
+    datasets = datasets_library()
+    rows = chat_conversations(40, seed=3)
+    rows[5]["messages"][-1]["content"] += " — naïve 🙂"
+    data = write_chat_dataset(datasets, tmp_path / "data", fmt, [{"id": i, "chat": r["messages"]}
+                                                                   for i, r in enumerate(rows)])
+    jsonl = write_jsonl(tmp_path / "chats.jsonl", rows)
+    options = ["--shard-tokens", "300", "--val-fraction", "0.1"]  # several shards
+    split = "sft" if fmt == "saved-dict" else "train"
+    with offline_in_process(datasets, tmp_path, monkeypatch):
+        assert main(["prepare", "chat", str(jsonl), "--out", str(tmp_path / "jsonl"), *options]) == 0
+        assert main(["prepare", "chat", "--hf", str(data), "--column", "chat", "--split", split, "--out",
+                     str(tmp_path / "hf"), *options]) == 0
+    assert "36 train and 4 val conversations" in capsys.readouterr().out
+    hf_meta = json.loads((tmp_path / "hf" / "meta.json").read_text())
+    jsonl_meta = json.loads((tmp_path / "jsonl" / "meta.json").read_text())
+    assert hf_meta["source"] == f"hf:{data}[{split}]"
+    assert {k: v for k, v in hf_meta.items() if k != "source"} == {k: v for k, v in jsonl_meta.items() if k != "source"}
+    assert len(hf_meta["shards"]["train"]) >= 3
+    names = [n for shard in hf_meta["shards"]["train"] + hf_meta["shards"]["val"]
+             for n in (shard, shard.replace(".bin", ".mask.bin"), shard.replace(".bin", ".starts.bin"))]
+    assert {n: (tmp_path / "hf" / n).read_bytes() for n in names} == \
+        {n: (tmp_path / "jsonl" / n).read_bytes() for n in names}
+
+
+def test_prepare_chat_names_the_bad_row_of_a_hf_dataset(tmp_path, monkeypatch, capsys):
+    datasets = datasets_library()
+    rows = chat_conversations(4)
+    rows[2] = {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    data = write_chat_dataset(datasets, tmp_path / "data", "saved", rows)
+    with offline_in_process(datasets, tmp_path, monkeypatch):
+        message = one_line(ValueError, prepare_chat_hf, str(data), tmp_path / "out")
+        assert message == f"{data} row 2 message 0 has role 'robot'; use one of system, user, assistant; fix or remove that row"
+        assert "--column NAME" in one_line(ValueError, prepare_chat_hf, str(data), tmp_path / "out", column="chat")
+        both = write_chat_dataset(datasets, tmp_path / "dict", "saved-dict", chat_conversations(2))
+        assert one_line(ValueError, prepare_chat_hf, str(both), tmp_path / "out", split="train") == \
+            f"{both} has no split 'train' (it has other, sft); pass --split"
+        capsys.readouterr()  # datasets' progress bars
+        assert main(["prepare", "chat", "--hf", str(data), "--out", str(tmp_path / "out")]) == 1
+        assert main(["prepare", "chat", "--split", "test", "--out", str(tmp_path / "out")]) == 2
+        assert main(["prepare", "chat", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"error: {message}", "error: --split is read only with --hf; add --hf NAME_OR_PATH, or leave it out",
+                   "error: give .jsonl files or folders, or --hf NAME_OR_PATH (one of the two)"]
+    assert not (tmp_path / "out" / "meta.json").exists()

@@ -1,6 +1,6 @@
 """gpt2train serve: the continuous-batching engine (tokens the same alone or beside others, rows joining and
-leaving), the app's answers and refusals in process, and a real server in a thread: a client that leaves
-frees its row."""
+leaving), the app's answers and refusals in process (completions and chat), and a real server in a thread: a
+client that leaves frees its row."""
 
 from __future__ import annotations
 
@@ -15,21 +15,36 @@ import torch
 from fastapi.testclient import TestClient
 
 from gpt2train import cli
+from gpt2train.chat import fit_prompt, render_prompt
 from gpt2train.generation import generate
 from gpt2train.model import KVCache
 from gpt2train.serve.app import API_KEY_ENV, create_app, engine_loader
 from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
 from gpt2train.tokenizer import train_bpe
-from serving import CONTEXT, TOKENIZER, greedy, running, save_tiny_run, tiny_app, tiny_engine, tiny_model, wait_ready
+from serving import (
+    CHAT_TOKENIZER,
+    CONTEXT,
+    TOKENIZER,
+    continuation,
+    greedy,
+    running,
+    save_tiny_run,
+    tiny_app,
+    tiny_chat_app,
+    tiny_chat_model,
+    tiny_engine,
+    tiny_model,
+    wait_ready,
+)
 
 GREEDY = Sampling(temperature=0)
 
 
 async def complete(engine: Engine, prompt: str, max_tokens: int, sampling: Sampling = GREEDY,
-                   stop: tuple[str, ...] = ()) -> tuple[str, str]:
+                   stop: tuple[str, ...] = (), end_id: int | None = None) -> tuple[str, str]:
     """(text, finish_reason) of one completion run by the engine."""
     inbox = Inbox()
-    engine.submit([Completion(TOKENIZER.encode(prompt), max_tokens, inbox, sampling, stop)])
+    engine.submit([Completion(TOKENIZER.encode(prompt), max_tokens, inbox, sampling, stop, end_id=end_id)])
     text = ""
     while True:
         for _, piece in await inbox.get():
@@ -213,6 +228,18 @@ def test_a_completion_ends_before_its_stop_string():
     stop = text[5:7]  # a string the greedy text holds
     want = text[:text.index(stop)]
     assert run_engine(lambda e: complete(e, "abc", 30, stop=("zz", stop))) == (want, "stop")
+
+
+def test_a_completion_ends_at_its_own_end_token_as_generate_does():
+    """A chat reply ends at <|im_end|>, not at end-of-text: a completion's end_id is the token that ends it (its
+    last, not shown), as generate's eot_id; one without keeps the tokenizer's end-of-text."""
+    model = tiny_model()
+    prompt = TOKENIZER.encode("abc")
+    end = generate(model, prompt, 30, temperature=0)[6]  # a token the greedy text reaches
+    want = continuation(model, TOKENIZER, prompt, 30, end)
+    assert want[1] == "stop"
+    assert run_engine(lambda e: complete(e, "abc", 30, end_id=end)) == want[:2]
+    assert run_engine(lambda e: complete(e, "abc", 30)) == greedy(model, "abc", 30)
 
 
 def test_stop_text_holds_back_what_could_start_a_stop_string():
@@ -419,7 +446,7 @@ def test_models_health_metrics_and_the_page(client):
     assert client.get("/health").json() == {"status": "ok", "model": "tiny"}
     assert client.head("/health").status_code == 200  # was 405: uptime checks that send HEAD saw it down
     model = client.get("/v1/models").json()["data"][0]
-    assert model["id"] == "tiny" and model["context_length"] == CONTEXT
+    assert model["id"] == "tiny" and model["context_length"] == CONTEXT and model["chat"] is False
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
@@ -545,6 +572,112 @@ def test_a_refusal_says_what_the_field_takes_in_one_line(client, body, param, me
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": 400}}
 
 
+# ---------------------------------------------------------------- chat, in process
+
+HELLO = [{"role": "system", "content": "be"}, {"role": "user", "content": "abc"}]  # 35 tokens of the 48
+
+
+@pytest.fixture(scope="module")
+def chat_client():
+    with TestClient(tiny_chat_app()) as client:
+        wait_ready(client)
+        yield client
+
+
+def chat_chunks(client, body: dict) -> list[dict]:
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = r.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+
+
+def test_chat_replies_after_the_template_in_openai_shape_whole_and_streamed(chat_client):
+    """The reply is generate's continuation of render_prompt's ids, up to <|im_end|>; n greedy choices are alike;
+    streamed, the first delta of each choice names the role and the deltas' contents make the same text."""
+    ids = render_prompt(CHAT_TOKENIZER, HELLO)
+    assert len(ids) + 12 <= CONTEXT  # nothing dropped
+    text, reason, tokens = continuation(tiny_chat_model(), CHAT_TOKENIZER, ids, 12, CHAT_TOKENIZER.im_end_id)
+    r = chat_client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 12, "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == "tiny-chat"
+    assert body["choices"] == [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                "finish_reason": reason} for i in range(2)]
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 2 * tokens,
+                             "total_tokens": len(ids) + 2 * tokens}
+
+    chunks = chat_chunks(chat_client, {"messages": HELLO, "max_completion_tokens": 12, "temperature": 0,
+                                       "stream_options": {"include_usage": True}})
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and chunks[-1]["choices"] == []
+    deltas = [c["choices"][0] for c in chunks[:-1]]
+    assert deltas[0]["delta"]["role"] == "assistant" and all("role" not in d["delta"] for d in deltas[1:])
+    assert "".join(d["delta"].get("content", "") for d in deltas) == text
+    assert [d["finish_reason"] for d in deltas] == [None] * (len(deltas) - 1) + [reason]
+    assert chunks[-1]["usage"]["completion_tokens"] == tokens
+    assert chat_client.get("/v1/models").json()["data"][0]["chat"] is True
+
+
+def test_a_chat_reply_without_max_tokens_may_fill_the_context_and_a_long_one_drops_the_oldest_messages(chat_client):
+    """Without max_tokens the reply gets what the prompt leaves of the context. With it, the conversation must fit
+    the context less max_tokens: its oldest messages are dropped (the system message kept), and the usage says how
+    many (prompt_messages_dropped)."""
+    model, end = tiny_chat_model(), CHAT_TOKENIZER.im_end_id
+    talk = [{"role": "user", "content": "sun sun sun sun"}]  # 35 tokens, whose greedy reply runs on
+    ids = render_prompt(CHAT_TOKENIZER, talk)
+    text, reason, tokens = continuation(model, CHAT_TOKENIZER, ids, CONTEXT - len(ids), end)
+    assert (reason, tokens) == ("length", CONTEXT - len(ids))
+    r = chat_client.post("/v1/chat/completions", json={"messages": talk, "temperature": 0})
+    assert r.json()["choices"][0]["message"]["content"] == text and r.json()["usage"]["completion_tokens"] == tokens
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    long = [HELLO[0]] + [{"role": role, "content": f"{word} beef"} for word in ("abc", "dead", "cafe", "bad", "fade")
+                         for role in ("user", "assistant")][:-1]
+    fitted, dropped = fit_prompt(CHAT_TOKENIZER, long, CONTEXT - 10)
+    assert dropped > 0
+    r = chat_client.post("/v1/chat/completions", json={"messages": long, "max_tokens": 10, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == continuation(model, CHAT_TOKENIZER, fitted, 10, end)[0]
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == len(fitted) and usage["prompt_messages_dropped"] == dropped
+
+
+ONE = [{"role": "user", "content": "hi"}]
+CHAT_BAD = [  # (body, param, words in the message)
+    ({}, "messages", "messages is required"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": "hi"}, "messages", "non-empty list"),
+    ({"messages": [{"role": "bot", "content": "hi"}]}, "messages", "message 0 has role 'bot'; use one of system"),
+    ({"messages": [{"role": "user"}]}, "messages", 'message 0 (user) has no text "content"'),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "messages",
+     "the last message is the assistant's"),
+    ({"messages": [{"role": "user", "content": "XYZ"}]}, "messages", "cannot be encoded"),
+    ({"messages": [{"role": "user", "content": "a" * CONTEXT}], "max_tokens": 4}, "messages", "lower max_tokens"),
+    ({"messages": ONE, "max_tokens": CONTEXT}, "max_tokens", "leaves no room for the conversation"),
+    ({"messages": ONE, "max_tokens": 2, "max_completion_tokens": 2}, "max_completion_tokens", "not both"),
+    ({"messages": ONE, "max_completion_tokens": 0}, "max_completion_tokens", "out of range"),
+    ({"messages": ONE, "temperature": -1}, "temperature", "out of range"),
+    ({"messages": ONE, "n": 9}, "n", "at most 8"),
+    ({"messages": ONE, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": ONE, "prompt": "a"}, "prompt", "unknown field 'prompt'; this server takes messages, "
+     "max_completion_tokens, max_tokens, temperature, top_p, top_k, n, stop, stream, stream_options, seed"),
+]
+
+
+@pytest.mark.parametrize("body, param, words", CHAT_BAD, ids=[json.dumps(b)[:40] for b, _, _ in CHAT_BAD])
+def test_a_bad_chat_request_is_a_400_naming_the_field(chat_client, body, param, words):
+    r = chat_client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"] and len(error["message"].splitlines()) == 1
+
+
+def test_chat_with_a_model_without_the_template_is_a_400_saying_what_to_do(client):
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": ONE})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    message = r.json()["error"]["message"]
+    assert "not fine-tuned on conversations" in message and "/v1/completions" in message and "prepare chat" in message
+
+
 def test_the_api_key_is_checked_before_the_body():
     """The body is read by the route's own dependency, after the key's: FastAPI reads a declared body before
     any dependency runs, so a client without the key would learn what is wrong with its body (and have it read
@@ -639,12 +772,10 @@ def test_a_client_that_leaves_before_its_body_arrived_is_no_server_error(caplog)
     assert "internal error" not in caplog.text
 
 
-def test_a_model_is_found_by_its_id_and_chat_is_pointed_to_completions(client):
+def test_a_model_is_found_by_its_id(client):
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     missing = client.get("/v1/models/gpt-4")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
-    chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 404 and "/v1/completions" in chat.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"[" * 2000 + b"]" * 2000, b"\xff\xfe{}",

@@ -1,6 +1,6 @@
-"""Real clients against `gpt2train serve` run as a command: the official `openai` package (completions, and
-streaming) and `curl -N`, with the API key on; and the command's one-line errors (a missing extra, a bad
-checkpoint, a port in use)."""
+"""Real clients against `gpt2train serve` run as a command: the official `openai` package (completions and chat
+completions, and streaming; chat with the session's chat_run) and `curl -N`, with the API key on; and the
+command's one-line errors (a missing extra, a bad checkpoint, a port in use)."""
 
 from __future__ import annotations
 
@@ -16,48 +16,65 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, chat_conversations, run_cli
 from gpt2train import cli
 from gpt2train.bench.serve import free_port
+from gpt2train.chat import fit_prompt, render_prompt
 from gpt2train.counting import parameter_count
-from gpt2train.loading import load_pretrained
+from gpt2train.loading import load_for_inference, load_pretrained, load_pretrained_tokenizer
 from gpt2train.units import format_count
-from serving import CONTEXT, greedy, save_tiny_run, tiny_model
+from serving import CONTEXT, continuation, greedy, save_tiny_run, tiny_model
 
 KEY = "test-key-1"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`python -m gpt2train serve` on a free port, float32, the API key set; yields (base URL, run dir)."""
-    run = tmp_path_factory.mktemp("serve") / "run"
-    save_tiny_run(run)
+@contextlib.contextmanager
+def serving_command(run: Path, log_path: Path) -> Iterator[str]:
+    """`python -m gpt2train serve` of the run on a free port, float32, the API key set; yields its base URL."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPT2TRAIN_API_KEY": KEY}
-    log = open(run.parent / "server.log", "w+")
+    log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(run), "--port", str(port),
                              "--dtype", "float32", "--max-batch", "4"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, (run.parent / "server.log").read_text()
+            assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, "the server did not become healthy"
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health").status_code == 200:
                     break
             time.sleep(0.1)
-        yield url, run
+        yield url
     finally:
         proc.terminate()  # SIGTERM: uvicorn shuts down gracefully, then exits by the signal
         proc.wait(timeout=30)
         log.close()
-    assert "Application shutdown complete" in (run.parent / "server.log").read_text()
+    assert "Application shutdown complete" in log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A tiny char-level model's server (no chat template); yields (base URL, run dir)."""
+    run = tmp_path_factory.mktemp("serve") / "run"
+    save_tiny_run(run)
+    with serving_command(run, run.parent / "server.log") as url:
+        yield url, run
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_run, tmp_path_factory):
+    """chat_run's server: a model fine-tuned on conversations with the template; yields its base URL."""
+    with serving_command(chat_run, tmp_path_factory.mktemp("chat_serve") / "server.log") as url:
+        yield url
 
 
 def expected(run, prompt: str, max_tokens: int) -> tuple[str, str]:
@@ -81,9 +98,6 @@ def test_the_openai_package_completes_and_streams(server):
     assert client.models.retrieve(str(run)).id == str(run)
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-    assert "/v1/completions" in str(e.value)
     several = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=5, temperature=0.9, seed=3)
     assert sorted(c.index for c in several.choices) == [0, 1, 2, 3]
 
@@ -104,6 +118,72 @@ def test_past_the_context_the_openai_package_gets_what_sample_prints(server, cap
         assert (done.usage.model_extra or {}).get("prompt_tokens_cropped", 0) == cropped
         assert done.usage.prompt_tokens == len(prompt) - cropped
         assert (f"the prompt's {len(prompt)} tokens are cropped to its last 48" in printed.err) == (cropped > 0)
+
+
+def reply(run: Path, messages: list[dict], max_tokens: int, **sampling) -> tuple[str, str, int]:
+    """generate's reply to the conversation: (its text up to <|im_end|>, finish_reason, tokens)."""
+    model, _, _ = load_for_inference(run)
+    tok = load_pretrained_tokenizer(run)
+    return continuation(model, tok, render_prompt(tok, messages), max_tokens, tok.im_end_id, **sampling)
+
+
+def test_the_openai_package_chats_with_a_fine_tuned_model_whole_streamed_and_sampled(chat_server, chat_run):
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0)
+    messages = chat_conversations(1, seed=5)[0]["messages"][:-1]  # the user's question, the assistant's turn next
+    want, reason, tokens = reply(chat_run, messages, 12)
+    assert reason == "stop"  # chat_run ends its turns
+    done = client.chat.completions.create(model="chat", messages=messages, max_tokens=12, temperature=0)
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert (done.choices[0].message.content, done.choices[0].finish_reason) == (want, reason)
+    prompt_tokens = len(render_prompt(load_pretrained_tokenizer(chat_run), messages))
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, tokens)  # <|im_end|> counts
+
+    chunks = list(client.chat.completions.create(model="chat", messages=messages, max_completion_tokens=12,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+    assert chunks[-1].usage.completion_tokens == tokens
+
+    sampled = client.chat.completions.create(model="chat", messages=messages, max_tokens=12, temperature=1.0, n=2,
+                                             seed=3)
+    assert [c.message.content for c in sampled.choices] == [reply(chat_run, messages, 12, temperature=1.0,
+                                                                  seed=3 + i)[0] for i in range(2)]
+    assert client.models.list().data[0].model_extra["chat"] is True
+
+
+def test_the_openai_package_gets_a_long_chat_with_its_oldest_messages_dropped(chat_server, chat_run):
+    """The conversation must fit chat_run's 32-token context less max_tokens: the oldest messages are dropped, and
+    the usage says how many; a last message that does not fit alone is a 400."""
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0)
+    tok = load_pretrained_tokenizer(chat_run)
+    history = [m for row in chat_conversations(3, seed=8) for m in row["messages"] if m["role"] != "system"][:-1]
+    fitted, dropped = fit_prompt(tok, history, 32 - 8)
+    assert dropped >= 2
+    done = client.chat.completions.create(model="chat", messages=history, max_tokens=8, temperature=0)
+    model, _, _ = load_for_inference(chat_run)
+    assert done.choices[0].message.content == continuation(model, tok, fitted, 8, tok.im_end_id)[0]
+    assert done.usage.prompt_tokens == len(fitted) and done.usage.model_extra["prompt_messages_dropped"] == dropped
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "apple " * 30}], max_tokens=8)
+    assert e.value.param == "messages" and "lower max_tokens" in e.value.message
+
+
+def test_the_openai_package_sees_bad_messages_and_a_model_without_the_template_as_400s(chat_server, server):
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0)
+    for messages, words in [([{"role": "bot", "content": "hi"}], "role 'bot'"),
+                            ([{"role": "user"}], 'no text "content"'),
+                            ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                             "the last message is the assistant's"),
+                            ([], "non-empty list")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="chat", messages=messages)
+        assert e.value.param == "messages" and words in e.value.message, e.value.message
+    base = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        base.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert "not fine-tuned on conversations" in e.value.message and "/v1/completions" in e.value.message
+    assert "prepare chat" in e.value.message and base.models.list().data[0].model_extra["chat"] is False
 
 
 def test_the_openai_package_sees_a_wrong_key_and_a_bad_field(server):

@@ -1,8 +1,8 @@
 """Property-based (hypothesis): generated request bodies thrown at the served app, in process.
 
 Whatever the body (a good request, a field of the wrong type or out of range, an unknown field, bytes that
-are no JSON at all), /v1/completions answers 2xx, or 4xx with a JSON error in OpenAI's shape; never a 5xx,
-and the server answers a good request afterwards. Examples are derandomized and few, on a tiny model: the
+are no JSON at all), /v1/completions and /v1/chat/completions answer 2xx, or 4xx with a JSON error in OpenAI's
+shape; never a 5xx, and the server answers a good request afterwards. Examples are derandomized and few, on a tiny model: the
 test takes seconds.
 """
 
@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from serving import tiny_app, wait_ready
+from serving import tiny_app, tiny_chat_app, wait_ready
 
 CHECKS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], max_examples=150)
 FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stream", "stream_options", "seed",
@@ -64,6 +64,28 @@ bodies = st.one_of(
 raw_bodies = st.one_of(bodies.map(lambda b: json.dumps(b).encode()), st.binary(max_size=40))
 
 
+# A chat request's: messages of good and bad roles and contents (characters the tokenizer lacks, no text at all).
+CHAT_FIELDS = ["messages", "max_completion_tokens", "top_logprobs", "response_format", "tools"] + FIELDS[1:]
+def message(roles, contents):
+    return st.fixed_dictionaries({"role": st.sampled_from(roles), "content": contents})
+
+
+texts = st.text(alphabet="abcdemnrstu ", max_size=10)
+messages = st.one_of(  # a conversation ending with the user's turn, or messages of any role and content
+    st.builds(lambda history, last: [*history, last], st.lists(message(["system", "user", "assistant"], texts), max_size=3),
+              message(["user"], texts)),
+    st.lists(message(["system", "user", "assistant", "bot"], st.one_of(texts, st.text(max_size=3), scalars)),
+             min_size=1, max_size=4))
+good_chat_bodies = st.fixed_dictionaries(
+    {"messages": messages},
+    optional={"max_completion_tokens": good["max_tokens"]} | {k: v for k, v in good.items() if k != "prompt"})
+chat_bodies = st.one_of(
+    good_chat_bodies,
+    st.builds(one_field_changed, good_chat_bodies, st.sampled_from(CHAT_FIELDS + ["nope", "\ud800"]), json_values),
+    json_values,
+)
+
+
 @pytest.fixture(scope="module")
 def client():
     with TestClient(tiny_app(max_batch=4, max_queue=8), raise_server_exceptions=False) as client:
@@ -93,6 +115,22 @@ def test_any_body_gets_a_2xx_or_a_json_4xx(client, body):
     response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     event(f"status {response.status_code}")
     answers_properly(response)
+
+
+@settings(**{**CHECKS, "max_examples": 80})
+@given(body=chat_bodies)
+def test_any_chat_body_gets_a_2xx_or_a_json_4xx(chat_client, body):
+    response = chat_client.post("/v1/chat/completions", content=json.dumps(body).encode(),  # JSON's escapes: "\\ud800"
+                                headers={"content-type": "application/json"})
+    event(f"status {response.status_code}")
+    answers_properly(response)
+
+
+@pytest.fixture(scope="module")
+def chat_client():
+    with TestClient(tiny_chat_app(), raise_server_exceptions=False) as client:
+        wait_ready(client)
+        yield client
 
 
 def test_the_server_still_answers_after_them(client):  # the same client, after the generated bodies

@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, set[str]]] = [
                   "training.console", "training.checkpointing", "training.runlock", "training.init_from",
                   "training.loop", "training.averaging", "runconfig"}),
     # What a config costs and what a run shows: they read a bench result through bench_results, never bench/.
-    ("tools", {"memory", "plan", "doctor", "report"}),
+    # chat_terminal: talking to a chat model, on top of generation.
+    ("tools", {"memory", "plan", "doctor", "report", "chat_terminal"}),
     # The benchmarks measure the library from above it: nothing below imports them.
     ("bench", {"bench", "bench.journey", "bench.find_batch", "bench.generate", "bench.quality", "bench.serve",
                "bench.prepare", "bench.scaling", "bench.recipe", "bench.multiplier", "bench.profile"}),

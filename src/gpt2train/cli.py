@@ -214,10 +214,21 @@ def cmd_prepare_files(args) -> int:
 
 
 def cmd_prepare_chat(args) -> int:
-    from gpt2train.data.conversations import prepare_chat
+    from gpt2train.data.conversations import prepare_chat, prepare_chat_hf
 
-    meta = prepare_chat(args.paths, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                        shard_tokens=args.shard_tokens)
+    options = dict(tokenizer=args.tokenizer, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens)
+    hf_only = [f"--{name}" for name in ("config", "split", "column") if getattr(args, name) is not None]
+    if args.hf is None and hf_only:
+        one = len(hf_only) == 1
+        raise UsageError(f"{' and '.join(hf_only)} {'is' if one else 'are'} read only with --hf; add --hf NAME_OR_PATH, "
+                         f"or leave {'it' if one else 'them'} out")
+    if (args.hf is None) == (not args.paths):
+        raise UsageError("give .jsonl files or folders, or --hf NAME_OR_PATH (one of the two)")
+    if args.hf is None:
+        meta = prepare_chat(args.paths, args.out, **options)
+    else:
+        meta = prepare_chat_hf(args.hf, args.out, config=args.config, split=args.split or "train",
+                               column=args.column or "messages", **options)
     docs, tokens, assistant = meta["documents"], meta["tokens"], meta["assistant_tokens"]
     print(f"wrote {args.out}: {docs['train']:,} train and {docs['val']:,} val conversations; {tokens['train']:,} "
           f"train tokens ({assistant['train']:,} of them trained on: assistant turns), {tokens['val']:,} val tokens; "
@@ -331,23 +342,30 @@ def default_run_dir(config: str | None) -> Path:
     return Path("runs") / (Path(config).stem if config else "default")
 
 
-def cmd_sample(args) -> int:
+def model_for_decoding(args, command: str):
+    """(model, tokenizer, "device: ..." line) of `sample` and `chat`: the checkpoint's model on --device in
+    --dtype. Refused first: a closed stdout, where the text would go."""
     from gpt2train.distributed import resolve_device
-    from gpt2train.generation import Decoder, TextStream, generate_batch, generate_stream, speed_report
     from gpt2train.loading import load_for_inference
     from gpt2train.runtime import resolve_dtype
     from gpt2train.tokenizer import tokenizer_from_spec
 
     if sys.stdout is None:  # started with stdout closed (`>&-`): Python would drop every print, and the text with it
-        raise OSError("stdout is closed, and sample prints its text there; redirect it to a file or a pipe")
+        raise OSError(f"stdout is closed, and {command} prints its text there; redirect it to a file or a pipe")
     device = resolve_device(args.device)
     model, _, meta = load_for_inference(args.ckpt, device=device)
     dtype = resolve_dtype(args.dtype, device.type)  # auto: bf16 where the device computes it natively
     model.to(dtype)  # decoding reads every weight per token: half the bytes in bf16
-    tok = tokenizer_from_spec(meta["tokenizer"])
+    return model, tokenizer_from_spec(meta["tokenizer"]), f"device: {device}, {str(dtype).removeprefix('torch.')}"
+
+
+def cmd_sample(args) -> int:
+    from gpt2train.generation import Decoder, TextStream, generate_batch, generate_stream, speed_report
+
+    model, tok, where = model_for_decoding(args, "sample")
     prompt = args.prompt.replace("\\n", "\n")  # let shells pass newlines as \n
     ids = tok.encode(prompt)  # a character the tokenizer lacks fails here, before anything is printed
-    print(f"device: {device}, {str(dtype).removeprefix('torch.')}", file=sys.stderr)  # inputs known good: one-line errors
+    print(where, file=sys.stderr)  # inputs known good: one-line errors
     ids = cropped_to_context(ids, model.config.block_size)
     decoder = Decoder(model, compile=COMPILE_SETTINGS[args.compile])
     options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eot_id=tok.eot_id,
@@ -371,6 +389,21 @@ def cmd_sample(args) -> int:
     print(speed_report(n, elapsed, args.num_samples, decoder.first_step_s), file=sys.stderr)
     print(decoder.describe(args.num_samples), file=sys.stderr)
     return 0
+
+
+def cmd_chat(args) -> int:
+    from gpt2train.chat_terminal import ChatSession, check_chat_model, talk, user_lines
+    from gpt2train.generation import Decoder
+    from gpt2train.loading import load_pretrained_tokenizer
+
+    check_chat_model(load_pretrained_tokenizer(args.ckpt), args.ckpt)  # before the weights are read
+    model, tok, where = model_for_decoding(args, "chat")
+    session = ChatSession(model, tok, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          decoder=Decoder(model, compile=COMPILE_SETTINGS[args.compile]))
+    print(f"{where}; context {session.context} tokens, replies up to {session.max_tokens}; /reset clears the "
+          "history, /exit or Ctrl-D ends", file=sys.stderr)
+    return talk(session, user_lines(sys.stdin), sys.stdout, sys.stderr)
 
 
 def cropped_to_context(ids: list[int], context: int) -> list[int]:
@@ -734,7 +767,7 @@ def config_options() -> argparse.ArgumentParser:
 
 
 def decoding_options() -> argparse.ArgumentParser:
-    """--device, --compile and --dtype of the commands that decode with a checkpoint (sample, serve)."""
+    """--device, --compile and --dtype of the commands that decode with a checkpoint (sample, chat, serve)."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--device", type=device_name, default="auto", help="auto (cuda, mps, cpu), cpu, cuda, cuda:N, "
                          "mps (default %(default)s)")
@@ -766,8 +799,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the versions of gpt2train and torch (for a bug report), and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # one builder per command or group of commands, in the order `gpt2train --help` lists them
-    for add_commands in (add_prepare, add_tokenizer, add_train, add_sample, add_serve, add_hf_conversion, add_report,
-                         add_eval, add_plan, add_doctor, add_ckpt, add_bench, add_memory, add_config):
+    for add_commands in (add_prepare, add_tokenizer, add_train, add_sample, add_chat, add_serve, add_hf_conversion,
+                         add_report, add_eval, add_plan, add_doctor, add_ckpt, add_bench, add_memory, add_config):
         add_commands(sub)
     return parser
 
@@ -803,8 +836,15 @@ def add_prepare(sub) -> None:
     f.add_argument("paths", nargs="+", metavar="PATH", help="files or folders (folders are read recursively, sorted)")
     f.set_defaults(func=cmd_prepare_files)
     c = prep.add_parser("chat", help="conversations: JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]} "
-                        "(OpenAI's fine-tuning format), rendered with the ChatML template and a loss mask (docs/chat.md)")
-    c.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl files or folders of them")
+                        "(OpenAI's fine-tuning format) or a Hugging Face dataset of them, rendered with the ChatML "
+                        "template and a loss mask (docs/chat.md)")
+    c.add_argument("paths", nargs="*", metavar="PATH", help=".jsonl files or folders of them (or --hf)")
+    c.add_argument("--hf", metavar="NAME_OR_PATH", help="a Hugging Face dataset instead: a Hub name (needs `datasets` "
+                   "and internet), a folder of its data files, a .parquet/.jsonl file or a folder save_to_disk wrote "
+                   "(without it: the PATHs)")
+    c.add_argument("--config", help="with --hf: the dataset's configuration (default: its default)")
+    c.add_argument("--split", help="with --hf: the dataset's split (default train)")
+    c.add_argument("--column", help="with --hf: the column holding each conversation's messages (default messages)")
     c.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards, masks and meta.json")
     c.add_argument("--tokenizer", default="gpt2", help="gpt2 or bpe:PATH/TO/tokenizer.json (default %(default)s)")
     c.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th conversation goes to val (default 0.1)")
@@ -856,24 +896,40 @@ def add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def sampling_options() -> argparse.ArgumentParser:
+    """--temperature, --top-k, --top-p and --seed of the commands that sample from a checkpoint (sample, chat)."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--temperature", type=ranged(float, TEMPERATURES), default=0.8,
+                         help="randomness: 0 greedy, 1 the model's own probabilities (default %(default)s)")
+    options.add_argument("--top-k", type=ranged(int, TOP_K), default=200, help="sample from the k likeliest tokens, "
+                         "0: all (default %(default)s)")
+    options.add_argument("--top-p", type=ranged(float, TOP_P), default=1.0, help="nucleus: the likeliest tokens "
+                         "holding this probability, in (0, 1], 1: all (default %(default)s)")
+    options.add_argument("--seed", type=SEED, default=1337, help="the same seed prints the same text (sample: all "
+                         "samples together; chat: the whole conversation); change it for another (default %(default)s)")
+    return options
+
+
 def add_sample(sub) -> None:
-    p = sub.add_parser("sample", parents=[decoding_options()], help="generate text from a checkpoint")
+    p = sub.add_parser("sample", parents=[decoding_options(), sampling_options()], help="generate text from a checkpoint")
     p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (escapes like \\n work) (default empty, which "
                    "starts from EOT)")
     p.add_argument("--max-new-tokens", type=ranged(int, NEW_TOKENS), default=200,
                    help="tokens to generate after the prompt, fewer if the model ends the text (default %(default)s)")
-    p.add_argument("--temperature", type=ranged(float, TEMPERATURES), default=0.8,
-                   help="randomness: 0 greedy, 1 the model's own probabilities (default %(default)s)")
-    p.add_argument("--top-k", type=ranged(int, TOP_K), default=200, help="sample from the k likeliest tokens, 0: all "
-                   "(default %(default)s)")
-    p.add_argument("--top-p", type=ranged(float, TOP_P), default=1.0, help="nucleus: the likeliest tokens holding "
-                   "this probability, in (0, 1], 1: all (default %(default)s)")
-    p.add_argument("--seed", type=SEED, default=1337, help="the same seed prints the same text (all samples "
-                   "together); change it for another (default %(default)s)")
     p.add_argument("--num-samples", type=ranged(int, SAMPLES), default=1,
                    help="how many continuations of the prompt, generated as one batch; 1 streams (default %(default)s)")
     p.set_defaults(func=cmd_sample)
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", parents=[decoding_options(), sampling_options()],
+                       help="talk to a model fine-tuned on conversations, in the terminal (docs/chat.md)")
+    p.add_argument("--ckpt", required=True, help="run directory or checkpoint folder of a chat model")
+    p.add_argument("--system", help="the system message that opens the conversation (kept by /reset) (default: none)")
+    p.add_argument("--max-tokens", type=ranged(int, NEW_TOKENS), help="the longest reply, in tokens; the rest of the "
+                   "context holds the conversation, the oldest messages dropped first (default: half the context)")
+    p.set_defaults(func=cmd_chat)
 
 
 def add_serve(sub) -> None:

@@ -1,5 +1,6 @@
-"""`gpt2train prepare chat`: conversations (JSON lines of {"messages": [...]}) rendered with the chat template
-into shards of token ids, with the loss mask and the conversations' starts beside each shard.
+"""`gpt2train prepare chat`: conversations (JSON lines of {"messages": [...]}, or a Hugging Face dataset with a
+column of such lists) rendered with the chat template into shards of token ids, with the loss mask and the
+conversations' starts beside each shard.
 
 Per shard NAME.bin (llm.c tokens, shards.py) the folder holds NAME.mask.bin (one uint8 per token, 1 where the
 token is a target the loss counts; the same header with the mask's magic) and NAME.starts.bin (uint32, where
@@ -7,8 +8,9 @@ each conversation starts in the shard; a conversation ends where the next starts
 A conversation never spans two shards. meta.json is prepare's, with "chat" saying it is chat data, the CRC-32
 of every mask and starts file, and the conversations per split.
 
-Bad input is one line naming the file and line, as `prepare files` says of a line that is not JSON: a line that
-is not JSON, an unknown role, a message without text content, a conversation without an assistant turn.
+Bad input is one line naming the file and line (a dataset's row), as `prepare files` says of a line that is not
+JSON: a line that is not JSON, an unknown role, a message without text content, a conversation without an
+assistant turn.
 How long a conversation may be is the trainer's to say (it skips those longer than its rows: chat_loader.py).
 """
 
@@ -22,7 +24,15 @@ import numpy as np
 from gpt2train.chat import ConversationError, check_conversation, render
 from gpt2train.data.prepare import SplitRule
 from gpt2train.data.shards import MASK_DTYPE, ShardWriter
-from gpt2train.data.sources import UTF8_BOM, SourceError, decode_utf8, expand_inputs, replace_lone_surrogates
+from gpt2train.data.sources import (
+    UTF8_BOM,
+    SourceError,
+    decode_utf8,
+    expand_inputs,
+    hf_rows,
+    hf_source_name,
+    replace_lone_surrogates,
+)
 from gpt2train.files import write_json_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.tokenizer import tokenizer_from_name, with_chat_tokens
@@ -38,6 +48,20 @@ def starts_name(shard: str) -> str:
     return shard.removesuffix(".bin") + ".starts.bin"
 
 
+def checked(row, where: str, kind: str) -> tuple[list[dict], int]:
+    """The messages of one input row, checked (a SourceError naming `where`, the `kind` of thing to fix), and
+    the lone surrogates replaced in their contents."""
+    try:
+        messages = check_conversation(row)
+    except ConversationError as e:
+        raise SourceError(f"{where} {e}; fix or remove that {kind}") from None
+    replaced = 0
+    for m in messages:
+        m["content"], bad = replace_lone_surrogates(m["content"])
+        replaced += bad
+    return messages, replaced
+
+
 def read_conversations(paths) -> tuple[list[list[dict]], int]:
     """Every conversation of the JSONL inputs, in order, checked; and the invalid UTF-8 sequences replaced."""
     files = expand_inputs(paths)
@@ -46,7 +70,8 @@ def read_conversations(paths) -> tuple[list[list[dict]], int]:
     conversations, replaced = [], 0
     for path in files:
         if path.suffix.lower() not in (".jsonl", ".ndjson"):
-            raise SourceError(f"{path} is not a .jsonl file; `prepare chat` reads JSON lines of {{\"messages\": [...]}}")
+            raise SourceError(f"{path} is not a .jsonl file; `prepare chat` reads JSON lines of {{\"messages\": [...]}} "
+                              "(Parquet files and saved datasets: --hf PATH)")
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 raw = raw.removeprefix(UTF8_BOM) if lineno == 1 else raw
@@ -54,16 +79,29 @@ def read_conversations(paths) -> tuple[list[list[dict]], int]:
                     continue
                 line, bad = decode_utf8(raw)
                 try:
-                    messages = check_conversation(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SourceError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
-                except ConversationError as e:
-                    raise SourceError(f"{path}:{lineno} {e}; fix or remove that line") from None
-                for m in messages:
-                    m["content"], surrogates = replace_lone_surrogates(m["content"])
-                    bad += surrogates
-                replaced += bad
+                messages, surrogates = checked(row, f"{path}:{lineno}", "line")
+                replaced += bad + surrogates
                 conversations.append(messages)
+    return conversations, replaced
+
+
+def read_hf_conversations(name: str, config: str | None = None, split: str = "train",
+                          column: str = "messages") -> tuple[list[list[dict]], int]:
+    """Every conversation of a Hugging Face dataset's `column` (read as `prepare hf` reads: sources.hf_rows), in
+    order, checked; and the lone surrogates replaced."""
+    conversations, replaced = [], 0
+    for i, row in enumerate(hf_rows(name, config, split)):
+        if column not in row:
+            raise SourceError(f"{name} row {i} has no {column!r} column (found {sorted(row)}); pass --column NAME")
+        if not isinstance(row[column], list):
+            raise SourceError(f"{name} row {i}: column {column!r} holds {type(row[column]).__name__}, not a list of "
+                              "messages; pass the --column that holds them")
+        messages, bad = checked({"messages": row[column]}, f"{name} row {i}", "row")
+        replaced += bad
+        conversations.append(messages)
     return conversations, replaced
 
 
@@ -107,14 +145,36 @@ class ChatShardWriter:
 
 def prepare_chat(paths, out_dir: str | Path, tokenizer: str = "gpt2", val_fraction: float | None = None,
                  shard_tokens: int = 100_000_000) -> dict:
-    """Render every conversation of the inputs with the chat template into OUT's shards; returns meta.json's
+    """Render every conversation of the JSONL inputs with the chat template into OUT's shards; returns meta.json's
     dict. Every (1/F)-th conversation goes to val (F = val_fraction, default 0.1)."""
+    check_tokenizer(tokenizer)
+    conversations, replaced = read_conversations(paths)
+    return write_chat(conversations, replaced, " ".join(str(p) for p in paths), out_dir, tokenizer, val_fraction,
+                      shard_tokens)
+
+
+def prepare_chat_hf(name: str, out_dir: str | Path, config: str | None = None, split: str = "train",
+                    column: str = "messages", tokenizer: str = "gpt2", val_fraction: float | None = None,
+                    shard_tokens: int = 100_000_000) -> dict:
+    """prepare_chat of a Hugging Face dataset (a Hub name, a folder of its data files, a data file, a folder
+    `save_to_disk` wrote) whose `column` holds each conversation's messages."""
+    check_tokenizer(tokenizer)
+    conversations, replaced = read_hf_conversations(name, config, split, column)
+    return write_chat(conversations, replaced, hf_source_name(name, config, split), out_dir, tokenizer, val_fraction,
+                      shard_tokens)
+
+
+def check_tokenizer(tokenizer: str) -> None:
     if tokenizer == "char":
         raise UsageError("prepare chat takes --tokenizer gpt2 or bpe:PATH/TO/tokenizer.json, not char (its alphabet "
                          "comes from a corpus)")
-    conversations, replaced = read_conversations(paths)
+
+
+def write_chat(conversations: list[list[dict]], replaced: int, source: str, out_dir: str | Path, tokenizer: str,
+               val_fraction: float | None, shard_tokens: int) -> dict:
+    """The shards, masks, starts and meta.json of checked conversations (read from `source`)."""
     if not conversations:
-        raise SourceError(f"{' '.join(map(str, paths))} hold no conversations")
+        raise SourceError(f"{source} holds no conversations")
     tok = with_chat_tokens(tokenizer_from_name(tokenizer))
     rule = SplitRule(val_fraction, None)  # prepare files' rule: every (1/F)-th conversation goes to val
     val = rule.assign(0, np.zeros(len(conversations), dtype=np.int64))
@@ -129,7 +189,7 @@ def prepare_chat(paths, out_dir: str | Path, tokenizer: str = "gpt2", val_fracti
         assistant[split] += int(mask.sum())
     for writer in writers.values():
         writer.finish()
-    meta = {"format": "llmc", "source": " ".join(str(p) for p in paths), "tokenizer": tok.spec(),
+    meta = {"format": "llmc", "source": source, "tokenizer": tok.spec(),
             "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "chat": {"template": "chatml", "mask": "uint8"},
             "split": {"by": "conversations", "val_fraction": str(rule.fraction)}, "invalid_utf8_replacements": replaced}
     for key in writers["train"].record:

@@ -41,7 +41,7 @@ from gpt2train.data.shards import (
     tokens_crc32,
     write_shard,
 )
-from gpt2train.data.sources import DedupReader, DocumentReader, HFStreamReader, SourceError
+from gpt2train.data.sources import DedupReader, DocumentReader, HFStreamReader, SourceError, hf_source_name
 from gpt2train.files import write_json_atomic
 from gpt2train.progress import show_progress
 from gpt2train.tokenizer import package_file, tokenizer_from_name, tokenizer_from_spec
@@ -636,5 +636,4 @@ def prepare_hf(name: str, out_dir: str | Path, config: str | None = None, split:
                tokenizer: str = "gpt2", text_field: str = "text", **options) -> dict:
     """`gpt2train prepare hf`: a Hugging Face Hub dataset streamed with the `datasets` library."""
     reader = HFStreamReader(name, config, split, text_field)
-    source = f"hf:{name}" + (f":{config}" if config else "") + f"[{split}]"
-    return prepare_documents(reader, out_dir, tokenizer, source=source, **options)
+    return prepare_documents(reader, out_dir, tokenizer, source=hf_source_name(name, config, split), **options)

@@ -1,5 +1,5 @@
 """Where documents come from: text files, folders, JSON lines, Parquet, saved Hugging Face datasets, or a
-Hugging Face dataset streamed by name.
+Hugging Face dataset streamed by name (hf_rows: its rows, which `prepare hf` and `prepare chat --hf` share).
 
 One document is one .txt file, one JSON line or one Parquet/Arrow row. Documents come out as `str`, in a
 fixed order (folders are walked recursively in sorted order), so a corpus always tokenizes the same way.
@@ -211,8 +211,45 @@ class DocumentReader:
             yield from self._arrow_file(path / name)
 
 
+# A single data file on disk is read by the `datasets` builder of its kind (load_dataset takes folders, not files)
+DATA_FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+def hf_source_name(name: str, config: str | None, split: str) -> str:
+    """How meta.json's `source` names a Hugging Face dataset: hf:NAME:CONFIG[SPLIT]."""
+    return f"hf:{name}" + (f":{config}" if config else "") + f"[{split}]"
+
+
+def hf_rows(name: str, config: str | None = None, split: str = "train") -> Iterator[dict]:
+    """The rows of a Hugging Face dataset, read with the `datasets` library (an optional dependency): a Hub
+    dataset or a local folder of its data files, streamed as load_dataset streams them (no download of the
+    whole dataset first); a single data file by the builder of its kind; a folder `save_to_disk` wrote,
+    memory-mapped (a DatasetDict's --split; a Dataset is one split already). `prepare hf` and `prepare chat
+    --hf` both read through here."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError("reading a Hugging Face dataset needs the datasets library: pip install 'gpt2train[data]' "
+                          "(or pip install datasets)") from None
+    path = Path(name)
+    if is_hf_dataset_folder(path) or (path / "dataset_dict.json").is_file():
+        if config:
+            raise SourceError(f"{name} is a saved dataset, which has no configurations; leave out --config")
+        saved = datasets.load_from_disk(str(path))
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise SourceError(f"{name} has no split {split!r} (it has {', '.join(sorted(saved))}); pass --split")
+            saved = saved[split]
+        yield from saved
+    elif path.is_file() and path.suffix.lower() in DATA_FILE_BUILDERS:
+        builder = DATA_FILE_BUILDERS[path.suffix.lower()]
+        yield from datasets.load_dataset(builder, data_files={split: str(path)}, split=split, streaming=True)
+    else:
+        yield from datasets.load_dataset(name, config, split=split, streaming=True)
+
+
 class HFStreamReader:
-    """A Hugging Face Hub dataset streamed with the `datasets` library (needs network; optional dependency)."""
+    """A Hugging Face dataset's text column, streamed with the `datasets` library (hf_rows: the Hub needs network)."""
 
     rereadable = False  # a second pass would open the stream from the Hub again
 
@@ -222,14 +259,8 @@ class HFStreamReader:
         self.files = []
 
     def __iter__(self) -> Iterator[str]:
-        try:
-            import datasets
-        except ImportError:
-            raise ImportError("`prepare hf` needs the datasets library: pip install 'gpt2train[data]' "
-                              "(or pip install datasets)") from None
         self.replacements = 0
-        stream = datasets.load_dataset(self.name, self.config, split=self.split, streaming=True)
-        for i, row in enumerate(stream):
+        for i, row in enumerate(hf_rows(self.name, self.config, self.split)):
             if self.text_field not in row:
                 raise SourceError(f"{self.name} row {i} has no text field {self.text_field!r} "
                                   f"(found {sorted(row)}); pass --text-field NAME")

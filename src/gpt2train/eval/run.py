@@ -284,8 +284,10 @@ def _harness_job(model, meta, names, include, limit, batch_size, autocast):
         # datasets' copies of the Arrow files go there too, and go with it
         write_harness_tasks(written.name, twins, cache_dir=Path(written.name) / "datasets")
         folders.insert(0, written.name)
-    # The harness's own thousands of tasks take seconds to index: only when a name may be one of them.
-    manager = task_manager(folders, defaults=bool(include) or len(twins) < len(names))
+    # The harness's own thousands of tasks take seconds to index: only when a name is not in the folders.
+    manager = task_manager(folders, defaults=False) if folders else None
+    if manager is None or not set(names) <= set(manager.all_tasks):
+        manager = task_manager(folders)
     check_task_names(manager, names)
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 

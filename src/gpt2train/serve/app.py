@@ -1,9 +1,9 @@
-"""The HTTP face of `gpt2train serve`: OpenAI's POST /v1/completions (one JSON answer, or server-sent events
-with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics (Prometheus text) and the
-playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its status: 400 a field's
-type or range (named), 401 the API key, 413 the body's size, 415 a body not declared as JSON, 429 a full
-queue, 503 the model still loading, or stopped on a failure it could not recover from; a request never
-reaches the engine unless it is good, and never gets a 500 for its own fault.
+"""The HTTP face of `gpt2train serve`: OpenAI's POST /v1/completions and POST /v1/chat/completions (one JSON
+answer, or server-sent events with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics
+(Prometheus text) and the playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its
+status: 400 a field's type or range (named), 401 the API key, 413 the body's size, 415 a body not declared as
+JSON, 429 a full queue, 503 the model still loading, or stopped on a failure it could not recover from; a
+request never reaches the engine unless it is good, and never gets a 500 for its own fault.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from gpt2train.chat import ConversationError, fit_prompt, has_chat_tokens
 from gpt2train.counting import parameter_count
 from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
-from gpt2train.serve.request import BadRequest, CompletionRequest, parse_completion_request
+from gpt2train.serve.request import BadRequest, ChatRequest, CompletionRequest, SamplingRequest, parse_request
 from gpt2train.units import format_count
 
 API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
@@ -124,8 +125,10 @@ class Served:
         return self.engine.failure if self.engine is not None else self.error
 
     def model_entry(self) -> dict:
+        """OpenAI's model entry, with the context and whether /v1/chat/completions serves the model (ours)."""
+        engine = self.ready()
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "gpt2train",
-                "context_length": self.ready().context}
+                "context_length": engine.context, "chat": has_chat_tokens(engine.tokenizer)}
 
 
 class CountRequests:
@@ -189,17 +192,23 @@ async def arrival() -> float:
     return time.perf_counter()
 
 
-async def completion_request(request: Request, served: ServedDep) -> CompletionRequest:
-    """The body, checked: declared as JSON (415), within the size limit (413), JSON (400), good fields (400).
-    Read here rather than by FastAPI, which reads a body before any dependency runs (the API key's too) and
-    whole, however large."""
+async def json_body(request: Request, served: ServedDep):
+    """The body, checked: declared as JSON (415), within the size limit (413), JSON (400). Read here rather than
+    by FastAPI, which reads a body before any dependency runs (the API key's too) and whole, however large."""
     check_json_body(request)
     body = await read_body(request, served.max_body_bytes)
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         raise BadRequest(None, "the body is not valid JSON") from None
-    return parse_completion_request(data)
+
+
+async def completion_request(data: Annotated[object, Depends(json_body)]) -> CompletionRequest:
+    return parse_request(CompletionRequest, data)  # good fields, or 400
+
+
+async def chat_request(data: Annotated[object, Depends(json_body)]) -> ChatRequest:
+    return parse_request(ChatRequest, data)
 
 
 # ---------------------------------------------------------------- the routes
@@ -240,37 +249,33 @@ async def one_model(name: str, served: ServedDep):
     return served.model_entry()
 
 
-@v1.post("/chat/completions")
-async def chat():  # what OpenAI's chat clients call first: say where to go instead
-    raise ApiError(404, "this server has no chat completions: GPT-2 is a base model, not tuned for chat "
-                   "messages; send a prompt to /v1/completions")
-
-
 @v1.post("/completions")
 async def completions(request: Request, served: ServedDep,
                       started: Annotated[float, Depends(arrival)],  # before the body: its arrival counts in TTFT
                       req: Annotated[CompletionRequest, Depends(completion_request)],
                       engine: Annotated[Engine, Depends(ready_engine)]):
-    if req.choices > engine.capacity:  # before encoding, which costs CPU for every prompt
-        raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
-                         f"{engine.capacity} (--max-batch + --max-queue)")
+    check_capacity(engine, req)  # before encoding, which costs CPU for every prompt
     prompt_ids, cropped = await asyncio.to_thread(encode_prompts, engine, req)  # a long one holds up no other request
-    inbox = Inbox()
-    jobs = [Completion(ids, req.max_tokens, inbox, sampling(req, i * req.n + j), req.stops, index=i * req.n + j)
-            for i, ids in enumerate(prompt_ids) for j in range(req.n)]
-    try:
-        engine.submit(jobs)
-    except QueueFull as e:
-        raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
-                       headers={"Retry-After": "1"}) from None
-    except EngineStopped as e:  # since ready_engine
-        raise ApiError(503, str(e), "server_error") from None
-    served.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompt_ids))
-    answer = Answer(f"cmpl-{uuid.uuid4().hex}", served.model_id, jobs, sum(len(ids) for ids in prompt_ids),
-                    served.metrics, started, engine, cropped)
-    if req.stream:
-        return EventStream(answer, req.include_usage)
-    return await answer.whole(request)
+    noted = {"prompt_tokens_cropped": cropped} if cropped else {}
+    return await answer(request, served, engine, Answer, req, prompt_ids, req.max_tokens, started, noted)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request, served: ServedDep,
+                           started: Annotated[float, Depends(arrival)],
+                           req: Annotated[ChatRequest, Depends(chat_request)],
+                           engine: Annotated[Engine, Depends(ready_engine)]):
+    if not has_chat_tokens(engine.tokenizer):
+        raise BadRequest("model", "this model was not fine-tuned on conversations with the chat template (its "
+                         "tokenizer has no <|im_start|> and <|im_end|> tokens): send text to continue to "
+                         "/v1/completions, or fine-tune it on conversations made with `gpt2train prepare chat` "
+                         "(docs/chat.md)")
+    check_capacity(engine, req)
+    prompt_ids, dropped = await asyncio.to_thread(chat_prompt, engine, req)
+    max_tokens = req.reply_tokens or engine.context - len(prompt_ids)
+    noted = {"prompt_messages_dropped": dropped} if dropped else {}
+    return await answer(request, served, engine, ChatAnswer, req, [prompt_ids], max_tokens, started, noted,
+                        end_id=engine.tokenizer.im_end_id)
 
 
 # ---------------------------------------------------------------- every refusal in OpenAI's shape
@@ -343,6 +348,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def check_capacity(engine: Engine, req: SamplingRequest) -> None:
+    if req.choices > engine.capacity:
+        raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
+                         f"{engine.capacity} (--max-batch + --max-queue)")
+
+
 def encode_prompts(engine: Engine, req: CompletionRequest) -> tuple[list[list[int]], int]:
     """Each prompt's ids, and how many tokens were cropped from their starts in all: an empty prompt starts
     from end-of-text and one longer than the context is cropped to its last tokens, as `sample` does (the
@@ -360,7 +371,51 @@ def encode_prompts(engine: Engine, req: CompletionRequest) -> tuple[list[list[in
     return found, cropped
 
 
-def sampling(req: CompletionRequest, index: int) -> Sampling:
+def chat_prompt(engine: Engine, req: ChatRequest) -> tuple[list[int], int]:
+    """The conversation's prompt (gpt2train.chat.render_prompt), and how many of its oldest messages were dropped
+    so that it fits the context less the reply's max_tokens (without one, the reply gets what the prompt leaves
+    of the context); 400 when even the last message does not fit, or a message cannot be encoded."""
+    if req.reply_tokens is not None and req.reply_tokens >= engine.context:
+        name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        raise BadRequest(name, f"{name} {req.reply_tokens} leaves no room for the conversation in the model's "
+                         f"context of {engine.context} tokens; ask for fewer")
+    budget = engine.context - (req.reply_tokens or 1)
+    try:
+        return fit_prompt(engine.tokenizer, req.messages, budget)
+    except ConversationError as e:  # the last message does not fit alone
+        if req.reply_tokens:
+            raise BadRequest("messages", f"{e} (the context of {engine.context} tokens less max_tokens "
+                             f"{req.reply_tokens}); shorten it or lower max_tokens") from None
+        raise BadRequest("messages", f"{e} (the context of {engine.context} tokens); shorten it") from None
+    except Exception as e:  # noqa: BLE001 -- a lone surrogate, a character the tokenizer has no id for ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadRequest("messages", f"the messages cannot be encoded: {reason}") from None
+
+
+async def answer(request: Request, served: Served, engine: Engine, kind: type[Answer], req: SamplingRequest,
+                 prompt_ids: list[list[int]], max_tokens: int, started: float, noted: dict, end_id: int | None = None):
+    """Each prompt's n completions submitted as one request's jobs (429 when the queue is full), then their
+    answer: server-sent events, or one JSON body once they are done."""
+    inbox = Inbox()
+    jobs = [Completion(ids, max_tokens, inbox, sampling(req, i * req.n + j), req.stops, index=i * req.n + j,
+                       end_id=end_id)
+            for i, ids in enumerate(prompt_ids) for j in range(req.n)]
+    try:
+        engine.submit(jobs)
+    except QueueFull as e:
+        raise ApiError(429, f"the server is busy ({e}); retry later", "rate_limit_error",
+                       headers={"Retry-After": "1"}) from None
+    except EngineStopped as e:  # since ready_engine
+        raise ApiError(503, str(e), "server_error") from None
+    prompt_tokens = sum(len(ids) for ids in prompt_ids)  # as OpenAI counts them: once, whatever n
+    served.metrics.prompt_tokens.inc(prompt_tokens)
+    reply = kind(served.model_id, jobs, prompt_tokens, served.metrics, started, engine, noted)
+    if req.stream:
+        return EventStream(reply, req.include_usage)
+    return await reply.whole(request)
+
+
+def sampling(req: SamplingRequest, index: int) -> Sampling:
     """Choice `index` of a seeded request draws from seed + index: the n choices of a prompt differ, and
     each is reproducible."""
     seed = None if req.seed is None else (req.seed + index) % 2**31
@@ -369,14 +424,16 @@ def sampling(req: CompletionRequest, index: int) -> Sampling:
 
 class Answer:
     """One request's completions as their pieces arrive: streamed as server-sent events, or gathered into
-    one JSON answer; the latency metrics are observed on the way."""
+    one JSON answer (OpenAI's completion objects); the latency metrics are observed on the way."""
 
-    def __init__(self, request_id: str, model_id: str, jobs: list[Completion], prompt_tokens: int, metrics: Metrics,
-                 started: float, engine: Engine, cropped: int = 0):
-        self.id, self.model_id, self.jobs, self.engine = request_id, model_id, jobs, engine
+    id_prefix, whole_object, chunk_object = "cmpl-", "text_completion", "text_completion"
+
+    def __init__(self, model_id: str, jobs: list[Completion], prompt_tokens: int, metrics: Metrics, started: float,
+                 engine: Engine, noted: dict | None = None):
+        self.id, self.model_id, self.jobs, self.engine = f"{self.id_prefix}{uuid.uuid4().hex}", model_id, jobs, engine
         self.inbox = jobs[0].inbox
         self.prompt_tokens, self.metrics, self.started = prompt_tokens, metrics, started
-        self.cropped = cropped  # prompt tokens past the context, cropped from the prompts' starts
+        self.noted = noted or {}  # ours, in the usage: what was left out of the prompt to fit the context
         self.created = int(time.time())
         self.texts = [""] * len(jobs)
         self.tokens = [0] * len(jobs)
@@ -421,16 +478,25 @@ class Answer:
         return 503 if self.engine.failure is not None else 500
 
     def usage(self) -> dict:
-        """OpenAI's usage: prompt_tokens are those the model read; prompt_tokens_cropped (ours, there only when
-        a prompt was longer than the context) those cropped from the prompts' starts, which it did not read."""
+        """OpenAI's usage: prompt_tokens are those the model read; then what was noted (ours, there only when
+        something was left out): prompt_tokens_cropped, the tokens cropped from the starts of prompts longer
+        than the context, or prompt_messages_dropped, the oldest messages of a conversation left out."""
         completion = sum(self.tokens)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": self.prompt_tokens + completion}
-        return usage | {"prompt_tokens_cropped": self.cropped} if self.cropped else usage
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion, **self.noted}
 
-    def chunk(self, choices: list[dict], **more) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                "choices": choices, **more}
+    def chunk(self, choices: list[dict], object_name: str | None = None, **more) -> dict:
+        """An answer object: a streamed chunk unless object_name says otherwise."""
+        return {"id": self.id, "object": object_name or self.chunk_object, "created": self.created,
+                "model": self.model_id, "choices": choices, **more}
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        """A choice of the whole answer."""
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta(self, index: int, piece: Piece) -> dict:
+        """The choice of a streamed chunk: the piece's text."""
+        return self.choice(index, piece.text, piece.finish_reason)
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: `data: {chunk}` per piece of text, a last chunk per completion with its
@@ -442,8 +508,7 @@ class Answer:
                                          "code": self.error_status()}})
                     return
                 if piece.text or piece.finish_reason:
-                    yield sse(self.chunk([{"text": piece.text, "index": index, "logprobs": None,
-                                           "finish_reason": piece.finish_reason}]))
+                    yield sse(self.chunk([self.delta(index, piece)]))
             if include_usage:
                 yield sse(self.chunk([], usage=self.usage()))
             yield "data: [DONE]\n\n"
@@ -471,13 +536,34 @@ class Answer:
         if "error" in self.finish:
             return error_response(self.error_status(), next(t for t, f in zip(self.texts, self.finish) if f == "error"),
                                   "server_error")
-        choices = [{"text": text, "index": i, "logprobs": None, "finish_reason": reason}
-                   for i, (text, reason) in enumerate(zip(self.texts, self.finish))]
-        return JSONResponse(self.chunk(choices, usage=self.usage()))
+        choices = [self.choice(i, text, reason) for i, (text, reason) in enumerate(zip(self.texts, self.finish))]
+        return JSONResponse(self.chunk(choices, self.whole_object, usage=self.usage()))
 
     async def drain(self) -> None:
         async for _ in self.pieces():
             pass
+
+
+class ChatAnswer(Answer):
+    """A chat request's replies: each choice the assistant's message (chat.completion), streamed as its deltas
+    (chat.completion.chunk), the first of each choice naming the role."""
+
+    id_prefix, whole_object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.begun: set[int] = set()  # choices whose first chunk is out
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def delta(self, index: int, piece: Piece) -> dict:
+        delta = {} if index in self.begun else {"role": "assistant"}
+        self.begun.add(index)
+        if piece.text:
+            delta["content"] = piece.text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
 
 
 class EventStream(StreamingResponse):

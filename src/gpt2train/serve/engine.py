@@ -46,7 +46,7 @@ class Sampling:
 @dataclass
 class Piece:
     """What one completion produced since its last piece: text (possibly empty), the tokens it covers, and
-    on its last piece why it ended: "stop" (end-of-text or a stop string), "length", or "error"."""
+    on its last piece why it ended: "stop" (its end token or a stop string), "length", or "error"."""
 
     text: str
     tokens: int = 1
@@ -96,8 +96,8 @@ class Inbox:
 
 @dataclass(eq=False)
 class Completion:
-    """One row's work: prompt_ids continued by up to max_tokens tokens, ending early at end-of-text or at
-    a stop string (which is not shown). Its pieces go to `inbox` tagged with `index`."""
+    """One row's work: prompt_ids continued by up to max_tokens tokens, ending early at its end token or at
+    a stop string (neither is shown). Its pieces go to `inbox` tagged with `index`."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -105,6 +105,7 @@ class Completion:
     sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     index: int = 0
+    end_id: int | None = None  # the token that ends it: None is the tokenizer's end-of-text (a chat reply's <|im_end|>)
     cancelled: bool = False
     finished: bool = False  # its last piece is out: no other piece may follow (the app counts the last ones)
 
@@ -159,12 +160,12 @@ class Row:
         else:
             self.generator.manual_seed(seed)
 
-    def push(self, token: int, eot_id: int | None) -> Piece:
-        """The piece that `token` adds; marks the row ended when it ends the completion."""
+    def push(self, token: int, end_id: int | None) -> Piece:
+        """The piece that `token` adds; marks the row ended when it ends the completion (end_id)."""
         self.generated += 1
         self.last = token
         self.window.append(token)
-        if token == eot_id:
+        if token == end_id:
             return self.end("stop", "")
         shown, stopped = self.stop.push(self.text.push(token))
         if stopped:
@@ -457,7 +458,8 @@ class Engine:
             if s.temperature > 0:
                 tokens[i] = int(sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p, row.generator))
         eot_id = getattr(self.tokenizer, "eot_id", None)
-        return [(row, row.push(token, eot_id)) for row, token in zip(rows, tokens)]
+        return [(row, row.push(token, eot_id if row.completion.end_id is None else row.completion.end_id))
+                for row, token in zip(rows, tokens)]
 
     def deliver(self, produced: list[tuple[Row, Piece]]) -> None:
         """Each request's pieces in one hand-over to its event loop (not one per token)."""
