@@ -11,6 +11,7 @@ import torch
 
 from conftest import chat_conversations, random_checkpoint, run_cli
 from gpt2train.chat import render, render_prompt
+from gpt2train.cli import main
 from gpt2train.data.chat_demo import NAMES, PLACES, demo_conversations, most_conversations
 from gpt2train.data.chat_loader import ChatLoader, split_conversations
 from gpt2train.data.prepared import load_meta
@@ -61,14 +62,16 @@ def test_prepare_chat_demo_writes_a_split_whose_held_out_pairs_are_unseen(tmp_pa
 
 
 @pytest.mark.parametrize("args,problem", [
-    (["x.jsonl", "--demo", "recall"], "give one of the two"),
-    ([], "give one of the two"),
+    (["x.jsonl", "--demo", "recall"], "(one of the three)"),
+    (["--hf", "x", "--demo", "recall"], "(one of the three)"),
+    ([], "(one of the three)"),
     (["x.jsonl", "--seed", "1"], "read only with --demo"),
     (["--demo", "recall", "--conversations", "999999"], "more than the recall demo makes"),
 ])
-def test_prepare_chat_demo_usage_errors(tmp_path, args, problem):
-    r = run_cli("prepare", "chat", *args, "--out", str(tmp_path / "chat"), cwd=tmp_path)
-    assert r.returncode == 2 and problem in r.stderr, r.stderr
+def test_prepare_chat_demo_usage_errors(tmp_path, args, problem, capsys):
+    assert main(["prepare", "chat", *args, "--out", str(tmp_path / "chat")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and problem in err[0], err
 
 
 def test_last_reply_is_render_prompt_of_the_messages_before_it_and_the_message():

@@ -197,5 +197,5 @@ def test_prepare_chat_names_the_bad_row_of_a_hf_dataset(tmp_path, monkeypatch, c
         assert main(["prepare", "chat", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [f"error: {message}", "error: --split is read only with --hf; add --hf NAME_OR_PATH, or leave it out",
-                   "error: give .jsonl files or folders, or --hf NAME_OR_PATH (one of the two)"]
+                   "error: give .jsonl files or folders, --hf NAME_OR_PATH, or --demo NAME (one of the three)"]
     assert not (tmp_path / "out" / "meta.json").exists()
