@@ -22,7 +22,7 @@ from gpt2train.bench_results import newest_journey, read_final_mfu
 from gpt2train.config import Config, ConfigError, config_from_resolved, load_config
 from gpt2train.devices import ASSUMED_GPU_MFU
 from gpt2train.runlog import find_spikes, is_finite, load_metrics, object_field
-from gpt2train.spikes import SPIKE_RULE
+from gpt2train.spikes import LOSS_SPIKE_RULE
 
 # Loss spikes: runlog.find_spikes, by spikes.py's rule (the one `report` and the guard use too)
 GRAD_LEAD_RECORDS = 2  # a grad-norm spike at most 2 logged steps before a loss spike likely caused it
@@ -233,7 +233,7 @@ def check_divergence(records: list[dict]) -> Finding | None:
 def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) -> Finding | None:
     train = _of(records, "train")
     losses = [r.get("loss") for r in train]
-    spikes = [i for i in find_spikes(losses) if train[i]["step"] not in explained]
+    spikes = [i for i in find_spikes(losses, LOSS_SPIKE_RULE) if train[i]["step"] not in explained]
     if not spikes:
         return None
     grad_spikes = set(find_spikes([r.get("grad_norm") for r in train]))
@@ -247,7 +247,7 @@ def check_loss_spikes(records: list[dict], explained: set[int] = frozenset()) ->
             g = train[i - lead]
             grad = (f"grad_norm spiked to {g['grad_norm']:.3g} at step {g['step']}"
                     + (f" ({lead} logged step{'s' if lead > 1 else ''} before)" if lead else " (same step)"))
-        median = SPIKE_RULE.baseline(x for x in losses[:i] if is_finite(x)).median  # what find_spikes judged it by
+        median = LOSS_SPIKE_RULE.baseline(x for x in losses[:i] if is_finite(x)).median  # what find_spikes judged it by
         evidence.append(f"step {train[i]['step']}: loss {losses[i]:.3f} vs median {median:.3f}; {grad}")
     if len(evidence) > MAX_LISTED:
         evidence = evidence[:MAX_LISTED] + [f"... and {len(evidence) - MAX_LISTED} more"]

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpt2train.spikes import SPIKE_RULE
+from gpt2train.spikes import SPIKE_RULE, SpikeRule
 
 # ----------------------------------------------------------------------------------------------
 # Schema (docs/metrics.md)
@@ -479,16 +479,17 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def find_spikes(values: list) -> list[int]:
-    """Indices of the spikes in a logged series by spikes.py's rule (the guard's too), each value judged against
+def find_spikes(values: list, rule: SpikeRule = SPIKE_RULE) -> list[int]:
+    """Indices of the spikes in a logged series by spikes.py's rule (LOSS_SPIKE_RULE for losses, the guard's
+    too), each value judged against
     the finite values logged before it. Non-finite values and nulls are not spikes here: the guard reports
     those. A spike stays among the values the next ones are judged against: a logged step stood (the record of
     a step the guard rolled back is replaced by its redo)."""
-    spikes, before = [], deque(maxlen=SPIKE_RULE.window)
+    spikes, before = [], deque(maxlen=rule.window)
     for i, v in enumerate(values):
         if not is_finite(v):
             continue
-        if SPIKE_RULE.is_spike(v, before):
+        if rule.is_spike(v, before):
             spikes.append(i)
         before.append(v)
     return spikes

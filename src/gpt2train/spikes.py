@@ -10,7 +10,9 @@ SPIKE_MIN_HISTORY values are known (or the whole window, when a guard's window i
 are robust: one earlier spike in the window barely moves them, and a loss falling fast early on pulls them
 down at once, where a mean lags and hides a spike. The MAD term scales the bar with the series' own noise
 (grad norms, small batches); the factor keeps ordinary noise on a very steady stretch (MAD near 0) from
-counting.
+counting. A loss must also rise by LOSS_MIN_RISE nats: near zero (a fine-tune that has learned its task) a jump
+from 0.0014 to 0.03 is many times the median and many MADs, yet nothing went wrong, and the guard rolled a run
+back on such jumps until it gave up.
 
 The guard once had its own rule, 3x the mean of the last 50 losses. That let a character model at loss 1.5
 fall back to uniform guessing over 65 characters (ln 65 = 4.17, 2.8x) without a rollback, while `doctor`
@@ -33,6 +35,7 @@ SPIKE_WINDOW = 20  # values before it that a value is judged against: short, so 
 SPIKE_MADS = 5.0  # a spike sits this many median absolute deviations above their median...
 SPIKE_FACTOR = 1.5  # ...and above this multiple of it
 SPIKE_MIN_HISTORY = 10  # too few values before this to judge what is normal
+LOSS_MIN_RISE = 0.1  # nats per token: a loss that rises less above its median is no spike, whatever the ratio
 
 
 class Baseline(NamedTuple):
@@ -48,6 +51,7 @@ class SpikeRule:
     window: int = SPIKE_WINDOW
     factor: float = SPIKE_FACTOR
     mads: float = SPIKE_MADS
+    min_rise: float = 0.0  # a spike is at least this far above the median (LOSS_MIN_RISE for losses)
 
     def baseline(self, before: Iterable[float]) -> Baseline | None:
         """The median and the bar of the last `window` finite values in `before`; None with too few to judge."""
@@ -56,14 +60,16 @@ class SpikeRule:
             return None
         median = statistics.median(recent)
         mad = statistics.median(abs(v - median) for v in recent)
-        return Baseline(median, median + max(self.mads * mad, (self.factor - 1) * abs(median)))
+        return Baseline(median, median + max(self.mads * mad, (self.factor - 1) * abs(median), self.min_rise))
 
     def is_spike(self, value: float, before: Iterable[float]) -> bool:
         base = self.baseline(before)
         return base is not None and math.isfinite(value) and value > base.bar
 
     def __str__(self) -> str:
-        return f"above median + {self.mads:g} MAD and {self.factor:g}x the median"
+        rise = f" and + {self.min_rise:g}" if self.min_rise else ""
+        return f"above median + {self.mads:g} MAD and {self.factor:g}x the median{rise}"
 
 
-SPIKE_RULE = SpikeRule()
+SPIKE_RULE = SpikeRule()  # grad norms
+LOSS_SPIKE_RULE = SpikeRule(min_rise=LOSS_MIN_RISE)  # losses

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from gpt2train.config import GuardConfig
-from gpt2train.spikes import SpikeRule
+from gpt2train.spikes import LOSS_MIN_RISE, SpikeRule
 
 
 class GuardError(ValueError):
@@ -35,7 +35,7 @@ class Verdict:
 class TrainingGuard:
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
-        self.spike_rule = SpikeRule(window=max(1, cfg.spike_window), factor=cfg.spike_factor)
+        self.spike_rule = SpikeRule(window=max(1, cfg.spike_window), factor=cfg.spike_factor, min_rise=LOSS_MIN_RISE)
         self.recent: deque[float] = deque(maxlen=self.spike_rule.window)  # finite losses of accepted steps
         self.nonfinite_in_a_row = 0
         self.rollbacks_in_a_row = 0  # since the last new checkpoint
