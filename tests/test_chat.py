@@ -241,6 +241,29 @@ def test_init_from_a_run_without_the_turn_tokens_starts_them_at_the_mean(chat_da
         trainer.close()
 
 
+def test_init_from_a_hugging_face_gpt2_folder_grows_it_by_the_turn_tokens_and_fine_tunes(chat_data, tmp_path):
+    """The issue's "any checkpoint, run or Hugging Face GPT-2 folder": a GPT-2 saved by transformers (50,257 ids,
+    no turn tokens) fine-tunes on conversations, its two new rows at the mean of its embedding."""
+    transformers = pytest.importorskip("transformers")
+    from gpt2train.training.loop import Trainer
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32))
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = chat_config(chat_data, init_from=str(tmp_path / "hf"))
+    cfg.train.max_steps = 2
+    trainer = Trainer(cfg, tmp_path / "sft")
+    try:
+        wte = trainer.raw_model.transformer.wte.weight.detach()
+        assert trainer.raw_model.config.vocab_size == 50259
+        assert torch.equal(wte[:50257], hf.transformer.wte.weight.detach())
+        mean = hf.transformer.wte.weight.detach().mean(0)
+        assert torch.allclose(wte[50257], mean, atol=1e-6) and torch.allclose(wte[50258], mean, atol=1e-6)
+        assert trainer.fit()["step"] == 2
+    finally:
+        trainer.close()
+
+
 def test_cli_prepare_chat_then_train(tmp_path):
     write_jsonl(tmp_path / "conv.jsonl", conversations(120, seed=5))
     out = run_cli("prepare", "chat", str(tmp_path / "conv.jsonl"), "--out", str(tmp_path / "data"))
