@@ -131,6 +131,18 @@ def test_a_loss_spike_rolls_back(char_data, tmp_path, monkeypatch):
     assert rollback["reason"].startswith("loss spike") and rollback["loss"] > 3 * 4 and rollback["grad_norm"] > 0
 
 
+def test_a_rollback_judges_the_reloaded_weights_losses_against_their_own_not_the_timeline_it_left(char_data, tmp_path,
+                                                                                                  monkeypatch):
+    """A spike at step 9 rolls back to step 5. The losses after step 5 are judged against those before it: the
+    window of steps 6-8 (here made much lower than any real loss) called every loss after the rollback a spike
+    again, and the run stopped on its rollback limit (a chat fine-tune whose loss fell fast did)."""
+    inject_loss_faults(monkeypatch, {6: 0.01, 7: 0.01, 8: 0.01, 9: 20.0})
+    out = train(guarded_config(char_data, spike_factor=3.0, max_rollbacks=2), tmp_path)
+    assert out["step"] == 12
+    (rollback,) = records(tmp_path, "guard")
+    assert rollback == {**rollback, "step": 9, "action": "rollback", "to_step": 5}
+
+
 def test_a_rollback_after_resuming_an_older_checkpoint_never_goes_forward(char_data, tmp_path, monkeypatch):
     """Resumed from step 5 of a run saved up to step 12, a spike at step 8 rolls back to step 5: once it
     "rolled back" to step 12 of the timeline the resume left, and the run ended there without training 9-12."""

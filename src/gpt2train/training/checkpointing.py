@@ -189,8 +189,10 @@ class Checkpointer:
 
     def load(self, ckpt: Path, restore_data: bool, verified: bool = False) -> dict:
         """Load a checkpoint into the live run. `restore_data` (resume): every component; a rollback reloads only
-        the REWOUND ones and leaves the rest (the data, the guard) moving forward, so that the bad batches are
-        not replayed. `verified`: the caller has just checked its files (not again: a read of each)."""
+        the REWOUND ones and leaves the rest (the data, the guard's counters) moving forward, so that the bad
+        batches are not replayed; a component with a `rewind(state)` takes back the part that belongs to the
+        weights (the guard: the losses it judges against). `verified`: the caller has just checked its files (not
+        again: a read of each)."""
         meta = read_meta(ckpt)
         note = check_resume(ckpt, meta, to_dict(self.cfg), self.batch if restore_data else None)
         if note and self.dist.is_main:
@@ -198,10 +200,11 @@ class Checkpointer:
         saved, meta = load_training_checkpoint(ckpt, self.components["model"], self.components["optimizer"],
                                                sharded=self.sharded, verified_meta=meta if verified else None)
         for name, component in self.components.items():
-            if name not in WEIGHTS and (restore_data or name in REWOUND):
+            rewinds = not restore_data and name not in REWOUND and hasattr(component, "rewind")  # the guard's window
+            if name not in WEIGHTS and (restore_data or name in REWOUND or rewinds):
                 state = self._saved_state(name, component, saved, meta)
                 if state is not None:  # absent from older checkpoints: the component keeps its fresh state
-                    component.load_state_dict(state)
+                    component.rewind(state) if rewinds else component.load_state_dict(state)
         return meta
 
     def _saved_state(self, name: str, component: Stateful, saved: dict, meta: dict) -> dict | None:

@@ -78,6 +78,14 @@ class TrainingGuard:
         return {"recent": list(self.recent), "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "rollbacks_in_a_row": self.rollbacks_in_a_row}
 
+    def rewind(self, state: dict) -> None:
+        """A rollback to the checkpoint that saved `state`: the losses judged against go back to that
+        checkpoint's, its weights' own; the counters move on. A window of the timeline left held losses lower
+        than the reloaded weights' (after a fall), which then looked like spikes and rolled back until the run
+        stopped (a chat fine-tune did)."""
+        self.recent.clear()
+        self.recent.extend(state.get("recent", []))
+
     def load_state_dict(self, state: dict) -> None:
         self.recent.clear()
         self.recent.extend(state.get("recent", []))
