@@ -29,7 +29,7 @@ from gpt2train.runconfig import Environment, resolve_run
 
 SKIPPED = ["rotary", "untied head", "zero-init projections", "logit soft cap", "Polar Express", "NorMuon",
            "cautious weight decay", "value embeddings", "U-net skips", "embedding learning rate",
-           "attention-window warmup",
+           "AdamW learning rate", "attention-window warmup",
            "multi-token prediction", "batch-size schedule", "weight average"]
 
 
@@ -85,9 +85,9 @@ def test_ablation_rows_are_the_recipe_minus_one_change_each(char_data):
 def test_a_difference_no_change_covers_is_refused_in_one_line(char_data):
     base = tiny_config(char_data)
     modern = recipe_of(base)
-    modern.train.lr, modern.model.n_layer = 3e-3, 3
+    modern.train.beta1, modern.model.n_layer = 0.8, 3
     message = one_line(UsageError, plan_rows, base, modern)
-    assert "model.n_layer, train.lr" in message and "no change covers" in message
+    assert "model.n_layer, train.beta1" in message and "no change covers" in message
     assert "same config" in one_line(UsageError, plan_rows, base, copy.deepcopy(base))
 
 
@@ -197,11 +197,11 @@ def test_the_command_prints_the_table_and_refuses_what_it_cannot_compare(pair, t
                                                          "recipe-minus-wsd-seed1337"}
 
     bad = load_config(recipe)
-    bad.train.lr = 5e-3
+    bad.train.beta1 = 0.8
     save_config(bad, tmp_path / "bad.toml")
     r = run_cli("bench", "quality", "--config", str(base), "--modern", str(tmp_path / "bad.toml"))
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1
-    assert r.stderr.startswith("error: the base and the recipe also differ in train.lr")
+    assert r.stderr.startswith("error: the base and the recipe also differ in train.beta1")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -58,7 +58,7 @@ def test_block_matrices_go_to_muon_and_the_rest_to_adamw_with_its_groups():
     assert no_decay and all(model.get_parameter(n).dim() == 1 for n in no_decay)  # gains and biases
     assert len(muon) + len(decay) + len(no_decay) == len(list(model.parameters()))
     adamw = opt.adamw.param_groups
-    assert [g["weight_decay"] for g in adamw] == [0.1, 0.0] and adamw[0]["lr"] == 6e-4 and adamw[0]["foreach"]
+    assert [g["weight_decay"] for g in adamw] == [0.1, 0.0] and adamw[0]["lr"] == 6e-4 and adamw[0]["fused"]
     assert opt.muon.param_groups[0]["lr"] == 0.02 and opt.muon.param_groups[0]["momentum"] == 0.95
 
 
@@ -126,7 +126,8 @@ def test_a_token_tables_step_is_adamws_at_the_embedding_lr():
         set_lr(opt, 1, cfg)
         opt.step()
         by_hand.step()
-    assert torch.equal(model.transformer.wte.weight, reference)
+    # the trainer's AdamW is the fused kernel, the reference the foreach path: equal up to float rounding
+    torch.testing.assert_close(model.transformer.wte.weight, reference, rtol=1e-6, atol=1e-7)
 
 
 # --- the update --------------------------------------------------------------------------------------------

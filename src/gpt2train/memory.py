@@ -195,8 +195,9 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         root = P - L * layer_parameter_count(m)
         extra = (2 * layer_parameter_count(m) + root) * act
         breakdown["FSDP gathered weights"] = extra
-    # The optimizer step: fused AdamW (CUDA) works in place; the foreach path (CPU) makes a temporary per state.
-    step_temp = 0 if device_type == "cuda" else math.ceil(P * FP32 / shards)
+    # The optimizer step: fused AdamW (CUDA, CPU) works in place; the foreach path (elsewhere) makes a
+    # temporary per state.
+    step_temp = 0 if device_type in ("cuda", "cpu") else math.ceil(P * FP32 / shards)
     if step_temp:
         breakdown["optimizer step temporaries"] = step_temp
     # train.average_last's float32 mean of the weights (training/averaging.py), sharded like them under FSDP.

@@ -39,6 +39,7 @@ CHANGES: list[Change] = [
     Change("value embeddings", "value-embeddings", ("model.value_embeddings",)),
     Change("U-net skips", "unet", ("model.unet_skips",)),
     Change("embedding learning rate", "embedding-lr", ("train.embedding_lr",)),
+    Change("AdamW learning rate", "adamw-lr", ("train.lr",)),  # with Muon: the head's, gains' and biases' peak
     Change("attention-window warmup", "window", ("model.attention_window", "train.window_warmup_steps")),
     Change("multi-token prediction", "mtp", ("model.mtp_weight",)),
     Change("batch-size schedule", "batch-schedule", ("train.batch_schedule",)),

@@ -86,9 +86,11 @@ def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_t
     """AdamW that decays only 2-D+ weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
     With cfg.embedding_lr > 0 the token tables are a group of their own (marked "token_tables") at that peak.
 
-    fused None (the trainer's choice): the fused CUDA kernel, which updates every parameter in one launch,
-    on CUDA, and the foreach path, which batches them, elsewhere. fused True / False force the fused kernel
-    / one small kernel chain per tensor (the journey's naive stage).
+    fused None (the trainer's choice): the fused kernel, one pass over each parameter and its state with no
+    temporaries, on CUDA and on a CPU, and the foreach path, which batches the parameters, elsewhere. On a CPU
+    the foreach path's temporaries (as large as the token tables) made it several times slower
+    (docs/benchmarks.md). fused True / False force the fused kernel / one small kernel chain per tensor (the
+    journey's naive stage).
     """
     tables = [p for n, p in named if cfg.embedding_lr > 0 and is_token_table(n)]
     rest = [p for n, p in named if not (cfg.embedding_lr > 0 and is_token_table(n))]
@@ -98,7 +100,7 @@ def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_t
         groups.append({"params": tables, "weight_decay": cfg.weight_decay, "lr": cfg.embedding_lr, "token_tables": True})
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if fused is None:
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
         kwargs["fused" if fused else "foreach"] = True
     else:
         kwargs.update(fused=fused, foreach=None if fused else False)
