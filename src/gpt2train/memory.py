@@ -21,7 +21,7 @@ from gpt2train.counting import layer_parameter_count, matmul_parameter_count, pa
 from gpt2train.model import GPTConfig
 from gpt2train.runtime import batch_problem, resolve_compile, resolve_dtype
 from gpt2train.tokenizer import GPT2_VOCAB_SIZE
-from gpt2train.training.optim import muon_parameter_count
+from gpt2train.training.optim import muon_parameter_count, uses_fused_adamw
 from gpt2train.units import format_bytes
 
 FP32 = 4
@@ -195,9 +195,8 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         root = P - L * layer_parameter_count(m)
         extra = (2 * layer_parameter_count(m) + root) * act
         breakdown["FSDP gathered weights"] = extra
-    # The optimizer step: fused AdamW (CUDA, CPU) works in place; the foreach path (elsewhere) makes a
-    # temporary per state.
-    step_temp = 0 if device_type in ("cuda", "cpu") else math.ceil(P * FP32 / shards)
+    # The optimizer step: fused AdamW works in place; the foreach path makes a temporary per state.
+    step_temp = 0 if uses_fused_adamw(device_type) else math.ceil(P * FP32 / shards)
     if step_temp:
         breakdown["optimizer step temporaries"] = step_temp
     # train.average_last's float32 mean of the weights (training/averaging.py), sharded like them under FSDP.

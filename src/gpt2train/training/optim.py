@@ -81,6 +81,11 @@ def is_token_table(name: str) -> bool:
     return name.endswith("wte.weight") or ".value_embeds." in name or name.startswith("value_embeds.")
 
 
+def uses_fused_adamw(device_type: str) -> bool:
+    """Whether make_adamw's default is the fused kernel on this device type (the memory estimator asks too)."""
+    return device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+
+
 def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_type: str,
                fused: bool | None = None) -> torch.optim.AdamW:
     """AdamW that decays only 2-D+ weights (matmuls, embeddings); biases and LayerNorm gains are left alone.
@@ -88,7 +93,7 @@ def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_t
 
     fused None (the trainer's choice): the fused kernel, one pass over each parameter and its state with no
     temporaries, on CUDA and on a CPU, and the foreach path, which batches the parameters, elsewhere. On a CPU
-    the foreach path's temporaries (as large as the token tables) made it several times slower
+    the foreach path's temporaries (as large as the token tables) made its update about four times slower
     (docs/benchmarks.md). fused True / False force the fused kernel / one small kernel chain per tensor (the
     journey's naive stage).
     """
@@ -100,7 +105,7 @@ def make_adamw(named: list[tuple[str, torch.Tensor]], cfg: TrainConfig, device_t
         groups.append({"params": tables, "weight_decay": cfg.weight_decay, "lr": cfg.embedding_lr, "token_tables": True})
     kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
     if fused is None:
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        fused = uses_fused_adamw(device_type)
         kwargs["fused" if fused else "foreach"] = True
     else:
         kwargs.update(fused=fused, foreach=None if fused else False)
