@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (see README.md):
 #   make quickstart   set up, prepare Tiny Shakespeare, train a small GPT on CPU, sample from it
 #   make test         set up with the test extras and run the test suite
+#   make test-quick   the suite's tests that take under a second: the inner loop while changing code
 # Everything goes into .venv; torch is installed only when the venv has none (a CUDA or CPU build you
 # put there yourself is kept).
 
@@ -22,7 +23,7 @@ RUN ?= runs/shakespeare
 CHROMIUM ?= /usr/bin/chromium
 export CHROMIUM
 
-.PHONY: setup setup-dev chromium quickstart test lint clean
+.PHONY: setup setup-dev chromium quickstart test test-quick lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,8 +67,19 @@ quickstart: setup
 	@echo "  $(BIN)/gpt2train prepare files my.txt --out data/mine && $(BIN)/gpt2train train --config finetune-cpu --out runs/mine"
 	@echo "                                                   # fine-tune it on your own text (README: Train on your own text)"
 
+# The suite in parallel: one pytest-xdist worker per core (each computing on one thread, tests/conftest.py), a
+# test file per worker at a time so that a file's fixtures are built once. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= logical
+TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
+
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest $(TEST_ARGS)
+
+# The inner loop while you change code: every test that takes under a second (those not marked `slow`),
+# touching every module; about a minute on 2 cores. Needs a venv that `make test` (or `make setup-dev`) made.
+test-quick:
+	@test -x $(BIN)/pytest || { echo "error: no test venv: run \`make setup-dev\` (or \`make test\`) once"; exit 2; }
+	$(BIN)/python -m pytest $(TEST_ARGS) -m "not slow"
 
 lint: setup-dev
 	$(BIN)/ruff check src tests scripts benchmarks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,13 @@ from gpt2train.data.prepare import prepare_shakespeare
 from gpt2train.model import GPTConfig
 from gpt2train.tokenizer import package_file
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# `make test` runs the suite in pytest-xdist workers, one per core: each worker computes on one thread (two
+# workers of two threads each would fight over the cores), and so does every process a test starts (a CLI run,
+# a torchrun rank), which reads OMP_NUM_THREADS when it imports torch.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if XDIST_WORKER else min(2, torch.get_num_threads()))
 SUITE_THREADS = torch.get_num_threads()
 REPO = Path(__file__).resolve().parents[1]
 
@@ -236,6 +243,24 @@ CHAT_REQUESTS = [
 ]
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """What build(folder) makes and returns, made once for the whole run: each pytest-xdist worker runs the
+    session's fixtures itself, so the first worker to ask builds it in the workers' shared temp folder while a
+    file lock holds the others, which then read it. Tests only read what it holds (they copy it to write)."""
+    if not XDIST_WORKER:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / name
+    built = shared.with_name(name + ".built")  # holds the result's path inside `shared`, written last
+    with FileLock(str(shared) + ".lock"):
+        if not built.exists():
+            shutil.rmtree(shared, ignore_errors=True)  # a worker that died while building
+            shared.mkdir()
+            built.write_text(str(build(shared).relative_to(shared)))
+    return shared / built.read_text()
+
+
 def write_jsonl(path: Path, rows) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -247,10 +272,12 @@ def chat_run(tmp_path_factory) -> Path:
     from gpt2train.data.conversations import prepare_chat
     from gpt2train.training.loop import train
 
-    root = tmp_path_factory.mktemp("chat_run")
-    prepare_chat([write_jsonl(root / "conv.jsonl", chat_conversations(200))], root / "data", val_fraction=0.1)
-    cfg = tiny_config(root / "data", micro_batch=8, max_steps=80, lr=1e-2, warmup_steps=5)
-    cfg.eval.interval = cfg.checkpoint.every_steps = 80
-    cfg.log.interval = 20
-    train(cfg, root / "run")
-    return root / "run"
+    def build(root: Path) -> Path:
+        prepare_chat([write_jsonl(root / "conv.jsonl", chat_conversations(200))], root / "data", val_fraction=0.1)
+        cfg = tiny_config(root / "data", micro_batch=8, max_steps=80, lr=1e-2, warmup_steps=5)
+        cfg.eval.interval = cfg.checkpoint.every_steps = 80
+        cfg.log.interval = 20
+        train(cfg, root / "run")
+        return root / "run"
+
+    return built_once(tmp_path_factory, "chat_run", build)

@@ -46,6 +46,7 @@ def tiny_options(**kw) -> JourneyOptions:
     return JourneyOptions(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_journey_runs_stages_and_writes_md_json_png(tmp_path):
     result = run_journey(tiny_options(techniques=["ram_loader", "tf32"]), tmp_path, progress=False)
     naive, ram, tf32 = result.stages
@@ -228,6 +229,7 @@ def test_forced_fused_or_plain_adamw_keeps_the_library_groups():
         assert [g["weight_decay"] for g in opt.param_groups] == [g["weight_decay"] for g in library.param_groups]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["--seq-len", "4096"], "block_size 128"),
     (["--skip", "bf17"], "unknown technique 'bf17'"),

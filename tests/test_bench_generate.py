@@ -43,6 +43,7 @@ def test_a_generate_bench_cut_short_keeps_the_batch_sizes_it_measured(tmp_path, 
     assert json.loads((tmp_path / "g.json").read_text())["finished"] is True
 
 
+@pytest.mark.slow
 def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     out = tmp_path / "generate.json"
     result = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--batch-sizes", "1,2",
@@ -80,6 +81,7 @@ def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     (["--new-tokens", "200"], "exceed gpt2-tiny's block_size 128"),  # neither model has positions beyond it
     (["--llama-cpp", "--batch-sizes", "2,4"], "--llama-cpp times batch 1"),
 ])
+@pytest.mark.slow
 def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     out = tmp_path / "generate.json"
     r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
@@ -129,6 +131,7 @@ def test_gpus_in_the_table_know_their_bandwidth():
     assert find_device("cpu").bandwidth is None
 
 
+@pytest.mark.slow
 def test_llama_cpp_decodes_the_same_weights_beside_ours_at_batch_1(tmp_path):
     if importlib.util.find_spec("llama_cpp") is None:
         missing("llama-cpp-python is missing", "`make setup-dev` builds it")

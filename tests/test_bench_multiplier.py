@@ -103,6 +103,7 @@ def test_each_form_compares_the_rows_it_should(char_data, tmp_path):
         MultiplierOptions(form="both")
 
 
+@pytest.mark.slow
 def test_a_bench_of_two_tiny_recipes_continues_and_shares_its_ladders(char_data, tmp_path, monkeypatch):
     base, candidate = two_recipes(tmp_path, char_data)
     options = MultiplierOptions(base=base, candidate=candidate, depths=[1, 2, 3], seeds=[1, 2])
@@ -140,6 +141,7 @@ def test_a_bench_of_two_tiny_recipes_continues_and_shares_its_ladders(char_data,
     assert [c["reference"] for c in ablation["comparisons"]] == ["- QK norm", "- ReLU²"]
 
 
+@pytest.mark.slow
 def test_bench_multiplier_cli_says_what_to_fix_in_one_line(tmp_path):
     r = run_cli("bench", "multiplier", "--ablate", "--journey")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr

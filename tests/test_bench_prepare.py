@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import run_cli
 from gpt2train.bench.prepare import (
@@ -36,6 +37,7 @@ def test_the_plain_loop_writes_the_tokens_prepare_writes(tmp_path):
     assert ours.tolist() == expected
 
 
+@pytest.mark.slow
 def test_bench_prepare_reports_both_on_short_and_long_documents(tmp_path):
     out = tmp_path / "bench.json"
     r = run_cli("bench", "prepare", "--chars", "60000", "--long-chars", "120000", "--workers", "2", "--repeats", "2",
@@ -67,6 +69,7 @@ def test_the_long_document_corpus_has_few_long_documents_per_file_in_one_row_gro
         pq.read_table(a).equals(pq.read_table(b)) for a, b in zip(paths, sorted((tmp_path / "again").glob("*"))))
 
 
+@pytest.mark.slow
 def test_bench_prepare_on_files_that_are_not_parquet_is_one_line(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     r = run_cli("bench", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "b.json"))

@@ -73,6 +73,7 @@ def test_a_device_kernel_takes_the_operators_of_the_call_that_launched_it():
     assert source.startswith("operators' self CPU time")
 
 
+@pytest.mark.slow
 def test_profile_of_two_configs_sums_its_categories_and_writes_its_files(char_data, tmp_path, capsys):
     base = tiny_config(char_data)
     modern = copy.deepcopy(base)

@@ -146,6 +146,7 @@ def pair(char_data, tmp_path):
     return tmp_path / "base.toml", tmp_path / "recipe.toml"
 
 
+@pytest.mark.slow
 def test_a_tiny_journey_trains_every_row_and_seed_and_writes_md_json_png(pair, tmp_path):
     base, recipe = pair
     options = QualityOptions(config=str(base), modern=str(recipe), seeds=[3, 4], eval_interval=2, val_batches=1)
@@ -180,6 +181,7 @@ def test_a_tiny_journey_trains_every_row_and_seed_and_writes_md_json_png(pair, t
     assert "exists already" in message
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_table_and_refuses_what_it_cannot_compare(pair, tmp_path):
     base, recipe = pair
     out = tmp_path / "cli"
@@ -231,6 +233,7 @@ def test_ablate_with_recipe_only_is_refused_once_by_the_options(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_row_that_raises_is_reported_failed_and_a_stop_signal_stops_the_bench(pair, tmp_path, monkeypatch):
     base, recipe = pair
     options = QualityOptions(config=str(base), modern=str(recipe), eval_interval=2)
@@ -263,6 +266,7 @@ def test_the_default_pair_differs_in_the_recipes_keys_alone():
 
 
 
+@pytest.mark.slow
 def test_each_row_warms_up_for_its_share_of_the_bench_steps():
     """Both presets state warmup as a share of the steps. A row that took the WSD change's keys with equal
     values wrote train.warmup_steps as its default (100), which won over the share: 100 warmup steps in a
@@ -301,6 +305,7 @@ def test_the_suite_runs_at_each_evaluation_for_its_target_and_not_at_all_otherwi
     assert one_line(UsageError, QualityOptions, target="hellaswag") == "target 'hellaswag' is not one of val, suite"
 
 
+@pytest.mark.slow
 def test_a_tiny_journey_to_gpt2s_suite_score(gpt2_data, tmp_path):
     base = tiny_config(gpt2_data, max_steps=4)
     recipe = copy.deepcopy(base)

@@ -16,6 +16,7 @@ LEVEL_KEYS = {"concurrency", "requests", "errors", "wall_s", "requests_s", "outp
               "itl_p50_ms", "itl_p99_ms", "completion_tokens", "plain_tok_s", "of_plain", "error_examples"}
 
 
+@pytest.mark.slow
 def test_bench_serve_command_writes_json(tmp_path):
     out = tmp_path / "serve.json"
     result = run_cli("bench", "serve", "--model", "gpt2-tiny", "--device", "cpu", "--dtype", "float32",
@@ -47,6 +48,7 @@ def test_the_targets_of_issue_31():
     assert not any(missed["met"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, says", [
     (["--model", "gpt3"], "argument --model: invalid choice: 'gpt3' (choose from 'gpt2', "),
     (["--concurrency", "1,x"], "'x' is not an integer"),

@@ -264,6 +264,7 @@ def test_init_from_a_hugging_face_gpt2_folder_grows_it_by_the_turn_tokens_and_fi
         trainer.close()
 
 
+@pytest.mark.slow
 def test_cli_prepare_chat_then_train(tmp_path):
     write_jsonl(tmp_path / "conv.jsonl", conversations(120, seed=5))
     out = run_cli("prepare", "chat", str(tmp_path / "conv.jsonl"), "--out", str(tmp_path / "data"))
@@ -279,6 +280,7 @@ def test_cli_prepare_chat_then_train(tmp_path):
     assert all(np.isfinite(v) for v in seen.values()) and seen[12] < seen[1]
 
 
+@pytest.mark.slow
 def test_the_chat_run_fixture_replies_and_ends_its_turn(chat_run):
     """What the serve, terminal and export tests rely on: chat_run's greedy replies end with <|im_end|>."""
     from gpt2train.chat import render_prompt

@@ -105,6 +105,7 @@ def test_exact_match_scores_each_greedy_reply_against_its_reference(chat_run):
     assert out["examples"][0]["reply"] == tok.decode(replies[0][:-1]).strip()
 
 
+@pytest.mark.slow
 def test_eval_on_chat_data_prints_the_masked_val_loss_the_run_logged_and_the_exact_match(chat_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(chat_run, run)  # eval writes eval.json: not into the shared fixture
@@ -120,6 +121,7 @@ def test_eval_on_chat_data_prints_the_masked_val_loss_the_run_logged_and_the_exa
     assert f"exact_match     {chat['exact_match']:.4f}  greedy replies to 20 held-out conversations" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_model_without_the_turn_tokens_is_scored_with_them_at_the_mean(chat_run, tmp_path):
     data = chat_run.parent / "data"
     base = random_checkpoint(tmp_path / "base", 50257, {"kind": "gpt2"})

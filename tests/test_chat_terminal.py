@@ -42,6 +42,7 @@ def expected_replies(chat_model, turns: list[str | None], max_tokens: int, syste
     return replies, drops, history
 
 
+@pytest.mark.slow
 def test_each_reply_is_the_greedy_reply_to_the_history_so_far(chat_run, chat_model):
     turns = ["apple river", "stone lamp"]
     replies, drops, history = expected_replies(chat_model, turns, max_tokens=4)

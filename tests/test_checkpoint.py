@@ -166,6 +166,7 @@ def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeyp
     assert C.load_checkpoint(tmp_path / "checkpoints" / "best")[2]["step"] == 1
 
 
+@pytest.mark.slow
 def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tmp_path):
     env = {"OMP_NUM_THREADS": "1"}
     r = run_cli("ckpt", "inspect", str(trained_run), env=env)
@@ -204,6 +205,7 @@ def process_umask(mask: int):
         os.umask(old)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_every_file_of_a_run_and_its_export_is_as_readable_as_the_umask_allows(gpt2_data, tmp_path, umask):
     """safetensors writes through a temporary file created 0600: the weights must still get the mode any file
@@ -336,6 +338,7 @@ def test_a_file_given_as_checkpoint_is_one_line(tmp_path):
     assert "is a file, not a checkpoint" in one_line(C.CheckpointError, load_for_inference, tmp_path / "weights.bin")
 
 
+@pytest.mark.slow
 def test_a_data_folder_given_as_checkpoint_says_what_it_is(char_data):
     expected = f"{char_data} is a prepared data folder, not a checkpoint; pass a run directory or a checkpoints/step_* folder"
     for load in (load_for_inference, C.describe_checkpoint, C.resolve_checkpoint):
@@ -368,6 +371,7 @@ def test_a_changed_byte_is_one_line_naming_the_file(trained_run, tmp_path, name)
                                 sharded=False)
 
 
+@pytest.mark.slow
 def test_a_changed_byte_in_the_newest_checkpoint_falls_back_to_the_one_before(trained_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)

@@ -19,6 +19,7 @@ from gpt2train import cli
 from gpt2train.distributed import resolve_device
 
 
+@pytest.mark.slow
 def test_prepare_train_sample_smoke(tmp_path):
     data, run = tmp_path / "data", tmp_path / "runs" / "shakespeare-cpu"  # without --out: runs/<config name>
     r = run_cli("prepare", "shakespeare", "--out", str(data), "--tokenizer", "char")
@@ -67,6 +68,7 @@ def test_version_names_gpt2train_torch_and_python_and_pyproject_takes_it_from_th
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gpt2train.__version__"}
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_error_with_exit_2_for_usage_and_1_for_failures(tmp_path):
     usage = [  # exit 2: the command line or the config is wrong, found before any work
         ("train", "--config", str(tmp_path / "missing.toml"), "--out", str(tmp_path / "r")),
@@ -179,6 +181,7 @@ def test_no_numeric_argument_takes_a_bare_int_or_float():
     assert bare == []
 
 
+@pytest.mark.slow
 def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly():
     """`gpt2train ckpt inspect RUN | head -2` printed `error: [Errno 32] Broken pipe` and exited 1."""
     read_end, write_end = os.pipe()
@@ -206,7 +209,7 @@ def test_an_internal_error_is_one_line_that_names_it_and_points_to_debug(monkeyp
     def broken(args):
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr(cli, "cmd_config_list", broken)
+    monkeypatch.setattr(cli.tools, "cmd_config_list", broken)
     assert cli.main(["config", "list"]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["error: ZeroDivisionError: division by zero (an internal error; rerun with --debug for the traceback)"]
@@ -222,7 +225,7 @@ def test_the_error_line_comes_after_the_progress_bar_is_closed(monkeypatch, caps
         bar.update(3)
         raise OSError("disk full")
 
-    monkeypatch.setattr(cli, "cmd_config_list", fails_mid_bar)
+    monkeypatch.setattr(cli.tools, "cmd_config_list", fails_mid_bar)
     assert cli.main(["config", "list"]) == 1
     err = capsys.readouterr().err
     assert err.endswith("\nerror: disk full\n") and "tokenizing" in err  # the bar's line ended before it
@@ -402,6 +405,7 @@ def test_the_dtype_rule_is_what_resolve_dtype_does_on_each_cpu_kind(native, monk
     assert runtime.resolve_dtype("auto", "cuda", bf16_supported=False) == torch.float16
 
 
+@pytest.mark.slow
 def test_bench_model_names_are_the_model_tables_in_help_and_readme():
     """Found walking the first hour: bench --model took gpt2-tiny and gpt2-mini, which no help named."""
     from gpt2train.model import PRESETS
@@ -494,7 +498,7 @@ def test_a_cropped_prompt_is_one_warning_line_in_our_words(tiny_run, capsys):
 def test_a_warning_is_one_line_in_our_words_without_pythons_source_line():
     """A real process's stderr: a library warning raised while a command runs prints as `warning: ...` alone."""
     code = ("import sys, warnings; from gpt2train import cli; "
-            "cli.cmd_config_list = lambda args: warnings.warn('compiled decode failed,\\n  decoding eagerly') or 0; "
+            "cli.tools.cmd_config_list = lambda args: warnings.warn('compiled decode failed,\\n  decoding eagerly') or 0; "
             "sys.exit(cli.main(['config', 'list']))")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -514,7 +518,7 @@ def test_a_warning_under_a_progress_bar_is_one_line_of_its_own(monkeypatch, caps
             bar.update(7)
         return 0
 
-    monkeypatch.setattr(cli, "cmd_config_list", warns_mid_bar)
+    monkeypatch.setattr(cli.tools, "cmd_config_list", warns_mid_bar)
     shown = warnings.showwarning
     assert cli.main(["config", "list"]) == 0
     assert warnings.showwarning is shown  # put back when the command ends
@@ -538,6 +542,7 @@ def test_usage_mistakes_found_by_a_probe_are_one_line_with_exit_2(tiny_run, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.toml"]
 
 
+@pytest.mark.slow
 def test_sample_with_stdout_closed_fails_in_one_line_instead_of_losing_the_text(tiny_run):
     """Found by a probe: `gpt2train sample ... >&-` exited 0 having printed nothing (Python drops every print
     when it starts without stdout), so a script could not tell the samples were lost."""
@@ -573,7 +578,7 @@ def test_the_error_line_is_one_write_so_that_ranks_failing_together_print_whole_
     def refuses(args):
         raise ValueError("train.total_batch_tokens = 384 is not a multiple of 768")
 
-    monkeypatch.setattr(cli, "cmd_config_list", refuses)
+    monkeypatch.setattr(cli.tools, "cmd_config_list", refuses)
     assert cli.main(["config", "list"]) == 1
     assert [text for text in writes if text] == ["error: train.total_batch_tokens = 384 is not a multiple of 768\n"]
 

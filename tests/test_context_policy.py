@@ -59,6 +59,7 @@ print(done["usage"]["completion_tokens"])
 """
 
 
+@pytest.mark.slow
 def test_llama_cpp_aborts_past_the_context_as_the_policy_says(tmp_path):
     """In a process of its own: llama.cpp's assertion aborts the process, pytest's with it."""
     pytest.importorskip("gguf")

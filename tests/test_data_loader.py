@@ -339,6 +339,7 @@ def test_a_shard_changed_after_prepare_fails_on_open_not_at_the_batch_that_reads
     assert "train_000000.bin changed after `gpt2train prepare` wrote it" in message and "re-run" in message
 
 
+@pytest.mark.slow
 def test_training_on_a_shard_changed_after_prepare_stops_in_one_line(tmp_path):
     folder = tmp_path / "d"
     prepare_shakespeare(folder, tokenizer="char")

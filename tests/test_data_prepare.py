@@ -575,6 +575,7 @@ def test_bad_inputs_are_one_line_and_keep_existing_data(txt_folder, tmp_path):
     assert load_meta(out) == good
 
 
+@pytest.mark.slow
 def test_too_few_documents_for_the_val_split_is_found_before_tokenizing(tmp_path, monkeypatch):
     """Three documents and the default --val-fraction 0.1: one line naming a value that works, before any
     tokenizer is built (it failed after tokenizing everything, quoting {'val_fraction': '1/10'})."""
@@ -674,6 +675,7 @@ def test_fuzz_garbage_inputs(tmp_path):
     assert outcomes["ok"] and outcomes["error"], outcomes
 
 
+@pytest.mark.slow
 def test_cli_prepare_and_tokenizer(txt_folder, tmp_path):
     tok = tmp_path / "tok.json"
     r = run_cli("tokenizer", "train", str(txt_folder / "part0"), "--vocab-size", "400", "--out", str(tok))

@@ -122,6 +122,7 @@ def test_torchrun_variables_set_by_hand_wrong_are_one_line_before_any_process_gr
     assert says in one_line(UsageError, D.init_distributed, "cpu")
 
 
+@pytest.mark.slow
 def test_train_with_a_world_size_of_zero_is_a_usage_error_not_a_division_by_zero(char_data, tmp_path):
     r = run_cli("train", "--config", "shakespeare-cpu", "--set", f"data.dir={char_data}", "--out", str(tmp_path / "run"),
                 env={"RANK": "0", "WORLD_SIZE": "0"}, timeout=120)
@@ -130,6 +131,7 @@ def test_train_with_a_world_size_of_zero_is_a_usage_error_not_a_division_by_zero
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_ranks_that_never_meet_are_one_line_naming_the_rendezvous_not_an_internal_error(rank, char_data, tmp_path):
     """Found by a probe: rank 0 alone (its peer never started) ended in 'DistStoreError: Timed out after 6 seconds

@@ -400,6 +400,7 @@ def test_diagnosis_to_dict_is_json():
     assert json.loads(json.dumps(d.to_dict()))["exit_status"] == 0
 
 
+@pytest.mark.slow
 def test_cli_doctor(tmp_path):
     good = write_run(tmp_path / "good", healthy())
     out = run_cli("doctor", str(good))
@@ -423,6 +424,7 @@ def test_cli_doctor(tmp_path):
     assert out.stderr.startswith("error: ") and "is empty" in out.stderr and out.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [{"hardware": "gpu"}, {"config": {"train": 5}},
                                     {"config": {"train": {"grad_clip": "high"}}}])
 def test_a_damaged_run_start_is_judged_with_a_note_not_a_crash(tmp_path, damage):

@@ -304,6 +304,7 @@ def test_hook_skips_hellaswag_without_gpt2_tokenizer_and_leaves_training_unchang
     assert [r["val_loss"] for r in records(plain, "val")] == [r["val_loss"] for r in records(hooked, "val")]
 
 
+@pytest.mark.slow
 @needs_arrow
 def test_eval_cli_end_to_end(gpt2_run, gpt2_data, tmp_path, capsys):
     r = run_cli("eval", "--ckpt", str(gpt2_run), "--tasks", "val,hellaswag", "--limit", "8", "--batch-size", "8",
@@ -356,6 +357,7 @@ def test_val_data_of_another_tokenizer_is_named_by_how_it_differs(char_data, gpt
                       "checkpoint's tokenizer\n", err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("val_batches,mixture", [(3, False), (0, False), (2, True)],
                          ids=["3-batches", "one-pass", "mixture"])
 def test_eval_prints_the_val_loss_the_run_logged_for_the_same_checkpoint(char_data, tmp_path, val_batches, mixture):
@@ -451,6 +453,7 @@ def test_eval_without_tasks_skips_hellaswag_whose_examples_are_not_on_disk(gpt2_
     assert list(saved["tasks"]) == ["val"]
 
 
+@pytest.mark.slow
 def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=50257)
@@ -470,6 +473,7 @@ def test_eval_cli_on_a_model_imported_with_import_hf(gpt2_data, tmp_path):
     assert saved["tasks"]["val"]["loss"] == pytest.approx(np.log(50257), rel=0.05)  # random weights: near uniform
 
 
+@pytest.mark.slow
 @needs_arrow
 def test_eval_under_torchrun_matches_single_process(gpt2_run):
     ckpt = gpt2_run / "checkpoints" / "step_00000004"

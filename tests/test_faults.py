@@ -236,6 +236,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(char_data, tmp_pa
     assert "no earlier checkpoint exists" in err[0]
 
 
+@pytest.mark.slow
 def test_a_real_failed_write_of_the_weights_is_a_checkpoint_save_error_too(char_data, tmp_path):
     """safetensors raises its own SafetensorError when a write fails, not the OSError faked above: a full disk
     ended training as `SafetensorError: ... (os error 28) (an internal error ...)`, past the handler that keeps

@@ -79,6 +79,7 @@ def test_finetune_from_hf_starts_at_the_imported_loss_and_falls(gpt2_data, hf_di
     assert logged[0] < first and logged[-1] < logged[0], (first, logged)
 
 
+@pytest.mark.slow
 def test_a_conflicting_model_setting_is_one_line(gpt2_data, hf_dir, tmp_path):
     cfg = finetune_config(gpt2_data, hf_dir)
     cfg.model.n_layer = 3
@@ -175,6 +176,7 @@ def test_the_banner_names_the_weights_a_finetune_starts_from(char_data, gpt2_dat
     assert f"weights from {hf_dir} (Hugging Face GPT-2) (train.init_from)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_resume_from_an_import_hf_checkpoint_says_to_use_init_from(gpt2_data, hf_dir, tmp_path):
     import_hf_to_run(hf_dir, tmp_path / "imported")
     cfg = tiny_config(gpt2_data, max_steps=2)
@@ -187,6 +189,7 @@ def test_resume_from_an_import_hf_checkpoint_says_to_use_init_from(gpt2_data, hf
     assert "train.init_from" in r.stderr
 
 
+@pytest.mark.slow
 def test_a_hub_name_offline_without_a_cache_is_one_line(gpt2_data, tmp_path):
     config = tmp_path / "tiny.toml"
     config.write_text(dump_toml(tiny_config(gpt2_data, max_steps=1)))

@@ -63,6 +63,7 @@ def one_error_line(result) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_the_first_hour_after_the_quickstart(user):
     # The quickstart, tiny.
     prepared = user.run("prepare", "shakespeare", "--out", "data/shakespeare")
@@ -124,6 +125,7 @@ def test_the_first_hour_after_the_quickstart(user):
     assert not (user.home / "runs/bare").exists()
 
 
+@pytest.mark.slow
 def test_own_data_with_an_own_tokenizer_through_export_and_import(user):
     corpus = user.home / "corpus"
     corpus.mkdir()
@@ -159,6 +161,7 @@ def test_own_data_with_an_own_tokenizer_through_export_and_import(user):
     assert "char tokenizer" in one_error_line(refused) and not (user.home / "hf/chars").exists()
 
 
+@pytest.mark.slow
 def test_the_python_example_run_twice_does_not_start_over(user):
     """The README's example trains into runs/demo; run again as written, it must not append a second history to
     metrics.jsonl nor replace the checkpoints."""

@@ -356,6 +356,7 @@ def test_text_stream_holds_back_split_characters():
 # ---------------------------------------------------------------- the sample command
 
 
+@pytest.mark.slow
 def test_sample_command_prints_several_samples(tmp_path, cpu_kind):
     tok = CharTokenizer("abcdefgh \n")
     cfg = Config()
@@ -420,7 +421,7 @@ def test_sample_with_compile_reports_the_compiling_step_apart_from_tokens_per_s(
     call costs 30 s of a fake clock: the first step's time is told apart, tokens/s is of the other tokens."""
     tiny_char_run(tmp_path / "run")
     clock = FakeClock()
-    monkeypatch.setattr(gpt2train.cli, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(gpt2train.cli.use, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
     monkeypatch.setattr(gpt2train.generation, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
 
     def fake_compile(step, **options):

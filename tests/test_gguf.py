@@ -195,6 +195,7 @@ def test_the_greedy_comparison_fails_where_a_token_is_no_near_tie():
 # ---------------------------------------------------------------- the file itself
 
 
+@pytest.mark.slow
 def test_the_file_holds_llama_cpps_gpt2_metadata_names_and_unpadded_vocabulary(tmp_path):
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=48)).eval()  # 50257 padded to 50304 rows
     export_gguf(model, tmp_path / "m.gguf", {"kind": "gpt2"})
@@ -238,6 +239,7 @@ def test_f32_weights_read_back_exactly_with_our_own_bpe_and_without_biases(tmp_p
 # ---------------------------------------------------------------- llama.cpp runs it as we do
 
 
+@pytest.mark.slow
 def test_a_trained_model_in_f32_gives_llama_cpp_our_greedy_text(trained_run, tmp_path):
     model, block_size, tok, spec = trained(trained_run)
     export_gguf(model, tmp_path / "m.gguf", spec)
@@ -272,6 +274,7 @@ def greedy_text(tok, prompt: str, tokens: list[int]) -> str:
     return prompt + tok.decode(tokens[: tokens.index(tok.eot_id)] if tok.eot_id in tokens else tokens) + "\n"
 
 
+@pytest.mark.slow
 def test_the_command_the_exports_print_gives_llama_cpps_and_transformers_greedy_text(trained_run, exported,
                                                                                      cpu_kind):
     """Found walking the second hour: on a CPU with native bf16 `sample --temperature 0` decodes in bf16 and its
@@ -399,6 +402,7 @@ def assert_same_tokens(llm, tokenizer):
 # ---------------------------------------------------------------- chat
 
 
+@pytest.mark.slow
 def test_a_chat_run_exported_chats_in_llama_cpp_as_in_gpt2train(chat_run, tmp_path, capsys):
     """A model trained with the chat template: its turn tokens are control tokens at our ids, the file's template
     gives render_prompt's ids both where llama-cpp-python renders it (create_chat_completion) and where llama.cpp's
@@ -458,6 +462,7 @@ def test_our_own_bpe_with_the_turn_tokens_gives_them_its_ids_after_its_vocabular
 # ---------------------------------------------------------------- GPT-2 124M's shape, through Hugging Face
 
 
+@pytest.mark.slow
 def test_import_hf_of_gpt2_124m_then_export_gguf_gives_llama_cpp_the_greedy_text_of_transformers_and_ours(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
@@ -500,6 +505,7 @@ def test_what_llama_cpps_gpt2_cannot_compute_is_refused_in_one_line_before_writi
     assert out.read_bytes() == b"GGUF, an earlier export" and sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
 
+@pytest.mark.slow
 def test_a_char_run_and_bad_outputs_are_refused_by_the_cli_in_one_line(char_data, tmp_path):
     train(tiny_config(char_data, max_steps=1), tmp_path / "run")
     r = run_cli("export-gguf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "m.gguf"))
@@ -519,6 +525,7 @@ def test_an_out_that_is_a_folder_or_a_wrong_tokenizer_is_refused_in_one_line(tmp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [1_000_000, 2_000_000])  # the file fills up in the metadata, in the tensors
 def test_a_write_cut_short_by_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, limit):
     """It was `error: [Errno 27] File too large` or `error: 1608224 requested and 65792 written` (NumPy's short
@@ -536,6 +543,7 @@ def test_a_write_cut_short_by_a_full_disk_names_the_file_and_leaves_nothing(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_existing_file_is_replaced_only_when_it_is_a_gguf_file(tmp_path):
     """Found by a probe of bad input: any file given as --out was overwritten (a checkpoint's model.safetensors)."""
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).eval()

@@ -174,6 +174,7 @@ def test_exported_tokenizer_gives_our_ids_and_greedy_text_matches_transformers(t
     assert hf_tok.decode(theirs_new) == tok.decode(ours_new)
 
 
+@pytest.mark.slow
 def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_sample(gpt2_data, tmp_path,
                                                                                         monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -196,6 +197,7 @@ def test_a_trained_run_exported_gives_transformers_the_greedy_text_of_gpt2train_
     assert r.stdout.rstrip("\n") == "ROMEO:" + theirs_text.rstrip("\n") and len(theirs_text) > 0
 
 
+@pytest.mark.slow
 def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_data, tmp_path, monkeypatch):
     """README.md: the Hub's metadata, the run's facts from its checkpoint, and Python that loads the folder."""
     from huggingface_hub import ModelCard
@@ -232,6 +234,7 @@ def test_an_exported_run_has_a_model_card_the_hub_reads_and_its_code_runs(gpt2_d
 # ---------------------------------------------------------------- run directories and the CLI
 
 
+@pytest.mark.slow
 def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_data, tmp_path):
     """It made the import's step 0 `latest`, and the ring's cleanup deleted the run's own checkpoints (exit 0)."""
     random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
@@ -250,6 +253,7 @@ def test_import_into_a_folder_holding_a_run_is_refused_and_deletes_nothing(gpt2_
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
 
 
+@pytest.mark.slow
 def test_import_to_run_directory_then_sample_and_export(tmp_path):
     random_hf_model(vocab_size=50257, n_positions=32).save_pretrained(tmp_path / "hf")
     import_hf_to_run(tmp_path / "hf", tmp_path / "run")
@@ -269,6 +273,7 @@ def test_import_to_run_directory_then_sample_and_export(tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original) and original.keys() == exported.keys()
 
 
+@pytest.mark.slow
 def test_import_by_name_uses_the_hf_cache_offline_and_fails_in_one_line_without_it(tmp_path):
     # A Hub cache as huggingface_hub lays it out, holding one snapshot of a made-up repository.
     repo = tmp_path / "hf_home" / "hub" / "models--someone--tiny-gpt2"
@@ -344,6 +349,7 @@ def test_export_writes_the_asked_dtype(tmp_path, dtype):
             torch.testing.assert_close(ours(idx), hf_logits(theirs, idx), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_export_hf_cli_takes_a_dtype(tmp_path):
     random_hf_model(vocab_size=50257, n_positions=16).save_pretrained(tmp_path / "hf")
     import_hf_to_run(tmp_path / "hf", tmp_path / "run")
@@ -427,6 +433,7 @@ def recorded_tokenizer(run_dir) -> dict:
     return read_meta(resolve_checkpoint(run_dir))["tokenizer"]
 
 
+@pytest.mark.slow
 def test_a_run_with_our_own_bpe_exports_its_tokenizer_and_imports_back_sampling_the_same_text(bpe_run, tmp_path):
     offline = {"HF_HUB_OFFLINE": "1"}
     r = run_cli("export-hf", "--ckpt", str(bpe_run / "run"), "--out", str(tmp_path / "hf"), env=offline)
@@ -472,6 +479,7 @@ def test_init_from_an_exported_bpe_folder_trains_on_the_data_of_its_tokenizer_on
     assert "different tokenizers (gpt2 and bpe)" in message and f"--tokenizer bpe:{tmp_path / 'hf' / 'tokenizer.json'}" in message
 
 
+@pytest.mark.slow
 def test_a_char_run_is_refused_by_export_hf_before_anything_is_written(char_data, tmp_path):
     train(tiny_config(char_data, max_steps=1), tmp_path / "run")
     r = run_cli("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf" / "char"))
@@ -480,6 +488,7 @@ def test_a_char_run_is_refused_by_export_hf_before_anything_is_written(char_data
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_import_hf_refuses_a_model_its_tokenizer_does_not_fit_before_writing(bpe_run, tmp_path):
     random_hf_model(vocab_size=386).save_pretrained(tmp_path / "no_tokenizer")
     r = run_cli("import-hf", str(tmp_path / "no_tokenizer"), "--out", str(tmp_path / "run1"))
@@ -567,6 +576,7 @@ def test_our_own_bpe_with_the_turn_tokens_exports_them_at_its_ids_and_imports_ba
     assert "chat" not in hf_tokenizer_spec(tmp_path / "plain")
 
 
+@pytest.mark.slow
 def test_gpt2s_tokenizer_imports_as_gpt2_from_its_slow_and_fast_files(tmp_path):
     export_hf(random_gpt(vocab_size=50257), tmp_path / "slow", tokenizer_spec={"kind": "gpt2"})  # vocab + merges
     import_hf_to_run(tmp_path / "slow", tmp_path / "run_slow")

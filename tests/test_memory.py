@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import REPO, run_cli
+from gpt2train.cli import main
 from gpt2train.config import Config, load_config
 from gpt2train.counting import parameter_count
 from gpt2train.memory import accumulation_for, estimate_memory, suggest_micro_batch
@@ -211,6 +212,7 @@ def test_suggest_micro_batch_is_the_largest_that_fits():
     assert accumulation_for(load_config("configs/gpt2.toml"), 40) == (32, 16)  # 524,288 = 32 x 1024 x 16
 
 
+@pytest.mark.slow
 def test_cli_memory_prints_the_breakdown():
     r = run_cli("memory", "--config", "configs/gpt2.toml", "--set", "train.micro_batch=16", "--world-size", "2")
     assert r.returncode == 0, r.stderr
@@ -218,11 +220,12 @@ def test_cli_memory_prints_the_breakdown():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="explains the CPU fallback, which needs no CUDA")
-def test_cli_find_batch_without_cuda_explains_and_suggests():
-    r = run_cli("memory", "--config", "configs/gpt2.toml", "--find-batch", "--headroom", "0.2")
-    assert r.returncode == 0, r.stderr
-    assert "CUDA" in r.stdout and "largest micro_batch by the estimate" in r.stdout
-    assert "accumulation steps" in r.stdout
+def test_cli_find_batch_without_cuda_explains_and_suggests(capsys):
+    # in-process (main() as the command runs it): the quick loop's one pass through bench/find_batch.py
+    assert main(["memory", "--config", str(REPO / "configs" / "gpt2.toml"), "--find-batch", "--headroom", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA" in out and "largest micro_batch by the estimate" in out
+    assert "accumulation steps" in out
 
 
 def test_cli_memory_bad_world_size_is_one_line():

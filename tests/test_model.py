@@ -170,6 +170,7 @@ def test_sdpa_equals_naive_attention():
     torch.testing.assert_close(sdpa(idx), naive(idx), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
 def test_kv_cache_gives_the_full_forward_logits(attention):
     model = built(tiny(attention=attention)).eval()
@@ -181,49 +182,6 @@ def test_kv_cache_gives_the_full_forward_logits(attention):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="exceeds the KV cache"):
         model(idx[:, :1], kv_cache=cache)
-
-
-@pytest.mark.parametrize("options", [{}, dict(attention_window=3, value_embeddings=1, unet_skips=True)])
-def test_kv_cache_rows_join_and_leave_a_running_batch(options):
-    """Continuous batching's moves (serve/engine.py): a row prefilled while another has decoded, both decoded
-    together, then realigned (the first leaves, the rows swap places): each row's logits stay its own full
-    forward's at every token; a sliding window counts the row's tokens, not its slots."""
-    model = built(tiny(**options)).eval()
-    a, b = torch.randint(0, 70, (12,)), torch.randint(0, 70, (9,))
-
-    def expected(seq, t):  # the logits after seq[:t], computed alone without a cache
-        return model(seq[None, :t])[0, -1]
-
-    cache = KVCache(model.config, 3, 16, "cpu", torch.float32)
-    cache.realign([], 4)  # empty: the next tokens go to slot 4
-    got = model(a[None, :4], kv_cache=cache.rows(0, 1, filled=0))[0, -1]
-    torch.testing.assert_close(got, expected(a, 4), atol=1e-5, rtol=1e-5)
-    for t in (4, 5):  # row 0 decodes alone
-        got = model(a[None, t:t + 1], kv_cache=cache.rows(0, 1))[0, -1]
-        torch.testing.assert_close(got, expected(a, t + 1), atol=1e-5, rtol=1e-5)
-    assert cache.length == 6
-    # b joins in row 1: its 3 prompt tokens fill slots 3-5, just before the next step's slot 6
-    got = model(b[None, :3], kv_cache=cache.rows(1, 2, filled=cache.length - 3))[0, -1]
-    torch.testing.assert_close(got, expected(b, 3), atol=1e-5, rtol=1e-5)
-    for t in (6, 7):  # both rows decode
-        logits = model(torch.stack([a[t:t + 1], b[t - 3:t - 2]]), kv_cache=cache.rows(0, 2))[:, -1]
-        torch.testing.assert_close(logits[0], expected(a, t + 1), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(logits[1], expected(b, t - 2), atol=1e-5, rtol=1e-5)
-    cache.realign([1, 0], 8)  # swapped, each right-aligned at slot 8
-    assert cache.real[:, :8].sum(1).tolist() == [5, 8, 0] and cache.length == 8
-    logits = model(torch.stack([b[5:6], a[8:9]]), kv_cache=cache.rows(0, 2))[:, -1]
-    torch.testing.assert_close(logits[0], expected(b, 6), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[1], expected(a, 9), atol=1e-5, rtol=1e-5)
-    cache.realign([0], 6)  # a leaves; b's 6 tokens now fill slots 0-5
-    assert cache.real.sum(1).tolist() == [6, 0, 0] and cache.real[0, :6].all()
-    got = model(b[None, 6:7], kv_cache=cache.rows(0, 1))[0, -1]
-    torch.testing.assert_close(got, expected(b, 7), atol=1e-5, rtol=1e-5)
-    cache.move_rows([0], [2])  # b moves to row 2, its slots as they are
-    assert cache.real[:, :7].sum(1).tolist() == [7, 0, 7] and cache.length == 7
-    got = model(torch.stack([a[0:1], a[0:1], b[7:8]]), kv_cache=cache)[2, -1]
-    torch.testing.assert_close(got, expected(b, 8), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="cannot realign rows holding 8 tokens to 6"):
-        cache.realign([2], 6)
 
 
 def test_kv_cache_keeps_each_layer_in_a_tensor_of_its_own():

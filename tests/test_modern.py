@@ -55,6 +55,7 @@ def test_rotation_keeps_lengths_and_position_zero_is_the_identity():
     assert torch.equal(rotate(x, cos, sin)[:, :, 0], x[:, :, 0])
 
 
+@pytest.mark.slow
 def test_rotary_model_has_no_position_embedding_and_its_kv_cache_gives_the_full_forward():
     model = built(tiny(position="rotary")).eval()
     assert not hasattr(model.transformer, "wpe")
@@ -162,6 +163,7 @@ def test_fused_classifier_with_a_soft_cap_equals_cross_entropy_of_capped_logits(
 # ---------------------------------------------------------------- the recipe as a whole
 
 
+@pytest.mark.slow
 def test_every_option_together_trains_resumes_and_grad_checkpoints(char_data, tmp_path):
     cfg = tiny_config(char_data, max_steps=8)
     for key, value in MODERN.items():

@@ -113,6 +113,7 @@ def test_embedding_lr_gives_the_token_tables_a_group_and_a_schedule_of_their_own
         adamw.param_groups) - 1 + (optimizer == "muon")  # 0: the groups as before, so older checkpoints load
 
 
+@pytest.mark.slow
 def test_a_token_tables_step_is_adamws_at_the_embedding_lr():
     model, opt = muon_model(embedding_lr=0.05, weight_decay=0.1)
     reference = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
@@ -187,6 +188,7 @@ def test_our_muon_steps_as_torchs_muon(nesterov):
             assert torch.equal(ours_opt.state[a]["momentum_buffer"], theirs_opt.state[b]["momentum_buffer"])
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_torchs_muon_loads_and_steps_on_as_torchs_would():
     """gpt2train's checkpoints before its own Muon hold torch.optim.Muon's state ({"muon": ..., "adamw": ...}):
     ours loads it (momentum buffers, LR, momentum, weight decay; torch's own orthogonalizer keys dropped) and its
@@ -239,6 +241,7 @@ def spread_singular_values(rows: int, cols: int, decades: float = 1.5) -> torch.
     return u @ torch.diag(torch.logspace(0, -decades, k, dtype=torch.float64)) @ v.T
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(32, 96), (128, 32)], ids=["wide", "tall"])
 def test_orthogonalize_in_fp32_is_the_float64_iteration(shape):
     """The fp32 path (a CPU without native bf16) agrees with float64 to fp32 rounding and with bf16 to bf16's."""
@@ -271,6 +274,7 @@ def test_polar_express_is_the_published_schedule():
         torch.testing.assert_close(orthogonalize(m, "polar_express", torch.float64), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_polar_express_brings_singular_values_nearer_1_than_newton_schulz(dtype):
     """Singular values spread over 1.5 decades: Polar Express lands them within 15% of 1 (its last polynomial
@@ -393,6 +397,7 @@ def test_the_schedule_scales_muon_groups_to_muon_lr(lr):
 
 
 # --- training ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_short_muon_run_lowers_the_loss(char_data):
     trainer = Trainer(tiny_config(char_data, optimizer="muon", max_steps=20), None)
     outs = [trainer.train_step() for _ in range(20)]

@@ -94,6 +94,7 @@ def test_validation_reads_a_small_val_split_once(small_val):
     assert small_val_notes(enough, 3) == small_val_notes(enough, 0) == []
 
 
+@pytest.mark.slow
 def test_one_text_file_prepared_trained_and_sampled(tmp_path):
     """The README's "train on your own text" with the quickstart's preset, shrunk: a val split of 251 tokens
     holds 7 windows, fewer than the 8 rows of a batch, which the trainer refused."""

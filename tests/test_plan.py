@@ -297,6 +297,7 @@ def test_memory_comes_from_the_estimator():
 # --- CLI ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_plan_end_to_end(tmp_path):
     out = run_cli("plan", "--config", str(GPT2_TOML), "--device", "H100", "--gpus", "8", cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -191,6 +191,7 @@ def fill_settings(page, prompt: str, max_tokens: int):
     page.get_by_label("Top-p").fill("1")
 
 
+@pytest.mark.slow
 def test_playground_streams_text_and_stop_ends_it(page, server, tmp_path):
     status = page.get_by_role("status")
     expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")  # GET /v1/models was read
@@ -241,6 +242,7 @@ def test_playground_runs_to_max_tokens_then_shows_a_server_error(page, server):
     expect(page.get_by_role("button", name="Generate")).to_be_enabled()
 
 
+@pytest.mark.slow
 def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path):
     key = "playground-test-key"
     with running_server(checkpoint, tmp_path / "serve.log", api_key=key) as url, open_page(browser, url) as page:
@@ -259,6 +261,7 @@ def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path)
         assert completion_length(page) == 5
 
 
+@pytest.mark.slow
 def test_playground_defaults_fit_a_short_context_and_go_past_it_as_sample_does(browser, tmp_path):
     """Found walking the second hour: Max tokens was 200 on a 128-token model, so the first Generate failed.
     The page reads the context (32 here) and starts at half of it; past the context the text goes on as
@@ -300,6 +303,7 @@ def chat_reply(url: str, messages: list[dict], max_tokens: int) -> tuple[str, in
     return answer["choices"][0]["message"]["content"], answer["usage"].get("prompt_messages_dropped", 0)
 
 
+@pytest.mark.slow
 def test_playground_chat_streams_each_reply_into_the_conversation_it_keeps(browser, chat_run, tmp_path):
     """Two turns with chat_run in the Chat view: each streamed reply is the API's greedy reply to the whole
     conversation so far (the page keeps it, and sends it all), the status saying when the oldest messages had to be

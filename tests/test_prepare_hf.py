@@ -85,6 +85,7 @@ def shard_bytes(folder, meta: dict) -> dict[str, bytes]:
     return {n: (folder / n).read_bytes() for names in meta["shards"].values() for n in names}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_prepare_hf_streams_a_dataset_on_disk_like_prepare_files_and_resumes(fmt, tmp_path, monkeypatch):
     datasets = datasets_library()

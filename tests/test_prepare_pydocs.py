@@ -176,6 +176,7 @@ def test_the_command_writes_shards_and_a_tokenizer_the_trainer_reads(roots, tmp_
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_an_empty_corpus_is_one_line_and_writes_nothing(roots, tmp_path):
     out = tmp_path / "empty"
     r = run_cli("prepare", "pydocs", "--out", str(out), "--roots", f"alpha={roots[0][1]}", "--min-chars", "100000")

@@ -52,6 +52,7 @@ def test_each_preset_describes_itself():
     assert descriptions["shakespeare-cpu"].startswith("A small GPT that learns Tiny Shakespeare")
 
 
+@pytest.mark.slow
 def test_train_with_a_preset_from_another_folder(char_data, tmp_path):
     """No configs/ folder in sight: the preset comes from the package, the run goes to runs/<preset>."""
     r = run_cli("train", "--config", "shakespeare-cpu", "--set", f"data.dir={char_data}", "--set", "train.max_steps=2",
@@ -62,6 +63,7 @@ def test_train_with_a_preset_from_another_folder(char_data, tmp_path):
     assert (tmp_path / "runs" / "shakespeare-cpu" / "config.toml").is_file()
 
 
+@pytest.mark.slow
 def test_config_show_prints_the_resolved_config(tmp_path):
     r = run_cli("config", "show", "--config", "gpt2", "--set", "train.lr=1e-4", "--set", "model.n_layer=2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -72,6 +74,7 @@ def test_config_show_prints_the_resolved_config(tmp_path):
         "#   train.warmup_steps = 715  (train.warmup_fraction 0.0375 x train.max_steps 19,073)\n")
 
 
+@pytest.mark.slow
 def test_config_list_names_every_preset(tmp_path):
     r = run_cli("config", "list", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -80,6 +83,7 @@ def test_config_list_names_every_preset(tmp_path):
     assert any(line.startswith("gpt2 ") and "GPT-2 124M" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_config_show_of_an_unknown_preset_is_one_line(tmp_path):
     r = run_cli("config", "show", "--config", "gpt3", cwd=tmp_path)
     assert r.returncode == 2
@@ -102,6 +106,7 @@ def test_the_wheel_ships_the_presets(tmp_path):
     assert "gpt2train/serve/playground.html" in names  # what `gpt2train serve` answers at /
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["shakespeare-modern", "gpt2-modern"])
 def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path):
     """The recipe's presets as a user runs them, shrunk to a few steps of a two-layer model (the value table

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from time import monotonic
 
+import pytest
 from tqdm import tqdm
 
 from conftest import REPO, tiny_config
@@ -90,6 +91,7 @@ def test_prepare_without_a_terminal_writes_plain_progress_lines(tmp_path):
     assert r.returncode == 0 and b"\r" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_eval_without_a_terminal_writes_plain_progress_lines(char_data, tmp_path):
     from gpt2train.training.loop import train
 

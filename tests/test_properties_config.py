@@ -62,6 +62,7 @@ good_override = st.sampled_from(sorted(RANGES)).flatmap(lambda k: in_range(k).ma
 overrides = st.lists(st.one_of(good_override, any_override), max_size=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, **CHECKS)
 @given(overrides)
 def test_any_override_gives_a_valid_config_or_one_config_error(items):
@@ -145,6 +146,7 @@ def options(**choices) -> st.SearchStrategy:
     return pairs.map(lambda d: [part for name, value in d.items() for part in (name.replace("_", "-"), value)])
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **CHECKS)
 @given(overrides, st.sampled_from([[], ["--resume", "auto"], ["--resume", "nowhere"]]))
 def test_train_with_any_overrides_fails_at_the_door_in_one_line(world, items, resume):
@@ -157,6 +159,7 @@ def test_train_with_any_overrides_fails_at_the_door_in_one_line(world, items, re
         assert "meta.json" in lines[0] or "no-data" in lines[0], lines
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **CHECKS)
 @given(options(__max_new_tokens=arg_text(st.integers(1, 8)), __temperature=arg_text(st.floats(0, 2)),
                __top_k=arg_text(st.integers(0, 70)), __top_p=arg_text(st.floats(0, 1)),
@@ -169,6 +172,7 @@ def test_sample_with_any_arguments_succeeds_or_fails_in_one_line(world, argv, ck
     status, _ = run_main(["sample", "--ckpt", str(world / ckpt), *argv], world)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **CHECKS)
 @given(overrides, options(__device=st.sampled_from(["H100", "a100-40gb", "L4", "TPU", "cuda:3"]),
                           __gpus=arg_text(st.integers(1, 8)), __mfu=arg_text(st.floats(0, 1)),
@@ -179,6 +183,7 @@ def test_plan_with_any_config_and_arguments_succeeds_or_fails_in_one_line(world,
     run_main(["plan", "--config", str(world / "tiny.toml"), *argv, *[p for i in items for p in ("--set", i)]], world)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **CHECKS)
 @given(overrides, options(__world_size=arg_text(st.integers(1, 8)), __headroom=arg_text(st.floats(0, 1)),
                           __gpu_memory_gib=arg_text(st.floats(0, 200))), st.booleans())

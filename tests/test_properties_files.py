@@ -161,6 +161,7 @@ def existing_dataset(tmp_path_factory) -> Path:
     return root / "out"
 
 
+@pytest.mark.slow
 @BOUNDED
 @given(files=st.lists(input_file, min_size=1, max_size=3), tokenizer=st.sampled_from(["gpt2", "char"]),
        val_fraction=st.sampled_from(["0", "0.5"]))
@@ -283,6 +284,7 @@ def damaged_file(draw, good: bytes) -> bytes:
     return b""
 
 
+@pytest.mark.slow
 @BOUNDED
 @given(data=st.data(), target=st.sampled_from(["model.safetensors", "state.pt", "meta.json"]),
        sizes_fixed=st.booleans())

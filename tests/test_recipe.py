@@ -115,6 +115,7 @@ def test_unet_skips_equal_a_hand_written_loop_over_the_blocks():
 # ---------------------------------------------------------------- the sliding window
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["sdpa", "naive"])
 @pytest.mark.parametrize("window", [1, 4])
 def test_sliding_window_attention_equals_naive_attention_masked_by_hand(attention, window):
@@ -286,6 +287,7 @@ def test_every_option_compiles_whole_and_a_new_window_recompiles():
         torch.testing.assert_close(compiled(idx, targets)[1], eager(idx, targets)[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_with_every_option_resumes_exactly(char_data, tmp_path):
     def recipe_config():
         cfg = tiny_config(char_data, max_steps=10, window_warmup_steps=8)

@@ -124,6 +124,7 @@ def test_report_writes_every_figure_and_a_self_contained_page(tmp_path):
         assert highlight in text
 
 
+@pytest.mark.slow
 def test_summary_json_matches_the_run(tmp_path):
     run_dir = write_run(tmp_path / "gpu-run", full_run())
     build_report([run_dir], tmp_path / "out")
@@ -318,6 +319,7 @@ def test_later_record_for_the_same_step_wins(tmp_path):
     assert [v["val_loss"] for v in vals] == [3.9]
 
 
+@pytest.mark.slow
 def test_truncated_last_line_is_tolerated(tmp_path):
     run_dir = write_run(tmp_path / "crashed", full_run()[:30], tail='{"kind": "train", "time": 10')
     with warnings.catch_warnings():
@@ -327,6 +329,7 @@ def test_truncated_last_line_is_tolerated(tmp_path):
     assert "last line of metrics.jsonl is incomplete" in build_report([run_dir], None).read_text()
 
 
+@pytest.mark.slow
 def test_malformed_middle_lines_are_skipped_and_counted(tmp_path):
     run_dir = tmp_path / "damaged"
     write_run(run_dir, full_run())

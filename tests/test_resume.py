@@ -61,6 +61,7 @@ def optimizer_moments(state_pt) -> dict:
     return {(i, k): v for i, part in enumerate(parts) for k, v in part["state"].items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [{"optimizer": "adamw"}, {"optimizer": "muon"}, MUON_RECIPE],
                          ids=["adamw", "muon", "muon-recipe"])
 def test_resumed_run_is_bit_identical_to_uninterrupted(char_data, tmp_path, settings):
@@ -116,6 +117,7 @@ def test_gpu_bf16_resume_matches_within_bf16_noise(char_data, tmp_path):
         assert losses_b[step] == pytest.approx(losses_a[step], rel=2e-2), step
 
 
+@pytest.mark.slow
 def test_resume_may_change_schedule_and_intervals_not_shape(char_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(char_data, max_steps=6), run)
@@ -139,6 +141,7 @@ def test_resume_may_change_schedule_and_intervals_not_shape(char_data, tmp_path)
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "n_layer: 2 -> 3" in r.stderr
 
 
+@pytest.mark.slow
 def test_resume_from_path_and_auto_without_checkpoint(char_data, tmp_path):
     train(tiny_config(char_data, max_steps=10), tmp_path / "a")
     out = train(tiny_config(char_data, max_steps=12), tmp_path / "b",
@@ -152,6 +155,7 @@ def test_resume_from_path_and_auto_without_checkpoint(char_data, tmp_path):
         Trainer(tiny_config(char_data), tmp_path / "c", resume=str(tmp_path / "nowhere"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "changed byte"])
 def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys, damage):
     run = tmp_path / "run"
@@ -181,6 +185,7 @@ def test_auto_falls_back_past_a_damaged_latest(char_data, tmp_path, capsys, dama
         Trainer(tiny_config(char_data, max_steps=12), run, resume="auto")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_signal_saves_the_current_step_exits_by_it_and_the_printed_command_resumes(char_data, tmp_path, signum):
     """Ctrl-C or a scheduler's SIGTERM once training has started: the step is saved, the command exits 128 + the
@@ -234,7 +239,7 @@ def test_a_second_stop_signal_stops_at_once_with_its_own_exit_status(monkeypatch
     def stopped_twice(args):
         raise second.value
 
-    monkeypatch.setattr(cli, "cmd_train", stopped_twice)
+    monkeypatch.setattr(cli.train, "cmd_train", stopped_twice)
     assert cli.main(["train"]) == 143
 
 
@@ -261,6 +266,7 @@ def tree_digest(folder) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
+@pytest.mark.slow
 def test_train_into_a_run_without_resume_is_refused_in_one_line_and_changes_nothing(char_data, tmp_path):
     """Bug: a second `train` into a run directory started again from step 1 over the run's checkpoints, its
     best/ and its metrics.jsonl. Python's train() and the CLI both refuse now (exit 2), naming both ways on."""

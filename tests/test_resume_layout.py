@@ -56,6 +56,7 @@ def test_same_tokens_per_step_in_another_split_continues_the_run(char_data, stra
         assert after[step] == pytest.approx(before[step], abs=1e-5), step
 
 
+@pytest.mark.slow
 def test_other_tokens_per_step_or_seq_len_stop_in_one_line(char_data, straight, tmp_path):
     run = straight["random"]
     latest = json.loads((run / "checkpoints" / "step_00000012" / "meta.json").read_text())

@@ -15,9 +15,10 @@ import pytest
 from conftest import one_line, tiny_config
 from gpt2train import cli
 from gpt2train.config import ConfigError, dump_toml, load_config, preset_files, to_dict, written_keys
-from gpt2train.plan import make_plan, resolve_measuring, target_device
+from gpt2train.plan import make_plan, target_device
 from gpt2train.runconfig import Environment, resolve_run
 from gpt2train.training.loop import train
+from gpt2train.training.speed import resolve_measuring
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,6 +147,7 @@ def trained(tmp_path, config, overrides, resume: str | None = None) -> dict:
     return tomllib.loads((out / "config.toml").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(preset_files()))
 def test_config_show_plan_and_the_library_resolve_every_preset_alike(preset, gpt2_data, char_data, source_run, capsys):
     overrides = [f"data.dir={gpt2_data}"]  # GPT-2's tokens: finetune-shakespeare's source (gpt2) refuses others
@@ -156,6 +158,7 @@ def test_config_show_plan_and_the_library_resolve_every_preset_alike(preset, gpt
     assert planned(preset, overrides) == library
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["shakespeare-cpu", "depth 6", "scaling-cpu", "init_from"])
 def test_train_runs_the_config_the_others_resolve(case, char_data, source_run, tmp_path, capsys):
     preset, overrides = {

@@ -39,6 +39,7 @@ def snapshot(folder) -> dict:
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
 
 
+@pytest.mark.slow
 def test_a_live_run_dir_is_refused_and_a_killed_holder_does_not_block(char_data, tmp_path):
     run, config = tmp_path / "run", tmp_path / "tiny.toml"
     config.write_text(dump_toml(tiny_config(char_data, max_steps=2)))
@@ -90,6 +91,7 @@ def test_a_lock_held_through_another_open_file_is_refused(char_data, tmp_path):
     assert (run / runlock.HOLDER_NAME).read_text() == "4242 elsewhere\n"  # the holder's, untouched
 
 
+@pytest.mark.slow
 def test_clean_runs_give_the_lock_back_and_resume_auto_works(char_data, tmp_path):
     run = tmp_path / "run"
     assert train(tiny_config(char_data, max_steps=5), run)["step"] == 5

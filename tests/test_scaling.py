@@ -88,6 +88,7 @@ def test_dial_refuses_a_width_the_head_size_does_not_divide():
         dial(None, ["model.depth=3", "model.aspect_ratio=10", "model.head_dim=4"])
 
 
+@pytest.mark.slow
 def test_shakespeare_cpu_is_the_same_model_and_depth_6_runs_with_every_setting_explained(char_data, tmp_path):
     cfg = dial("shakespeare-cpu", []).config
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.total_batch_tokens) == (4, 128, 4, 0)
@@ -129,6 +130,7 @@ def test_time_budget_sets_the_run_length_by_the_speed(char_data):
     assert "both set the run's length; set one of them" in message
 
 
+@pytest.mark.slow
 def test_a_time_budget_too_big_to_time_here_names_the_config_key_to_set(tmp_path):
     """Found by a probe: `config show` (and `train`) told the user to "pass --tokens-per-s", an option only
     `plan` has; each command names its own remedy."""
@@ -140,6 +142,7 @@ def test_a_time_budget_too_big_to_time_here_names_the_config_key_to_set(tmp_path
     assert r.returncode == 0 and "pass --tokens-per-s" in r.stdout and "too big to time here quickly" in r.stdout
 
 
+@pytest.mark.slow
 def test_plan_sizes_a_time_budget_for_the_named_gpu(tmp_path):
     """No GPU here: the dial takes a GPU's speed from its peak and the MFU, as `plan` estimates its time."""
     r = run_cli("plan", "--device", "H100", "--set", "model.depth=12", "--set", "train.time_budget=3600", cwd=tmp_path)
@@ -151,6 +154,7 @@ def test_plan_sizes_a_time_budget_for_the_named_gpu(tmp_path):
     assert "time        budget: 1h 00m," in r.stdout  # the plan's own estimate: the budget back, to a whole batch
 
 
+@pytest.mark.slow
 def test_plan_sizes_the_dials_batch_for_its_gpus(tmp_path):
     """plan --gpus N splits the dial's batch over N devices (it took torchrun's WORLD_SIZE, 1 here, and refused)."""
     r = run_cli("plan", "--device", "cpu", "--tokens-per-s", "1000", "--gpus", "2", "--set", "model.depth=2",
@@ -162,13 +166,15 @@ def test_plan_sizes_the_dials_batch_for_its_gpus(tmp_path):
     assert "tokens = 120,000  (train.time_budget 60 s x train.tokens_per_s 2,000)" in r.stdout
 
 
+@pytest.mark.slow
 def test_time_budgeted_run_keeps_its_first_speed_on_resume(char_data, tmp_path, monkeypatch, capsys):
     """The speed is measured once, at the first launch; a resume reads it from the checkpoint, so a machine
     that now runs faster does not re-derive another batch and horizon (which the resume would refuse)."""
-    from gpt2train import cli, plan
+    from gpt2train import cli
+    from gpt2train.training import speed as speeds
 
     speed = {"now": 4000.0}
-    monkeypatch.setattr(plan, "measure_cpu_speed", lambda cfg, notes: (speed["now"], "timed by the test"))
+    monkeypatch.setattr(speeds, "measure_cpu_speed", lambda cfg, notes: (speed["now"], "timed by the test"))
     out = tmp_path / "run"
     args = ["--set", f"data.dir={char_data}", "--set", "model.depth=2", "--set", "model.aspect_ratio=16",
             "--set", "model.head_dim=16", "--set", "model.block_size=32", "--set", "train.micro_batch=4",
@@ -185,6 +191,24 @@ def test_time_budgeted_run_keeps_its_first_speed_on_resume(char_data, tmp_path, 
     assert "is already finished at step 5 (train.max_steps = 5)" in capsys.readouterr().out
     assert cli.main(["train", "--out", str(tmp_path / "new"), *args, "--set", "train.max_steps=1"]) == 0
     assert load_config(tmp_path / "new" / "config.toml").train.tokens_per_s == 8000  # a new run measures anew
+
+
+def test_train_from_python_measures_a_time_budgets_speed_as_the_cli_does(char_data, tmp_path, monkeypatch):
+    """The library's train() of a Config with train.time_budget raised SpeedNeeded: only `gpt2train train`
+    measured the speed. Now train() measures it too, and runs what the command runs of the same settings (the
+    test above: 5 steps at 4,000 tokens/s)."""
+    from gpt2train import train
+    from gpt2train.training import speed
+
+    monkeypatch.setattr(speed, "measure_cpu_speed", lambda cfg, notes: (4000.0, "timed by the test"))
+    cfg = load_config(None, [f"data.dir={char_data}", "model.depth=2", "model.aspect_ratio=16", "model.head_dim=16",
+                             "model.block_size=32", "train.micro_batch=4", "train.time_budget=2", "train.device=cpu",
+                             "train.dtype=float32", "train.compile=false", "eval.interval=0", "eval.val_batches=1",
+                             "eval.sample_interval=0", "log.progress=lines"])
+    out = train(cfg, tmp_path / "run")
+    assert (out["reason"], out["step"]) == ("done", 5)
+    saved = load_config(tmp_path / "run" / "config.toml").train
+    assert (saved.tokens_per_s, saved.total_batch_tokens, saved.max_steps) == (4000, 1920, 5)
 
 
 # --- the fit -------------------------------------------------------------------------------------------
@@ -361,6 +385,7 @@ def test_ladder_refuses_a_config_that_fixes_what_the_rungs_vary(char_data, tmp_p
         run_ladder(ScalingOptions(config=options.config, depths=[1, 2, 3], predict=3), tmp_path / "o", progress=False)
 
 
+@pytest.mark.slow
 def test_interrupted_ladder_continues_to_the_same_results(char_data, tmp_path, monkeypatch):
     config = ladder_config(tmp_path, char_data)
     options = ScalingOptions(config=config, depths=[1, 2, 3], predict=4)
@@ -421,6 +446,7 @@ def test_scaling_options_check_how_depths_and_prediction_go_together():
         ScalingOptions(depths=[3, 4, 5], predict=5)
 
 
+@pytest.mark.slow
 def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
     r = run_cli(*["bench", "scaling", "--depths", "2,x"])
     assert r.returncode == 2 and "give depths as comma-separated whole numbers" in r.stderr
@@ -430,6 +456,7 @@ def test_bench_scaling_cli_says_what_to_fix_in_one_line(tmp_path):
         f"{tmp_path / 'none'}" in r.stderr  # it named prepare shakespeare, which is not the ladder's corpus
 
 
+@pytest.mark.slow
 def test_a_floor_no_data_can_have_is_refused_before_any_rung_trains(char_data, tmp_path):
     """ln(vocab) bounds every text's entropy; a floor above it would fail the fit only after the ladder."""
     vocab = json.loads((char_data / "meta.json").read_text())["vocab_size"]
@@ -442,6 +469,7 @@ def test_a_floor_no_data_can_have_is_refused_before_any_rung_trains(char_data, t
     scaling.check_floor({"value": math.log(vocab), "from": "--floor"}, vocab)  # at ln V exactly: uniform data
 
 
+@pytest.mark.slow
 def test_bench_scaling_runs_the_shipped_preset_shrunk(char_data, tmp_path):
     """scaling-cpu as a user runs it (Muon, rotary, the dial), with one-layer-sized rungs and a small budget."""
     out = tmp_path / "ladder"

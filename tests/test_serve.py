@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from gpt2train import cli
 from gpt2train.chat import fit_prompt, render_prompt
 from gpt2train.generation import generate
-from gpt2train.model import KVCache
+from gpt2train.model import GPT, GPTConfig
 from gpt2train.serve.app import API_KEY_ENV, create_app, engine_loader
-from gpt2train.serve.engine import Completion, Engine, Inbox, Sampling, StopText
+from gpt2train.serve.engine import BatchCache, Completion, Engine, Inbox, Sampling, StopText
 from gpt2train.tokenizer import train_bpe
 from serving import (
     CHAT_TOKENIZER,
@@ -69,6 +69,50 @@ def run_engine(coroutine_fn, **engine_options):
 
 
 # ---------------------------------------------------------------- the engine
+
+
+@pytest.mark.parametrize("options", [{}, dict(attention_window=3, value_embeddings=1, unet_skips=True)])
+def test_kv_cache_rows_join_and_leave_a_running_batch(options):
+    """The engine cache's moves (BatchCache): a row prefilled while another has decoded, both decoded
+    together, then realigned (the first leaves, the rows swap places): each row's logits stay its own full
+    forward's at every token; a sliding window counts the row's tokens, not its slots."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=70, **options)).eval()
+    a, b = torch.randint(0, 70, (12,)), torch.randint(0, 70, (9,))
+
+    def expected(seq, t):  # the logits after seq[:t], computed alone without a cache
+        return model(seq[None, :t])[0, -1]
+
+    cache = BatchCache(model.config, 3, 16, "cpu", torch.float32)
+    cache.realign([], 4)  # empty: the next tokens go to slot 4
+    got = model(a[None, :4], kv_cache=cache.rows(0, 1, filled=0))[0, -1]
+    torch.testing.assert_close(got, expected(a, 4), atol=1e-5, rtol=1e-5)
+    for t in (4, 5):  # row 0 decodes alone
+        got = model(a[None, t:t + 1], kv_cache=cache.rows(0, 1))[0, -1]
+        torch.testing.assert_close(got, expected(a, t + 1), atol=1e-5, rtol=1e-5)
+    assert cache.length == 6
+    # b joins in row 1: its 3 prompt tokens fill slots 3-5, just before the next step's slot 6
+    got = model(b[None, :3], kv_cache=cache.rows(1, 2, filled=cache.length - 3))[0, -1]
+    torch.testing.assert_close(got, expected(b, 3), atol=1e-5, rtol=1e-5)
+    for t in (6, 7):  # both rows decode
+        logits = model(torch.stack([a[t:t + 1], b[t - 3:t - 2]]), kv_cache=cache.rows(0, 2))[:, -1]
+        torch.testing.assert_close(logits[0], expected(a, t + 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[1], expected(b, t - 2), atol=1e-5, rtol=1e-5)
+    cache.realign([1, 0], 8)  # swapped, each right-aligned at slot 8
+    assert cache.real[:, :8].sum(1).tolist() == [5, 8, 0] and cache.length == 8
+    logits = model(torch.stack([b[5:6], a[8:9]]), kv_cache=cache.rows(0, 2))[:, -1]
+    torch.testing.assert_close(logits[0], expected(b, 6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], expected(a, 9), atol=1e-5, rtol=1e-5)
+    cache.realign([0], 6)  # a leaves; b's 6 tokens now fill slots 0-5
+    assert cache.real.sum(1).tolist() == [6, 0, 0] and cache.real[0, :6].all()
+    got = model(b[None, 6:7], kv_cache=cache.rows(0, 1))[0, -1]
+    torch.testing.assert_close(got, expected(b, 7), atol=1e-5, rtol=1e-5)
+    cache.move_rows([0], [2])  # b moves to row 2, its slots as they are
+    assert cache.real[:, :7].sum(1).tolist() == [7, 0, 7] and cache.length == 7
+    got = model(torch.stack([a[0:1], a[0:1], b[7:8]]), kv_cache=cache)[2, -1]
+    torch.testing.assert_close(got, expected(b, 8), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot realign rows holding 8 tokens to 6"):
+        cache.realign([2], 6)
 
 
 # (prompt, max_tokens, seed: None greedy, else sampled at temperature 1 with that seed)
@@ -319,7 +363,7 @@ def test_an_engine_that_cannot_recover_from_a_failed_step_answers_503_and_health
         raise RuntimeError("the cache cannot be realigned")
 
     monkeypatch.setattr(Engine, "step", failing_step)
-    monkeypatch.setattr(KVCache, "realign", failing_realign)
+    monkeypatch.setattr(BatchCache, "realign", failing_realign)
     body = {"prompt": "a", "max_tokens": 3}
     with running(tiny_app()) as url, httpx.Client(base_url=url, timeout=10) as http:
         held = http.post("/v1/completions", json=body)

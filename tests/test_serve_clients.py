@@ -81,6 +81,7 @@ def expected(run, prompt: str, max_tokens: int) -> tuple[str, str]:
     return greedy(load_pretrained(run), prompt, max_tokens)
 
 
+@pytest.mark.slow
 def test_the_openai_package_completes_and_streams(server):
     url, run = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
@@ -127,6 +128,7 @@ def reply(run: Path, messages: list[dict], max_tokens: int, **sampling) -> tuple
     return continuation(model, tok, render_prompt(tok, messages), max_tokens, tok.im_end_id, **sampling)
 
 
+@pytest.mark.slow
 def test_the_openai_package_chats_with_a_fine_tuned_model_whole_streamed_and_sampled(chat_server, chat_run):
     client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0)
     messages = chat_conversations(1, seed=5)[0]["messages"][:-1]  # the user's question, the assistant's turn next
@@ -214,6 +216,7 @@ def test_curl_streams_server_sent_events(server):
     assert json.loads(health)["status"] == "ok"  # open without the key
 
 
+@pytest.mark.slow
 def test_serve_says_in_one_line_when_its_model_is_loaded_and_ctrl_c_exits_130(tmp_path):
     """It printed where it listens, then nothing of its own: a user could not tell when the model was in. Now one
     line says it, with the URL, once /health answers 200; Ctrl-C then stops it with the shell's status, 130."""
@@ -250,6 +253,7 @@ def test_serve_without_the_extra_names_it_in_one_line(monkeypatch, tmp_path):
                               "missing): pip install 'gpt2train[serve]'\n")
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_bad_checkpoint_and_a_port_in_use(tmp_path):
     missing = run_cli("serve", "--ckpt", str(tmp_path / "nothing"), "--port", str(free_port()))
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "does not exist" in missing.stderr

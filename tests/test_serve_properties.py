@@ -109,6 +109,7 @@ def answers_properly(response) -> None:
         assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
 
 
+@pytest.mark.slow
 @settings(**CHECKS)
 @given(body=raw_bodies)
 def test_any_body_gets_a_2xx_or_a_json_4xx(client, body):

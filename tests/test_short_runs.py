@@ -73,6 +73,7 @@ def logged_lrs(run_dir) -> list[float]:
     return [r["lr"] for r in records if r["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_a_30_step_mixture_run_decays_to_its_minimum(char_data, tmp_path):
     """Bug: a 30-step run of shakespeare-modern (WSD) over a mixture warmed up for all 30 steps and ended at
     the peak learning rate, never decaying."""
@@ -104,6 +105,7 @@ def test_a_schedule_that_cannot_run_its_course_is_one_warning_line():
     assert schedule_warning(train(warmup_steps=20, schedule="cosine")) is None  # cosine decays after any warmup
 
 
+@pytest.mark.slow
 def test_training_says_the_warning_once_before_the_steps(char_data, tmp_path):
     """The quickstart's preset shortened to 3 steps with its old warmup of 30 steps set explicitly."""
     r = run_cli("train", "--config", "shakespeare-cpu", "--out", str(tmp_path / "run"), *shrunk(char_data),
@@ -122,6 +124,7 @@ def test_the_cpu_fine_tune_preset_starts_from_the_quickstarts_run():
     assert "finetune-cpu" in preset_files()
 
 
+@pytest.mark.slow
 def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path):
     """The quickstart's run made tiny (runs/shakespeare in the working folder, as `make quickstart` leaves it),
     then the preset as it ships, but for the data folder and its length: the weights come from that run."""

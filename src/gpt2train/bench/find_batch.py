@@ -17,7 +17,7 @@ import torch
 from gpt2train.config import Config
 from gpt2train.memory import accumulation_for, resolve_model, suggest_micro_batch
 from gpt2train.model import GPT
-from gpt2train.runtime import resolve_runtime
+from gpt2train.runtime import Runtime, resolve_runtime
 from gpt2train.training.optim import make_optimizer
 from gpt2train.training.step import TrainStep
 from gpt2train.units import format_bytes
@@ -52,7 +52,6 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
     # micro-batches so that the second runs with the gradients held.
     runtime = dataclasses.replace(resolve_runtime(resolved, device), compile=False, grad_accum=2)
     runtime.apply()
-    T = runtime.seq_len
     total_memory = torch.cuda.get_device_properties(device).total_memory
     budget = (1 - headroom) * total_memory
     model = GPT(m).to(device)
@@ -60,34 +59,53 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
     trials: list[tuple[int, bool, int | None]] = []
 
     def fits(b: int) -> bool:
-        peak = None
-        def random_batch():
-            x = torch.randint(0, m.vocab_size, (b, T), device=device)
-            return x, x
-
-        step = TrainStep(model, optimizer, random_batch, dataclasses.replace(runtime, micro_batch=b),
-                         grad_clip=cfg.train.grad_clip)
-        try:
-            torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(2):  # the second step has the optimizer states
-                step()
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-            ok = peak <= budget
-        except torch.cuda.OutOfMemoryError:
-            ok = False
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+        peak = measured_peak(model, optimizer, dataclasses.replace(runtime, micro_batch=b), m.vocab_size,
+                             cfg.train.grad_clip, device)
+        ok = peak is not None and peak <= budget
         trials.append((b, ok, peak))
         if progress is not None:
             progress(b, ok, peak)
         return ok
 
-    best = 0
+    best = largest_that_fits(fits, limit)
+    if best == 0:
+        raise ValueError(f"not even micro_batch 1 fits in {format_bytes(budget)}; enable model.grad_checkpointing, "
+                         "set model.loss_chunk, or shard with FSDP")
+    b, accum = accumulation_for(cfg, best)
+    return BatchSearch(b, accum, best, trials, total_memory, headroom)
+
+
+def measured_peak(model: GPT, optimizer, runtime: Runtime, vocab_size: int, grad_clip: float,
+                  device: torch.device) -> int | None:
+    """The CUDA allocator's peak over two training steps at runtime.micro_batch on random tokens (the second has
+    the optimizer states), or None when they run out of memory. The gradients and the cache are freed after."""
+    B, T = runtime.micro_batch, runtime.seq_len
+
+    def random_batch():
+        x = torch.randint(0, vocab_size, (B, T), device=device)
+        return x, x
+
+    step = TrainStep(model, optimizer, random_batch, runtime, grad_clip=grad_clip)
+    peak = None
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(2):  # the second step has the optimizer states
+            step()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return peak
+
+
+def largest_that_fits(fits, limit: int) -> int:
+    """The largest b in [1, limit] with fits(b) (fits is monotone: a larger micro-batch never fits where a smaller
+    does not), or 0: doubling from 1, then bisecting between the last that fit and the first that did not."""
     lo, hi = 0, 1
     while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    best = lo
     hi = min(hi, limit + 1)
     while hi - lo > 1 and lo > 0:
         mid = (lo + hi) // 2
@@ -95,12 +113,7 @@ def find_micro_batch(cfg: Config, headroom: float = 0.1, limit: int = 1024, prog
             lo = mid
         else:
             hi = mid
-        best = lo
-    if best == 0:
-        raise ValueError(f"not even micro_batch 1 fits in {format_bytes(budget)}; enable model.grad_checkpointing, "
-                         "set model.loss_chunk, or shard with FSDP")
-    b, accum = accumulation_for(cfg, best)
-    return BatchSearch(b, accum, best, trials, total_memory, headroom)
+    return lo
 
 
 def find_batch_report(cfg: Config, headroom: float = 0.1, world_size: int = 1, gpu_memory_gib: float = 80.0,

@@ -57,7 +57,7 @@ class GenerateOptions:
 
     def __post_init__(self):
         """UsageError, in one line, before any work, for what one option's argparse type cannot see: how the
-        options go together. Each option's own range is checked once, by its type in cli.py."""
+        options go together. Each option's own range is checked once, by its type in cli/bench.py."""
         if self.compare_llama_cpp and 1 not in self.batch_sizes:
             raise UsageError("--llama-cpp times batch 1 (llama-cpp-python decodes one sequence): add 1 to --batch-sizes")
         check_context(self.model, self.prompt_tokens, self.new_tokens)

@@ -27,6 +27,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,7 +102,7 @@ class JourneyOptions:
     def __post_init__(self):
         """UsageError, in one line, before any work, for what the arguments' types cannot see: the technique
         names, and a seq_len beyond the preset's block_size (0: the block_size). Each number's own range is
-        checked once, by its type in cli.py."""
+        checked once, by its type in cli/bench.py."""
         journey_stages(self)  # unknown technique names
         block = preset_config(self.model).block_size
         if self.seq_len > block:
@@ -359,91 +360,117 @@ def run_journey(options: JourneyOptions, out_dir: str | Path, progress: bool = T
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     memory = ProcessMemory(device)
-    planned = [("naive", None)] + journey_stages(options)
+    planned = 1 + len(journey_stages(options))  # naive and the stages; then "all on" and one row per technique
     if options.ablate:
-        planned += [("all on", "ablate")] + [(k, "ablate") for k, _ in TECHNIQUES]
+        planned += 1 + len(TECHNIQUES)
     peak, basis, ceiling = basis_of_rows(device)
     # The model's FLOPs, the same for every row (vocab 50257: padding adds work, not model FLOPs).
     model_flops = flops_per_token(preset_config(options.model, vocab_size=GPT2_VOCAB_SIZE, pad_vocab_multiple=1),
                                   options.seq_len)
-    bar = show_progress(total=len(planned), unit="stage", enabled=progress)
+    bar = show_progress(total=planned, unit="stage", enabled=progress)
     with tempfile.TemporaryDirectory(prefix="gpt2train-bench-") as tmp:
         needed = 4 * options.micro_batch * (options.seq_len + 1) * (options.steps + options.warmup)
         data_dir = write_synthetic_data(tmp, max(options.data_tokens, needed))
-
-        stages: list[StageResult] = []
-        ablation: list[StageResult] = []
-
-        def save_so_far():
-            """The rows measured so far, as journey.json and journey.md with a line saying the journey is not
-            finished: a journey cut short (a GPU session's time limit, Ctrl-C) keeps what it measured."""
-            _speedups(stages)
-            if ablation:
-                _ablation_ratios(ablation)
-            partial = JourneyResult(options=dataclasses.asdict(options),
-                                    environment=environment(device, memory, basis, ceiling), stages=stages,
-                                    ablation=ablation)
-            partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
-            write_result(out, partial, finished=False)
-
-        def run(name: str, setup: Setup) -> StageResult:
-            bar.set_description(name)
-            try:
-                result = measure_stage(name, setup, options, data_dir, device, memory)
-                if peak:  # one basis for every row: the column rises as tokens/s rises
-                    result.mfu = result.tokens_per_s * model_flops / peak
-            except Exception as e:  # a stage that breaks (no compiler, out of memory) is reported, not hidden
-                _release(device, setup.compile)
-                result = StageResult(name=name, setup=dataclasses.asdict(setup), status="failed",
-                                     reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            bar.update(1)
-            return result
-
-        stages.append(run("naive", Setup()))
-        save_so_far()
-        setup = Setup()
-        failed: dict[str, str] = {}  # technique -> why its stage failed; it stays off from then on
-        for key, label in journey_stages(options):
-            reason = not_applicable(key, device, options.skip)
-            if reason:
-                stages.append(StageResult(name=label, setup=dataclasses.asdict(setup), status="skipped", reason=reason))
-                bar.update(1)
-                continue
-            stages.append(run(label, replace(setup, **{key: True})))
-            save_so_far()
-            if stages[-1].status == "failed":
-                failed[key] = stages[-1].reason
-            else:
-                setup = replace(setup, **{key: True})
-        _speedups(stages)
-
-        def left_out(key: str) -> str | None:
-            reason = not_applicable(key, device, options.skip)
-            return reason or (f"failed in the journey ({failed[key]})" if key in failed else None)
-
+        rows = JourneyRows(options, device, memory, data_dir, out, bar, peak, basis, ceiling, model_flops)
+        rows.measure_journey()
         if options.ablate:
-            everything = Setup(**{k: left_out(k) is None for k, _ in TECHNIQUES})
-            ablation.append(run("all on", everything))
-            save_so_far()
-            for key, _ in TECHNIQUES:
-                name = f"- {SHORT_NAMES[key]}"
-                reason = left_out(key)
-                if reason:
-                    ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
-                                                reason=reason))
-                    bar.update(1)
-                    continue
-                ablation.append(run(name, replace(everything, **{key: False})))
-                save_so_far()
-            _ablation_ratios(ablation)
+            rows.measure_ablation()
     bar.close()
 
-    result = JourneyResult(options=dataclasses.asdict(options),
-                           environment=environment(device, memory, basis, ceiling), stages=stages, ablation=ablation)
+    result = rows.result()
     result.markdown = to_markdown(result)
     write_result(out, result, finished=True)
     plot_journey(result, out / "journey.png")
     return result
+
+
+@dataclass
+class JourneyRows:
+    """The rows of one journey as they are measured, and what every row shares: the device, the synthetic data,
+    the MFU basis. journey.json and journey.md are rewritten after each row."""
+    options: JourneyOptions
+    device: torch.device
+    memory: ProcessMemory
+    data_dir: Path
+    out: Path
+    bar: Any  # the progress bar: one step per row, measured or skipped
+    peak: float | None  # the FLOP/s every row's MFU divides by (basis_of_rows)
+    basis: str  # ... what it is
+    ceiling: MatmulCeiling | None  # ... the CPU's measured matmul ceiling
+    model_flops: float  # per token
+    stages: list[StageResult] = field(default_factory=list)
+    ablation: list[StageResult] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # technique -> why its stage failed; it stays off from then on
+
+    def measure_journey(self):
+        """naive, then each technique on top of the stages before it (the ones that ran)."""
+        self.stages.append(self.measure("naive", Setup()))
+        self.save_so_far()
+        setup = Setup()
+        for key, label in journey_stages(self.options):
+            reason = not_applicable(key, self.device, self.options.skip)
+            if reason:
+                self.stages.append(StageResult(name=label, setup=dataclasses.asdict(setup), status="skipped",
+                                               reason=reason))
+                self.bar.update(1)
+                continue
+            self.stages.append(self.measure(label, replace(setup, **{key: True})))
+            self.save_so_far()
+            if self.stages[-1].status == "failed":
+                self.failed[key] = self.stages[-1].reason
+            else:
+                setup = replace(setup, **{key: True})
+        _speedups(self.stages)
+
+    def measure_ablation(self):
+        """Everything that can run ("all on"), then everything minus one technique at a time."""
+        everything = Setup(**{k: self.left_out(k) is None for k, _ in TECHNIQUES})
+        self.ablation.append(self.measure("all on", everything))
+        self.save_so_far()
+        for key, _ in TECHNIQUES:
+            name = f"- {SHORT_NAMES[key]}"
+            reason = self.left_out(key)
+            if reason:
+                self.ablation.append(StageResult(name=name, setup=dataclasses.asdict(everything), status="skipped",
+                                                 reason=reason))
+                self.bar.update(1)
+                continue
+            self.ablation.append(self.measure(name, replace(everything, **{key: False})))
+            self.save_so_far()
+        _ablation_ratios(self.ablation)
+
+    def left_out(self, key: str) -> str | None:
+        """Why the ablation keeps a technique off: it cannot apply here, --skip, or it failed in the journey."""
+        reason = not_applicable(key, self.device, self.options.skip)
+        return reason or (f"failed in the journey ({self.failed[key]})" if key in self.failed else None)
+
+    def measure(self, name: str, setup: Setup) -> StageResult:
+        self.bar.set_description(name)
+        try:
+            result = measure_stage(name, setup, self.options, self.data_dir, self.device, self.memory)
+            if self.peak:  # one basis for every row: the column rises as tokens/s rises
+                result.mfu = result.tokens_per_s * self.model_flops / self.peak
+        except Exception as e:  # a stage that breaks (no compiler, out of memory) is reported, not hidden
+            _release(self.device, setup.compile)
+            result = StageResult(name=name, setup=dataclasses.asdict(setup), status="failed",
+                                 reason=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        self.bar.update(1)
+        return result
+
+    def save_so_far(self):
+        """The rows measured so far, as journey.json and journey.md with a line saying the journey is not
+        finished: a journey cut short (a GPU session's time limit, Ctrl-C) keeps what it measured."""
+        _speedups(self.stages)
+        if self.ablation:
+            _ablation_ratios(self.ablation)
+        partial = self.result()
+        partial.markdown = to_markdown(partial) + f"\n{UNFINISHED}\n"
+        write_result(self.out, partial, finished=False)
+
+    def result(self) -> JourneyResult:
+        return JourneyResult(options=dataclasses.asdict(self.options),
+                             environment=environment(self.device, self.memory, self.basis, self.ceiling),
+                             stages=self.stages, ablation=self.ablation)
 
 
 UNFINISHED = "(unfinished: the journey stopped before its last row; these are the rows it measured)"

@@ -64,6 +64,7 @@ from gpt2train.data.prepared import load_meta
 from gpt2train.eval.suite import TASKS, check_tokenizer, load_suite, resolve_tasks
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
+from gpt2train.runconfig import RunConfig
 from gpt2train.units import format_duration, format_utc
 
 FORMS = ("pair", "ablate", "journey")
@@ -90,7 +91,7 @@ class MultiplierOptions:
 
     def __post_init__(self):
         """The one check of how the options go together; each depth's and seed's own range is checked by its
-        type in cli.py."""
+        type in cli/bench.py."""
         if self.form not in FORMS:
             raise UsageError(f"form {self.form!r}: use one of {', '.join(FORMS)}")
         if self.target not in TARGETS:
@@ -348,18 +349,8 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
     rows, pairs, notes = plan(options)
     depths, seeds = sorted(set(options.depths)), list(dict.fromkeys(options.seeds))
     data_dir = rows[0].cfg.data.dir
-    if not (Path(data_dir) / "meta.json").is_file():
-        raise UsageError(f"{data_dir} holds no prepared data; make the ladder's corpus first (docs/benchmarks.md, "
-                         "\"The compute multiplier\"): gpt2train prepare pydocs --out data/pydocs")
-    meta = load_meta(data_dir)
     suite = options.target == "suite"
-    if suite:  # what would stop the suite is found before any rung trains
-        try:
-            check_tokenizer(meta["tokenizer"])
-        except UsageError:
-            raise UsageError(f"--target suite needs data whose tokenizer encodes any text (gpt2, or a byte-level bpe); "
-                             f"{data_dir} uses {meta['tokenizer'].get('kind')!r}") from None
-        load_suite(rows[0].cfg.eval.tasks, options.suite_limit)
+    meta = ladder_data(rows[0].cfg, suite, options.suite_limit)
     floor = fit_floor(options, meta, data_dir)
     check_floor(floor, int(meta["vocab_size"]))
     configs = {(i, d, s): ladder_rung(row.cfg, [], d, s, row.name)
@@ -368,55 +359,27 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
     train_tokens = check_fresh_data(list(planned.values()), rows[0].cfg, meta)
     out = Path(out_dir)
     dirs = [row_dir_name(row) for row in rows]  # a hash of each row's settings, taken once
+
     ladders: dict[tuple[int, int], dict] = {}
     for i, row in enumerate(rows):
         for seed in seeds:
-            rungs, scores = [], []
-            for depth in depths:
-                run_dir = out / dirs[i] / f"seed{seed}" / f"depth{depth}"
-                rung = finished_rung(run_dir, planned[i, depth, seed])
-                if rung is None:
-                    if progress:
-                        r = planned[i, depth, seed]
-                        print(f"{row.name}, seed {seed}, depth {depth}: {r.params:,} params, {r.tokens:,} tokens, "
-                              f"{r.steps:,} steps ...", flush=True)
-                    rung = train_rung(configs[i, depth, seed], planned[i, depth, seed], run_dir)
-                if suite:
-                    scores.append(read_suite(run_dir, rung.steps))
-                if progress:
-                    score = f", suite score {scores[-1].centered_mean:.4f}" if suite else ""
-                    print(f"{row.name}, seed {seed}, depth {depth}: val loss {rung.val_loss:.4f}{score} "
-                          f"({format_duration(rung.wall_s)})", flush=True)
-                rungs.append(rung)
-            ladders[i, seed] = {"name": row.name, "rungs": rungs, "suite": scores,
-                                "fit": fit_power_law([r.flops for r in rungs], [r.val_loss for r in rungs],
-                                                     "compute", floor["value"]),
-                                "time_fit": fit_power_law([r.wall_s for r in rungs], [r.val_loss for r in rungs],
-                                                          "seconds", floor["value"])}
+            runs = {depth: (configs[i, depth, seed], planned[i, depth, seed]) for depth in depths}
+            ladders[i, seed] = train_ladder(row.name, seed, runs, out / dirs[i] / f"seed{seed}", floor["value"],
+                                            suite, progress)
+
     comparisons = []
     for ref, cand in pairs:
         if suite:
-            comparisons.append(score_comparison(rows[ref].name, rows[cand].name,
-                                                [compare_scores(ladders[ref, s], ladders[cand, s], s) for s in seeds]))
-            continue
-        per_seed = [compare(ladders[ref, s], ladders[cand, s], s) for s in seeds]
-        comparisons.append({"reference": rows[ref].name, "candidate": rows[cand].name,
-                            "seeds": [dataclasses.asdict(c) for c in per_seed],
-                            "flops_multiplier": spread([c.flops_multiplier for c in per_seed]),
-                            "time_multiplier": spread([c.time_multiplier for c in per_seed]),
-                            "interpolated": all(c.interpolated for c in per_seed),
-                            "between_multiplier": spread([c.between_multiplier for c in per_seed]),
-                            "between_time_multiplier": spread([c.between_time_multiplier for c in per_seed]),
-                            "between_rungs": all(c.between_rungs for c in per_seed)})
+            per_seed = [compare_scores(ladders[ref, s], ladders[cand, s], s) for s in seeds]
+            comparisons.append(score_comparison(rows[ref].name, rows[cand].name, per_seed))
+        else:
+            per_seed = [compare(ladders[ref, s], ladders[cand, s], s) for s in seeds]
+            comparisons.append(loss_comparison(rows[ref].name, rows[cand].name, per_seed))
+
     result = {"options": dataclasses.asdict(options), "date": format_utc(time.time()), "torch": torch.__version__,
               "cpu_threads": torch.get_num_threads(), "data": data_dir, "train_tokens": train_tokens,
               "floor": floor, "notes": notes, "target": target_description(options, rows[0].cfg.eval.tasks),
-              "rows": [{"name": row.name, "dir": dirs[i], "changes": row.changes,
-                        "ladders": [{"seed": s, "rungs": [dataclasses.asdict(r) for r in ladders[i, s]["rungs"]],
-                                     "fit": dataclasses.asdict(ladders[i, s]["fit"]),
-                                     "time_fit": dataclasses.asdict(ladders[i, s]["time_fit"]),
-                                     **({"suite": [dataclasses.asdict(x) for x in ladders[i, s]["suite"]]} if suite
-                                        else {})} for s in seeds]}
+              "rows": [row_result(row, dirs[i], [ladders[i, s] for s in seeds], seeds, suite)
                        for i, row in enumerate(rows)],
               "comparisons": comparisons}
     result["law"] = law_check(result, len(depths))
@@ -426,6 +389,72 @@ def run_multiplier(options: MultiplierOptions, out_dir: str | Path, progress: bo
     write_text_atomic(out / "multiplier.md", result["markdown"])
     plot(result, out / "multiplier.png")
     return result
+
+
+def ladder_data(cfg: Config, suite: bool, suite_limit: int) -> dict:
+    """The meta.json of the ladders' prepared data (cfg.data.dir). UsageError, before any rung trains, when there is
+    none, or (suite: the target is the suite's score) when the suite cannot run on it."""
+    data_dir = cfg.data.dir
+    if not (Path(data_dir) / "meta.json").is_file():
+        raise UsageError(f"{data_dir} holds no prepared data; make the ladder's corpus first (docs/benchmarks.md, "
+                         "\"The compute multiplier\"): gpt2train prepare pydocs --out data/pydocs")
+    meta = load_meta(data_dir)
+    if suite:  # what would stop the suite is found before any rung trains
+        try:
+            check_tokenizer(meta["tokenizer"])
+        except UsageError:
+            raise UsageError(f"--target suite needs data whose tokenizer encodes any text (gpt2, or a byte-level bpe); "
+                             f"{data_dir} uses {meta['tokenizer'].get('kind')!r}") from None
+        load_suite(cfg.eval.tasks, suite_limit)
+    return meta
+
+
+def train_ladder(name: str, seed: int, runs: dict[int, tuple[RunConfig, Rung]], seed_dir: Path, floor: float,
+                 suite: bool, progress: bool) -> dict:
+    """One row's ladder for one seed: each depth's rung (its config and its plan) read back where it finished,
+    else trained, in seed_dir/depth<d>; then its loss fitted against compute and against seconds (E >= floor),
+    and, with suite, each rung's suite score."""
+    rungs, scores = [], []
+    for depth, (run, planned) in runs.items():
+        run_dir = seed_dir / f"depth{depth}"
+        rung = finished_rung(run_dir, planned)
+        if rung is None:
+            if progress:
+                print(f"{name}, seed {seed}, depth {depth}: {planned.params:,} params, {planned.tokens:,} tokens, "
+                      f"{planned.steps:,} steps ...", flush=True)
+            rung = train_rung(run, planned, run_dir)
+        if suite:
+            scores.append(read_suite(run_dir, rung.steps))
+        if progress:
+            score = f", suite score {scores[-1].centered_mean:.4f}" if suite else ""
+            print(f"{name}, seed {seed}, depth {depth}: val loss {rung.val_loss:.4f}{score} "
+                  f"({format_duration(rung.wall_s)})", flush=True)
+        rungs.append(rung)
+    return {"name": name, "rungs": rungs, "suite": scores,
+            "fit": fit_power_law([r.flops for r in rungs], [r.val_loss for r in rungs], "compute", floor),
+            "time_fit": fit_power_law([r.wall_s for r in rungs], [r.val_loss for r in rungs], "seconds", floor)}
+
+
+def loss_comparison(reference: str, candidate: str, per_seed: list[Comparison]) -> dict:
+    """One comparison on the loss over the seeds: the spread of each multiplier, read off the fits and off the
+    rungs, in compute and in time."""
+    return {"reference": reference, "candidate": candidate, "seeds": [dataclasses.asdict(c) for c in per_seed],
+            "flops_multiplier": spread([c.flops_multiplier for c in per_seed]),
+            "time_multiplier": spread([c.time_multiplier for c in per_seed]),
+            "interpolated": all(c.interpolated for c in per_seed),
+            "between_multiplier": spread([c.between_multiplier for c in per_seed]),
+            "between_time_multiplier": spread([c.between_time_multiplier for c in per_seed]),
+            "between_rungs": all(c.between_rungs for c in per_seed)}
+
+
+def row_result(row: Row, row_dir: str, ladders: list[dict], seeds: list[int], suite: bool) -> dict:
+    """A row of multiplier.json: its settings and, per seed, its rungs and fits (and suite scores)."""
+    return {"name": row.name, "dir": row_dir, "changes": row.changes,
+            "ladders": [{"seed": s, "rungs": [dataclasses.asdict(r) for r in ladder["rungs"]],
+                         "fit": dataclasses.asdict(ladder["fit"]),
+                         "time_fit": dataclasses.asdict(ladder["time_fit"]),
+                         **({"suite": [dataclasses.asdict(x) for x in ladder["suite"]]} if suite else {})}
+                        for s, ladder in zip(seeds, ladders)]}
 
 
 def score_comparison(reference: str, candidate: str, per_seed: list[ScoreComparison]) -> dict:

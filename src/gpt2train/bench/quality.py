@@ -59,7 +59,7 @@ class QualityOptions:
 
     def __post_init__(self):
         """The checks of how the options go together, and of the target; each option's own range is checked by
-        its type in cli.py (the seeds: distinct and in range)."""
+        its type in cli/bench.py (the seeds: distinct and in range)."""
         if self.ablate and self.recipe_only:
             raise UsageError("--ablate and --recipe-only choose different rows: pass one of them")
         if self.target not in TARGETS:

@@ -53,7 +53,7 @@ class ScalingOptions:
 
     def __post_init__(self):
         """The one check of how the depths and the prediction go together; each depth's and seed's own range is
-        checked by its type in cli.py."""
+        checked by its type in cli/bench.py."""
         depths = sorted(set(self.depths))
         if len(depths) < 3:
             raise UsageError(f"--depths {self.depths}: give at least three distinct depths of 1 or more")

@@ -62,7 +62,7 @@ class ServeBenchOptions:
 
     def __post_init__(self):
         """UsageError, in one line, before any work, for what one option's argparse type cannot see: whether the
-        prompt and the new tokens fit the model. Each option's own range is checked once, by its type in cli.py."""
+        prompt and the new tokens fit the model. Each option's own range is checked once, by its type in cli/bench.py."""
         check_context(self.model, self.prompt_tokens, self.new_tokens)
 
 

@@ -463,31 +463,73 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
     if tokenizer == "char" and not tok.chars:
         raise SourceError(f"no text found in {source}: the corpus is empty; check the input paths and --text-field")
     key = fingerprint(reader, tok, rule, shard_tokens)
+    prepared = already_prepared(out, key, progress)
+    if prepared is not None:
+        return prepared
 
-    meta_path = out / "meta.json"
-    if meta_path.is_file():
-        old = read_json(meta_path)
-        if not isinstance(old, dict):  # damaged: prepare again
-            old = {}
-        if old.get("fingerprint") == key and dataset_is_complete(out, old):
-            for stale in out.glob(".prepare-*"):  # an interrupted run of other inputs
-                shutil.rmtree(stale, ignore_errors=True)
-            if progress:
-                print(f"{out}: already prepared from these inputs; nothing to do", file=sys.stderr)
-            return old
-
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / f".prepare-{key}"
-    for stale in out.glob(".prepare-*"):  # partial runs of other inputs/options cannot be resumed
-        if stale != staging:
-            shutil.rmtree(stale, ignore_errors=True)
-    staging.mkdir(exist_ok=True)
-    state_path, pending = staging / "state.json", staging / "install.json"
+    staging = staging_folder(out, key)
+    pending = staging / "install.json"
     if pending.is_file():  # every shard was written; a crash interrupted moving them into OUT
         meta = read_json(pending)
         if meta is not None:
             install(staging, out, meta)
             return meta
+    writers, resume_from = resumed_writers(staging, rule, tok.vocab_size, shard_tokens, progress)
+    try:
+        if one_document is None:
+            n_docs, n_val_docs = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress,
+                                              staging / "state.json")
+        else:  # one worker's work (the workers share out documents), tokenized whole, no resume midway
+            split_one_document(one_document, tok, rule, writers)
+            n_docs, n_val_docs = 1, 0
+    except (ValueError, UnicodeError):  # bad input: this partial run can never be resumed
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    tokens = tokens_written(writers, n_docs, rule, source, staging)
+
+    meta = dataset_meta(reader, tok, rule, writers, tokens, n_docs, n_val_docs, source, key)
+    install(staging, out, meta)
+    if reader.replacements and progress:
+        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences or lone surrogates were replaced by U+FFFD "
+              f"(counted in meta.json); re-encode the inputs as UTF-8 to keep them", file=sys.stderr)
+    return meta
+
+
+def already_prepared(out: Path, key: str, progress: bool) -> dict | None:
+    """OUT's meta.json when OUT holds a complete dataset of these inputs and options (fingerprint `key`), else
+    None. Staging folders of other inputs left by an interrupted run go then."""
+    meta_path = out / "meta.json"
+    if not meta_path.is_file():
+        return None
+    old = read_json(meta_path)
+    if not isinstance(old, dict):  # damaged: prepare again
+        old = {}
+    if not (old.get("fingerprint") == key and dataset_is_complete(out, old)):
+        return None
+    for stale in out.glob(".prepare-*"):  # an interrupted run of other inputs
+        shutil.rmtree(stale, ignore_errors=True)
+    if progress:
+        print(f"{out}: already prepared from these inputs; nothing to do", file=sys.stderr)
+    return old
+
+
+def staging_folder(out: Path, key: str) -> Path:
+    """OUT/.prepare-KEY, where this run writes its shards and its state; partial runs of other inputs or options
+    cannot be resumed, and go."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".prepare-{key}"
+    for stale in out.glob(".prepare-*"):
+        if stale != staging:
+            shutil.rmtree(stale, ignore_errors=True)
+    staging.mkdir(exist_ok=True)
+    return staging
+
+
+def resumed_writers(staging: Path, rule: SplitRule, vocab_size: int, shard_tokens: int,
+                    progress: bool) -> tuple[dict[str, SplitWriter], int]:
+    """The split writers, carrying on from the state an interrupted run left in staging, and the index of the
+    first document to tokenize (0 without one)."""
+    state_path = staging / "state.json"
     state = read_json(state_path) if state_path.is_file() else None
     if state_path.is_file() and not (isinstance(state, dict) and all(s in state.get("splits", {}) for s in SPLITS)):
         print(f"note: {state_path} is damaged; preparing from the start", file=sys.stderr)
@@ -496,22 +538,18 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
         state = None
     if state and state.get("val_docs") is not None:
         rule.val_docs = state["val_docs"]
-    writers = {s: SplitWriter(s, staging, shard_tokens, tok.vocab_size, state and state["splits"][s]) for s in SPLITS}
+    writers = {s: SplitWriter(s, staging, shard_tokens, vocab_size, state and state["splits"][s]) for s in SPLITS}
     resume_from = min(w.marker[0] for w in writers.values()) if state else 0
     if rule.val_tokens is not None and rule.val_docs is None:
         resume_from = 0  # val not complete yet: the split of later documents depends on val's token count
     if resume_from and progress:
         print(f"resuming: {sum(len(w.shards) for w in writers.values())} shards already written", file=sys.stderr)
+    return writers, resume_from
 
-    try:
-        if one_document is None:
-            n_docs, n_val_docs = run_pipeline(reader, tok, rule, writers, resume_from, workers, progress, state_path)
-        else:  # one worker's work (the workers share out documents), tokenized whole, no resume midway
-            split_one_document(one_document, tok, rule, writers)
-            n_docs, n_val_docs = 1, 0
-    except (ValueError, UnicodeError):  # bad input: this partial run can never be resumed
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+def tokens_written(writers: dict[str, SplitWriter], n_docs: int, rule: SplitRule, source: str,
+                   staging: Path) -> dict[str, int]:
+    """Tokens per split; SourceError (and staging gone) when the corpus had no text or a split is empty."""
     tokens = {s: sum(w.counts) for s, w in writers.items()}
     if n_docs == 0 or sum(tokens.values()) == n_docs:  # nothing but the EOT in front of each document
         shutil.rmtree(staging, ignore_errors=True)
@@ -520,7 +558,12 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
     if tokens["train"] == 0 or (tokens["val"] == 0 and (rule.val_tokens or rule.fraction)):
         shutil.rmtree(staging, ignore_errors=True)
         raise too_few_documents(n_docs, rule, "train" if tokens["train"] == 0 else "val")
+    return tokens
 
+
+def dataset_meta(reader, tok, rule: SplitRule, writers: dict[str, SplitWriter], tokens: dict[str, int], n_docs: int,
+                 n_val_docs: int, source: str, key: str) -> dict:
+    """meta.json of the finished dataset: tokenizer, shards with their counts, ids and checksums, documents."""
     meta = {"format": "llmc", "source": source, "tokenizer": tok.spec(), "vocab_size": tok.vocab_size,
             "eot_id": tok.eot_id, "tokens": tokens, "shards": {s: w.shards for s, w in writers.items()},
             "shard_tokens": {s: w.counts for s, w in writers.items()},
@@ -531,10 +574,6 @@ def _prepare(reader, out: Path, tokenizer, val_fraction, val_tokens, workers, sh
             "invalid_utf8_replacements": reader.replacements, "split": rule.describe(), "fingerprint": key}
     if isinstance(reader, DedupReader):
         meta["dedup"] = reader.describe()
-    install(staging, out, meta)
-    if reader.replacements and progress:
-        print(f"warning: {reader.replacements:,} invalid UTF-8 sequences or lone surrogates were replaced by U+FFFD "
-              f"(counted in meta.json); re-encode the inputs as UTF-8 to keep them", file=sys.stderr)
     return meta
 
 

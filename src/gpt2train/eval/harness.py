@@ -77,63 +77,80 @@ def harness_model(model: torch.nn.Module, tokenizer, batch_size: int = 16, autoc
             self._rank, self._world_size = rank_and_world()
             self._device = next(model.parameters()).device
 
-        def _encode(self, text: str) -> list[int]:
-            try:
-                return tokenizer.encode(text)
-            except ValueError as e:  # e.g. a char tokenizer meeting a character its corpus lacked
-                raise ValueError(f"this checkpoint's {tokenizer.name} tokenizer cannot encode the task's text: {e}") from None
-
         def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
             pairs = []
             for request in requests:
                 context, continuation = split_context(*request.args)
-                pairs.append((self._encode(context) or [tokenizer.eot_id], self._encode(continuation)))
+                pairs.append((encode_task_text(tokenizer, context) or [tokenizer.eot_id],
+                              encode_task_text(tokenizer, continuation)))
             return score_continuations(model, pairs, batch_size, autocast)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-            documents = [self._encode(request.args[0]) for request in requests]
+            documents = [encode_task_text(tokenizer, request.args[0]) for request in requests]
             return rolling_loglikelihood(model, documents, tokenizer.eot_id, batch_size, autocast)
 
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-            return [self._generate(context, gen_kwargs or {}) for context, gen_kwargs in (r.args for r in requests)]
-
-        def _generate(self, context: str, gen_kwargs: dict) -> str:
-            until = gen_kwargs.get("until") or []
-            stops = [until] if isinstance(until, str) else list(until)
-            max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
-            temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0  # 0: greedy
-            prompt = self._encode(context)[-model.config.block_size:] or [tokenizer.eot_id]
-            ids = []
-            for token in generate_stream(model, prompt, max_new, temperature=temperature, top_k=int(gen_kwargs.get("top_k", 0)),
-                                         top_p=float(gen_kwargs.get("top_p", 1.0)), eot_id=tokenizer.eot_id):
-                if token == tokenizer.eot_id:
-                    break
-                ids.append(token)
-                text, stopped = cut_at_stop(tokenizer.decode(ids), stops)
-                if stopped:
-                    return text
-            return cut_at_stop(tokenizer.decode(ids), stops)[0]
+            return [generate_until_stop(model, tokenizer, context, gen_kwargs or {})
+                    for context, gen_kwargs in (r.args for r in requests)]
 
         # Under torchrun the harness gives each rank its share of the requests and gathers the answers.
         def all_gather(self, tensor):
-            if self._world_size == 1:
-                return tensor
-            parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
-            dist.all_gather(parts, tensor)
-            return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+            return all_gather_ranks(tensor, self._world_size)
 
         def gather_object(self, obj, dst=0):
-            if self._world_size == 1:
-                return [obj]
-            gathered = [None] * self._world_size if self._rank == dst else None
-            dist.gather_object(obj, gathered, dst=dst)
-            return gathered
+            return gather_object_ranks(obj, self._rank, self._world_size, dst)
 
         def barrier(self) -> None:
             if self._world_size > 1:
                 dist.barrier()
 
     return HarnessModel()
+
+
+def encode_task_text(tokenizer, text: str) -> list[int]:
+    """The ids of a task's text; a text the tokenizer cannot encode is a ValueError that says so."""
+    try:
+        return tokenizer.encode(text)
+    except ValueError as e:  # e.g. a char tokenizer meeting a character its corpus lacked
+        raise ValueError(f"this checkpoint's {tokenizer.name} tokenizer cannot encode the task's text: {e}") from None
+
+
+def generate_until_stop(model: torch.nn.Module, tokenizer, context: str, gen_kwargs: dict) -> str:
+    """generate_until's answer to one request: the model's continuation of context (its last block_size tokens),
+    up to the first stop string (`until`), the end token or max_gen_toks; greedy unless do_sample."""
+    until = gen_kwargs.get("until") or []
+    stops = [until] if isinstance(until, str) else list(until)
+    max_new = int(gen_kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+    temperature = float(gen_kwargs.get("temperature", 1.0)) if gen_kwargs.get("do_sample") else 0.0  # 0: greedy
+    prompt = encode_task_text(tokenizer, context)[-model.config.block_size:] or [tokenizer.eot_id]
+    ids = []
+    for token in generate_stream(model, prompt, max_new, temperature=temperature, top_k=int(gen_kwargs.get("top_k", 0)),
+                                 top_p=float(gen_kwargs.get("top_p", 1.0)), eot_id=tokenizer.eot_id):
+        if token == tokenizer.eot_id:
+            break
+        ids.append(token)
+        text, stopped = cut_at_stop(tokenizer.decode(ids), stops)
+        if stopped:
+            return text
+    return cut_at_stop(tokenizer.decode(ids), stops)[0]
+
+
+def all_gather_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's tensor, stacked (0-dim) or concatenated in rank order: the harness's LM.all_gather."""
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor)
+    return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+
+def gather_object_ranks(obj, rank: int, world_size: int, dst: int = 0):
+    """Every rank's object, as a list on rank dst (None on the others): the harness's LM.gather_object."""
+    if world_size == 1:
+        return [obj]
+    gathered = [None] * world_size if rank == dst else None
+    dist.gather_object(obj, gathered, dst=dst)
+    return gathered
 
 
 # --- running tasks ------------------------------------------------------------------------------------

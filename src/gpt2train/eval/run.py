@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import resolve_checkpoint
-from gpt2train.config import data_sources
+from gpt2train.config import Config, data_sources
 from gpt2train.data.chat_loader import is_chat_data
 from gpt2train.data.prepared import load_meta
 from gpt2train.eval.suite import CORE, DEFAULT_SEED
@@ -31,7 +33,7 @@ from gpt2train.runtime import autocast_for, resolve_dtype
 from gpt2train.tokenizer import tokenizer_difference, tokenizer_from_spec
 
 TASKS = ("val", "hellaswag", "chat")
-HARNESS_PREFIX = "lm-eval:"  # --tasks lm-eval:arc_easy,piqa: tasks of EleutherAI's lm-evaluation-harness
+HARNESS_PREFIX = "lm-eval:"  # tasks "lm-eval:arc_easy,piqa": tasks of EleutherAI's lm-evaluation-harness
 CHOICES = f"{', '.join(TASKS)}, core, {', '.join(SUITE_TASKS)} or lm-eval:TASK (comma-separated)"
 
 
@@ -56,15 +58,57 @@ def parse_tasks(text: str | list[str]) -> list[str]:
         else:
             raise UsageError(f"unknown task {item!r}; choose from {CHOICES}")
     if not tasks:
-        raise UsageError(f"--tasks names no task; choose from {CHOICES}")
+        raise UsageError(f"tasks names no task; choose from {CHOICES}")
     return list(dict.fromkeys(tasks))
 
 
-def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, *, limit: int = 0, batch_size: int = 0,
-                        data_dir: str | None = None, hellaswag: str | None = None, device: str = "auto",
-                        dtype: str = "auto", lm_eval_include: list[str] | None = None, seed: int = DEFAULT_SEED,
-                        shots: int | None = None, progress: bool = True) -> dict:
-    """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0.
+# What to change, in the parameters' names, where a task cannot read what it was given; the CLI says each with
+# its flags (cli/evaluate.py).
+PASS_PREPARED_DATA = "pass data_dir, a folder of prepared data"
+PASS_DATA_OF_THE_TOKENIZER = "pass data_dir, a folder of data prepared by the checkpoint's tokenizer"
+PASS_CHAT_DATA = "pass data_dir, a folder of chat data"
+ASK_FOR_VAL = "ask for tasks=\"val\" instead"
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How evaluate_checkpoint reads the checkpoint and its tasks' data (each field's meaning: its docstring)."""
+
+    limit: int = 0
+    batch_size: int = 0
+    data_dir: str | None = None
+    hellaswag: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    lm_eval_include: list[str] | None = None
+    seed: int = DEFAULT_SEED
+    shots: int | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.batch_size < 0 or self.limit < 0:
+            raise ValueError(f"batch_size must be >= 0 (0: auto) and limit >= 0, not {self.batch_size} and {self.limit}")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint's model as the tasks read it, on this rank's device, with the tasks to run."""
+
+    model: torch.nn.Module
+    chat_model: torch.nn.Module  # the model, with chat's turn tokens added where val and chat read chat data
+    cfg: Config
+    meta: dict
+    chat_data: str | None  # the folder val reads, when it is chat data
+    tasks: list[str]
+    dtype: torch.dtype
+    batch_size: int
+    autocast: Callable
+
+
+def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, options: EvalOptions | None = None,
+                        **settings) -> dict:
+    """Run `tasks` on a checkpoint (run dir or checkpoint folder) and write CKPT/eval.json on rank 0. options: an
+    EvalOptions, or its fields as keywords (evaluate_checkpoint(run, "val", limit=8)).
 
     tasks None: val and hellaswag, or val alone (with a warning) for a checkpoint without GPT-2's tokenizer; val
     and chat when the val data is chat data (`prepare chat`'s).
@@ -84,60 +128,21 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
     tasks["lm-eval:NAME"] = {"metrics": {"acc": ..., "acc_stderr": ...}, "n", "num_fewshot", "harness"}.
     Returns {"checkpoint", "step", "tasks": {task: results}, ...}; eval.json keeps earlier tasks' results.
     """
+    options = replace(options or EvalOptions(), **settings)
     tasks = None if tasks is None else parse_tasks(tasks)  # an unknown name fails before the model loads
-    if batch_size < 0 or limit < 0:
-        raise ValueError("--batch-size must be >= 0 (0: auto) and --limit >= 0")
     ckpt_dir = resolve_checkpoint(ckpt)
     owns_group = not (dist.is_available() and dist.is_initialized())
-    info = D.init_distributed(device)
+    info = D.init_distributed(options.device)
     try:
-        model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
-        chat_data = chat_folder(cfg, data_dir)
-        tasks = tasks or default_tasks(meta, warn=info.rank == 0, chat=chat_data is not None)
-        if "chat" in tasks and chat_data is None:
-            raise UsageError(f"chat needs chat data (`gpt2train prepare chat`'s folder); {data_dir or cfg.data.dir} is "
-                             "not: pass --data DIR")
-        # val and chat read chat data with the turn tokens: a model pretrained without them gets them as
-        # fine-tuning would start them; the other tasks read the model as it is
-        reads_chat = chat_data is not None and bool({"val", "chat"} & set(tasks))
-        chat_model = with_vocabulary(model, load_meta(chat_data)["vocab_size"]) if reads_chat else model
-        if chat_model is not model and info.rank == 0:
-            print(f"note: {ckpt_dir} has no <|im_start|>/<|im_end|>; val and chat add them at the mean of its "
-                  "embedding rows, as train.init_from starts a fine-tune", file=sys.stderr)
-        resolved = eval_dtype(dtype, cfg, info.device.type)
-        batch_size = batch_size or auto_batch_size(model, info.device, resolved)
-        autocast = autocast_for(info.device.type, resolved)
-        # Check every task's inputs before running any, so a bad file fails in seconds, not after val.
-        jobs = {}
-        if "val" in tasks:
-            jobs["val"] = _val_job(chat_model, cfg, meta, data_dir, limit, batch_size, autocast, progress)
-        if "hellaswag" in tasks:
-            jobs["hellaswag"] = _hellaswag_job(model, meta, hellaswag, limit, batch_size, autocast, progress)
-        if "chat" in tasks:
-            jobs["chat"] = _chat_job(chat_model, chat_data, limit, batch_size, model is not chat_model, progress)
-        suite_tasks = [t for t in tasks if t in SUITE_TASKS]
-        if shots is not None and not suite_tasks:  # it was ignored: a user would think their shots counted
-            raise UsageError("--shots is read only with suite tasks (core, arc_easy, ...); add one, or leave it out")
-        if suite_tasks:
-            jobs["suite"] = _suite_job(model, meta, suite_tasks, limit, seed, shots, batch_size, autocast, progress)
-        harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
-        if lm_eval_include and not harness_tasks:  # it was ignored: a user would think their tasks ran
-            raise UsageError("--lm-eval-include is read only with --tasks lm-eval:TASK; add one, or leave it out")
-        if harness_tasks:
-            jobs["lm-eval"] = _harness_job(model, meta, harness_tasks, lm_eval_include, limit, batch_size, autocast)
-        if progress and info.rank == 0:
-            print(f"device: {info.device} x {info.world_size} rank(s), {str(resolved).removeprefix('torch.')}, "
-                  f"{batch_size} sequences per forward", file=sys.stderr)
-        results = {}
-        for name, job in jobs.items():
-            start = time.time()
-            # The harness and suite jobs answer for several tasks at once: {"lm-eval:NAME": results}; a suite
-            # task times itself.
-            for task, out in (job() if name in ("lm-eval", "suite") else {name: job()}).items():
-                results[task] = with_speed(task, {"wall_s": time.time() - start, **out})
-        record = {"checkpoint": str(ckpt_dir), "step": meta.get("step"), "world_size": info.world_size,
-                  "device": str(info.device), "dtype": str(resolved).removeprefix("torch."), "time": time.time(),
-                  "tasks": results}
+        loaded = load_for_tasks(ckpt_dir, tasks, options, info)
+        jobs = task_jobs(loaded, options)  # every task's inputs checked before any runs: a bad file fails in seconds
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        if options.progress and info.rank == 0:
+            print(f"device: {info.device} x {info.world_size} rank(s), {dtype}, {loaded.batch_size} sequences per "
+                  "forward", file=sys.stderr)
+        results = run_jobs(jobs)
+        record = {"checkpoint": str(ckpt_dir), "step": loaded.meta.get("step"), "world_size": info.world_size,
+                  "device": str(info.device), "dtype": dtype, "time": time.time(), "tasks": results}
         if info.is_main:
             write_eval_json(ckpt_dir / "eval.json", record)
         return record
@@ -146,8 +151,66 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
             D.shutdown_distributed()
 
 
+def load_for_tasks(ckpt_dir: Path, tasks: list[str] | None, options: EvalOptions, info) -> LoadedCheckpoint:
+    """The checkpoint's model on this rank's device, the tasks (the default ones for None), and what they share:
+    the dtype, the batch size, and for val and chat on chat data the model with the turn tokens."""
+    model, cfg, meta = load_for_inference(ckpt_dir, device=info.device)
+    chat_data = chat_folder(cfg, options.data_dir)
+    tasks = tasks or default_tasks(meta, warn=info.rank == 0, chat=chat_data is not None)
+    if "chat" in tasks and chat_data is None:
+        raise UsageError(f"chat needs chat data (`gpt2train prepare chat`'s folder); {options.data_dir or cfg.data.dir} "
+                         f"is not: {PASS_CHAT_DATA}")
+    # val and chat read chat data with the turn tokens: a model pretrained without them gets them as
+    # fine-tuning would start them; the other tasks read the model as it is
+    reads_chat = chat_data is not None and bool({"val", "chat"} & set(tasks))
+    chat_model = with_vocabulary(model, load_meta(chat_data)["vocab_size"]) if reads_chat else model
+    if chat_model is not model and info.rank == 0:
+        print(f"note: {ckpt_dir} has no <|im_start|>/<|im_end|>; val and chat add them at the mean of its "
+              "embedding rows, as train.init_from starts a fine-tune", file=sys.stderr)
+    dtype = eval_dtype(options.dtype, cfg, info.device.type)
+    batch_size = options.batch_size or auto_batch_size(model, info.device, dtype)
+    return LoadedCheckpoint(model, chat_model, cfg, meta, chat_data, tasks, dtype, batch_size,
+                            autocast_for(info.device.type, dtype))
+
+
+def task_jobs(loaded: LoadedCheckpoint, options: EvalOptions) -> dict[str, Callable[[], dict]]:
+    """A job per kind of task asked for, its inputs read and checked now: val, hellaswag, chat, the suite's tasks
+    (one job) and the harness's (one job). Options only a kind that is not asked for reads are refused."""
+    tasks, jobs = loaded.tasks, {}
+    if "val" in tasks:
+        jobs["val"] = _val_job(loaded, options)
+    if "hellaswag" in tasks:
+        jobs["hellaswag"] = _hellaswag_job(loaded, options)
+    if "chat" in tasks:
+        jobs["chat"] = _chat_job(loaded, options)
+    suite_tasks = [t for t in tasks if t in SUITE_TASKS]
+    if options.shots is not None and not suite_tasks:  # it was ignored: a user would think their shots counted
+        raise UsageError("shots is read only with suite tasks (core, arc_easy, ...); add one to tasks, or leave "
+                         "shots None")
+    if suite_tasks:
+        jobs["suite"] = _suite_job(loaded, options, suite_tasks)
+    harness_tasks = [t.removeprefix(HARNESS_PREFIX) for t in tasks if t.startswith(HARNESS_PREFIX)]
+    if options.lm_eval_include and not harness_tasks:  # it was ignored: a user would think their tasks ran
+        raise UsageError("lm_eval_include is read only with lm-eval:TASK tasks; add one to tasks, or leave "
+                         "lm_eval_include None")
+    if harness_tasks:
+        jobs["lm-eval"] = _harness_job(loaded, options, harness_tasks)
+    return jobs
+
+
+def run_jobs(jobs: dict[str, Callable[[], dict]]) -> dict:
+    """{task: its results, with its wall time and speed}, the jobs run in turn. The harness and suite jobs answer
+    for several tasks at once ({"lm-eval:NAME": results}); a suite task times itself."""
+    results = {}
+    for name, job in jobs.items():
+        start = time.time()
+        for task, out in (job() if name in ("lm-eval", "suite") else {name: job()}).items():
+            results[task] = with_speed(task, {"wall_s": time.time() - start, **out})
+    return results
+
+
 def eval_dtype(dtype: str, cfg, device_type: str) -> torch.dtype:
-    """--dtype, or for auto the run's own train.dtype resolved on this device, as the trainer resolved it, so that
+    """dtype, or for auto the run's own train.dtype resolved on this device, as the trainer resolved it, so that
     the val loss is the one the run logged; a float16 run evaluated off CUDA takes auto's choice there."""
     if dtype == "auto" and not (cfg.train.dtype == "float16" and device_type != "cuda"):
         dtype = cfg.train.dtype
@@ -183,21 +246,22 @@ def with_speed(task: str, out: dict) -> dict:
     return out
 
 
-def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
-    """--data DIR, else the checkpoint config's data.dir, or each of its data.sources and their mixture
-    (eval.val.combine_sources; --limit windows of each). The run's own data is read in the windows its training
-    validated on (the first --limit of them), so that the loss is the one its metrics logged at that step."""
+def _val_job(loaded: LoadedCheckpoint, options: EvalOptions):
+    """options.data_dir, else the checkpoint config's data.dir, or each of its data.sources and their mixture
+    (eval.val.combine_sources; `limit` windows of each). The run's own data is read in the windows its training
+    validated on (the first `limit` of them), so that the loss is the one its metrics logged at that step."""
     from gpt2train.eval.val import combine_sources, validation_loss
 
+    model, cfg, meta, data_dir, limit = loaded.chat_model, loaded.cfg, loaded.meta, options.data_dir, options.limit
     folders = [(data_dir, 1.0)] if data_dir else data_sources(cfg.data)
     for folder, _ in folders:
         if not (Path(folder) / "meta.json").is_file():
-            raise FileNotFoundError(f"val data {folder} (from {'--data' if data_dir else 'the checkpoint config'}) "
-                                    "has no meta.json; pass --data DIR with prepared data")
+            raise FileNotFoundError(f"val data {folder} (from {'data_dir' if data_dir else 'the checkpoint config'}) "
+                                    f"has no meta.json; {PASS_PREPARED_DATA}")
         difference = tokenizer_difference(load_meta(folder)["tokenizer"], meta["tokenizer"])
         if difference:
-            raise UsageError(f"{folder} and the checkpoint have different tokenizers ({difference}); pass --data with "
-                             "data prepared by the checkpoint's tokenizer")
+            raise UsageError(f"{folder} and the checkpoint have different tokenizers ({difference}); "
+                             f"{PASS_DATA_OF_THE_TOKENIZER}")
     seq_len = min(cfg.train.seq_len or cfg.model.block_size, cfg.model.block_size)
     chat = is_chat_data(load_meta(folders[0][0]))  # data.sources cannot be chat data: one folder
     token_bytes = tokenizer_from_spec(load_meta(folders[0][0])["tokenizer"] if chat else meta["tokenizer"]).token_bytes()
@@ -206,9 +270,9 @@ def _val_job(model, cfg, meta, data_dir, limit, batch_size, autocast, progress):
 
     def one(folder) -> dict:
         ids = run_windows.get(Path(folder).resolve())
-        out = validation_loss(model, folder, batch_size=batch_size, seq_len=seq_len, windows=limit,
-                              ids=None if ids is None else ids[:limit or None], progress=progress, autocast=autocast,
-                              token_bytes=token_bytes)
+        out = validation_loss(model, folder, batch_size=loaded.batch_size, seq_len=seq_len, windows=limit,
+                              ids=None if ids is None else ids[:limit or None], progress=options.progress,
+                              autocast=loaded.autocast, token_bytes=token_bytes)
         return {**out, "data": str(folder), "run_windows": None if ids is None else len(ids), "chat": chat}
 
     def run() -> dict:
@@ -255,57 +319,61 @@ def default_tasks(meta: dict, warn: bool = True, chat: bool = False) -> list[str
 
 
 def chat_folder(cfg, data_dir: str | None) -> str | None:
-    """The folder val reads (--data, else the run's data.dir) when it is chat data, else None."""
+    """The folder val reads (data_dir, else the run's data.dir) when it is chat data, else None."""
     folder = data_dir or (None if cfg.data.sources else cfg.data.dir)
     if folder is None or not (Path(folder) / "meta.json").is_file():
         return None
     return folder if is_chat_data(load_meta(folder)) else None
 
 
-def _chat_job(model, folder, limit, batch_size, grown, progress):
+def _chat_job(loaded: LoadedCheckpoint, options: EvalOptions):
     """Exact match of the greedy replies to the val split's conversations (the first `limit`)."""
     from gpt2train.eval.chat import exact_match, held_out_replies
 
-    pairs, skipped = held_out_replies(folder, model.config.block_size, limit)
+    model, folder, grown = loaded.chat_model, loaded.chat_data, loaded.chat_model is not loaded.model
+    pairs, skipped = held_out_replies(folder, model.config.block_size, options.limit)
     if not pairs:
         raise ValueError(f"{folder} has no val conversation that fits the model's context of "
                          f"{model.config.block_size} tokens; prepare chat with --val-fraction > 0")
     tokenizer = tokenizer_from_spec(load_meta(folder)["tokenizer"])
 
     def run() -> dict:
-        out = exact_match(model, tokenizer, pairs, batch_size, progress)
+        out = exact_match(model, tokenizer, pairs, loaded.batch_size, options.progress)
         return {**out, "skipped": skipped, "data": str(folder),
                 "turn_tokens": "added at the mean of the embedding" if grown else "the model's own"}
     return run
 
 
-def _hellaswag_job(model, meta, source, limit, batch_size, autocast, progress):
+def _hellaswag_job(loaded: LoadedCheckpoint, options: EvalOptions):
     from gpt2train.eval.hellaswag import describe_source, evaluate_hellaswag, load_examples, source_file
 
+    meta = loaded.meta
     kind = meta["tokenizer"].get("kind")
-    if kind != "gpt2":  # asked for by name: the user's choice of --tasks
+    if kind != "gpt2":  # asked for by name: the caller's choice of tasks
         raise UsageError(f"hellaswag needs a model with the GPT-2 tokenizer, this checkpoint uses {kind!r}; "
-                         "run with --tasks val")
-    path = source_file(source)  # the file itself: --hellaswag's, or the default's
-    examples = load_examples(path, limit)
+                         f"{ASK_FOR_VAL}")
+    path = source_file(options.hellaswag)  # the file itself: options.hellaswag's, or the default's
+    examples = load_examples(path, options.limit)
     tokenizer = tokenizer_from_spec(meta["tokenizer"])
 
     def run() -> dict:
-        out = evaluate_hellaswag(model, tokenizer, examples, max(1, batch_size // 4), autocast, progress)
+        out = evaluate_hellaswag(loaded.model, tokenizer, examples, max(1, loaded.batch_size // 4), loaded.autocast,
+                                 options.progress)
         return {**out, "source": str(path), "source_name": describe_source(path)}
     return run
 
 
-def _suite_job(model, meta, names, limit, seed, shots, batch_size, autocast, progress):
+def _suite_job(loaded: LoadedCheckpoint, options: EvalOptions, names: list[str]):
     """The suite's tasks, each its entry, and the mean of their centered accuracies when several run."""
     from gpt2train.eval.suite import check_tokenizer, evaluate_suite, load_suite
 
-    check_tokenizer(meta["tokenizer"])
-    prepared = load_suite(names, limit, seed, shots)  # every file read and checked now, before any task runs
-    tokenizer = tokenizer_from_spec(meta["tokenizer"])
+    check_tokenizer(loaded.meta["tokenizer"])
+    seed = options.seed
+    prepared = load_suite(names, options.limit, seed, options.shots)  # every file read and checked now, before any task runs
+    tokenizer = tokenizer_from_spec(loaded.meta["tokenizer"])
 
     def run() -> dict:
-        out = evaluate_suite(model, tokenizer, prepared, batch_size, autocast, progress)
+        out = evaluate_suite(loaded.model, tokenizer, prepared, loaded.batch_size, loaded.autocast, options.progress)
         if len(names) < 2:
             return out["tasks"]
         summary = "core" if set(names) == set(CORE) else "suite"
@@ -314,15 +382,16 @@ def _suite_job(model, meta, names, limit, seed, shots, batch_size, autocast, pro
     return run
 
 
-def _harness_job(model, meta, names, include, limit, batch_size, autocast):
+def _harness_job(loaded: LoadedCheckpoint, options: EvalOptions, names: list[str]):
     """The harness's tasks; the suite's own twins (gpt2train_NAME) are written for this run into a temporary
-    folder, first in the index, so a folder of --lm-eval-include cannot shadow them."""
+    folder, first in the index, so a folder of lm_eval_include cannot shadow them."""
     from gpt2train.eval.harness import check_task_names, run_harness, task_manager
     from gpt2train.eval.harness_tasks import PREFIX, write_harness_tasks
 
+    include = options.lm_eval_include
     for folder in include or []:
         if not Path(folder).is_dir():
-            raise FileNotFoundError(f"--lm-eval-include {folder} is not a folder of task YAMLs")
+            raise FileNotFoundError(f"lm_eval_include: {folder} is not a folder of task YAMLs")
     twins = [n.removeprefix(PREFIX) for n in names if n.startswith(PREFIX) and n.removeprefix(PREFIX) in SUITE_TASKS]
     folders, written = list(include or []), None
     if twins:
@@ -335,12 +404,12 @@ def _harness_job(model, meta, names, include, limit, batch_size, autocast):
     if manager is None or not set(names) <= set(manager.all_tasks):
         manager = task_manager(folders)
     check_task_names(manager, names)
-    tokenizer = tokenizer_from_spec(meta["tokenizer"])
+    tokenizer = tokenizer_from_spec(loaded.meta["tokenizer"])
 
     def run() -> dict:
         try:
-            return run_harness(model, tokenizer, names, manager=manager, limit=limit, batch_size=batch_size,
-                               autocast=autocast)
+            return run_harness(loaded.model, tokenizer, names, manager=manager, limit=options.limit,
+                               batch_size=loaded.batch_size, autocast=loaded.autocast)
         finally:
             if written is not None:
                 written.cleanup()

@@ -258,7 +258,7 @@ def prepare_task(name: str, limit: int = 0, seed: int = DEFAULT_SEED, shots: int
     if name not in TASKS:
         raise UsageError(f"unknown suite task {name!r}; choose from {', '.join(TASKS)}")
     if shots is not None and not 0 <= shots <= POOL_SIZE:
-        raise UsageError(f"--shots must be between 0 and {POOL_SIZE} (the few-shot pool's size), got {shots}")
+        raise UsageError(f"shots must be between 0 and {POOL_SIZE} (the few-shot pool's size), got {shots}")
     task = TASKS[name] if shots is None else replace(TASKS[name], shots=shots)
     path = task_file(task)
     table = read_table(path)

@@ -4,11 +4,11 @@ running batch at the next step (its prompt prefilled into a free row) and leaves
 The loop runs in a thread of its own, so the server's event loop never waits for the model. Each step:
   1. rows whose completion was cancelled leave (an ended one left at the end of its last step), and so do
      cancelled completions still waiting; waiting completions take the free rows;
-  2. the last running rows move into the rows that left (model.KVCache.move_rows), so a decode step
-     reads rows 0..n-1 only; the slots are repacked (KVCache.realign) only when room is short or many
+  2. the last running rows move into the rows that left (BatchCache.move_rows), so a decode step
+     reads rows 0..n-1 only; the slots are repacked (BatchCache.realign) only when room is short or many
      slots in use hold no running row's token;
   3. one prefill of the new rows' prompts, left-padded, written just before the slot the decode step
-     writes (KVCache.rows), its first tokens out at once; then that decode step for the rows that were
+     writes (BatchCache.rows), its first tokens out at once; then that decode step for the rows that were
      running (generation.Decoder, one id per row); at most prefill_tokens prompt tokens join at a step, so
      that a burst of requests does not stall the running rows for long;
   4. rows whose tokens fill the context slide (as `sample` does, docs/model.md "Past the context"): they leave
@@ -23,6 +23,7 @@ alone or beside others (up to the rounding of batched matmuls, which generate_ba
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -184,6 +185,53 @@ class Row:
         return Piece(shown, 1, reason)
 
 
+class BatchCache(KVCache):
+    """The engine's KV cache: rows join and leave the running batch while the others decode (continuous batching).
+    A view of some of its rows is a cache of its own for a forward of those rows alone."""
+
+    def rows(self, start: int, stop: int, filled: int | None = None) -> BatchCache:
+        """Rows [start, stop) as a cache of their own, sharing this one's memory. filled None: sharing the
+        used-slot count too (a decode step of these rows advances every row); a number: a count of their
+        own, from that slot (a prefill of new rows at the slots just before the others' next one)."""
+        view = copy.copy(self)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.real = self.real[start:stop]
+        if filled is not None:
+            view.filled = torch.tensor(filled, dtype=torch.long, device=self.filled.device)
+        return view
+
+    def move_rows(self, sources: list[int], targets: list[int]) -> None:
+        """Copy rows `sources` into rows `targets`, their slots as they are: rows that stay take the places
+        of rows that left, with no repacking of the slots (realign does both, at a cost of every row)."""
+        source = torch.tensor(sources, dtype=torch.long, device=self.real.device)
+        target = torch.tensor(targets, dtype=torch.long, device=self.real.device)
+        used = self.length
+        for t in (*self.k, *self.v):
+            t[target, :, :used] = t[source, :, :used]
+        self.real[target] = self.real[source]
+
+    def realign(self, rows: list[int], length: int) -> None:
+        """Move `rows` (in that order) to rows 0, 1, ..., each row's real tokens right-aligned to end at slot
+        `length`, which becomes the used-slot count; the other rows are emptied. Tokens keep their order and
+        position ids, so a row continues as before: this drops the slots that rows which left, and the
+        padding between them, took."""
+        n = len(rows)
+        index = torch.tensor(rows, dtype=torch.long, device=self.real.device)
+        real = self.real.index_select(0, index)  # (n, size)
+        counts = real.sum(1)
+        if n and not int(counts.max()) <= length <= self.size:
+            raise ValueError(f"cannot realign rows holding {int(counts.max())} tokens to {length} of {self.size} slots")
+        real_first = torch.sort(real.to(torch.int8), dim=1, descending=True, stable=True).indices  # real slots, in order
+        offset = torch.arange(length, device=index.device) - (length - counts)[:, None]  # (n, length): which real token
+        source = real_first.gather(1, offset.clamp(min=0))  # (n, length): the slot it comes from
+        for t in (*self.k, *self.v):
+            t[:n, :, :length] = t[index[:, None], :, source].transpose(1, 2)  # (n, length, nh, hs) -> (n, nh, length, hs)
+        self.real.zero_()
+        self.real[:n, :length] = offset >= 0
+        self.filled.fill_(length)
+
+
 # A CPU computes a prompt's tokens at a fraction of a GPU's speed: there a step reads about one prompt, so
 # that the running rows wait for one prefill at a time; a GPU reads a burst's prompts in a step or two.
 AUTO_PREFILL_TOKENS = {"cuda": 2048, "cpu": 64}
@@ -210,7 +258,7 @@ class Engine:
         self.decoder = Decoder(model, compile=compile)
         # The whole context in every row: a row's tokens never need more slots than block_size.
         try:
-            self.cache = KVCache(model.config, max_batch, self.block_size, param.device, param.dtype)
+            self.cache = BatchCache(model.config, max_batch, self.block_size, param.device, param.dtype)
         except (RuntimeError, MemoryError):  # torch's out-of-memory errors are RuntimeErrors
             size = kv_cache_elements(model.config, max_batch, self.block_size) * param.element_size()
             raise UsageError(f"the KV cache of --max-batch {max_batch} rows of {self.block_size} tokens needs "

@@ -24,7 +24,7 @@ from gpt2train.eval.periodic import PeriodicEvals
 from gpt2train.eval.val import open_val_loader
 from gpt2train.mfu_basis import mfu_basis
 from gpt2train.model import GPT
-from gpt2train.runconfig import Environment, RunConfig, as_run
+from gpt2train.runconfig import Environment, RunConfig
 from gpt2train.runtime import resolve_runtime, use_expandable_segments
 from gpt2train.training import init_from, runlock
 from gpt2train.training.averaging import WeightAverage
@@ -33,6 +33,7 @@ from gpt2train.training.console import Console, LogContinuity, say_already_finis
 from gpt2train.training.guard import TrainingGuard, finite_or_none
 from gpt2train.training.optim import make_optimizer, set_lr
 from gpt2train.training.signals import StopSignal, agreed_signal, signal_name
+from gpt2train.training.speed import as_run_measuring
 from gpt2train.training.step import TrainStep, attention_window_at
 
 
@@ -47,15 +48,20 @@ class Trainer:
     def __init__(self, cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | None = None):
         self.run_dir = Path(run_dir) if run_dir else None
         # The inputs first (a bad config or missing data stops before the run directory is made): the config
-        # resolved once (runconfig.py; a RunConfig is already), then the data it reads.
-        run = as_run(cfg, Environment.of_launch(self.run_dir, resume))
+        # resolved once (runconfig.py; a time budget's speed measured here, speed.py; a RunConfig is already),
+        # then the data it reads.
+        run = as_run_measuring(cfg, Environment.of_launch(self.run_dir, resume))
         self.data_meta = data_meta(run.config.data)  # data.dir's, or the sources' (one tokenizer)
         use_expandable_segments()  # before init_distributed, whose device choice may start CUDA
         self.dist = D.init_distributed(run.config.train.device, run.config.train.collective_timeout_s)
         self.device, self.is_main = self.dist.device, self.dist.is_main
         # One live run per run directory, locked before it is read or written (close() unlocks); no new run over an old.
-        self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main, lambda run_dir: refuse_to_start_over(
-            run_dir, resume)) if self.run_dir else None
+        self.lock = None
+        if self.run_dir:
+            def refuse_an_old_run(run_dir: Path) -> None:
+                refuse_to_start_over(run_dir, resume)
+
+            self.lock = runlock.acquire_on_rank0(self.run_dir, self.is_main, refuse_an_old_run)
         try:
             self._build(run, resume)
         except BaseException:
@@ -64,9 +70,11 @@ class Trainer:
 
     def _build(self, run: RunConfig, resume: str | None):
         # The weights of train.init_from (its shape is the config's already); then what the config means here.
-        self.run, self.cfg = run, (cfg := run.config)
+        cfg = run.config
+        self.run, self.cfg = run, cfg
         init_weights, self.init_source = init_from.weights_to_start_from(run, self.data_meta["tokenizer"])
-        self.runtime = runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
+        runtime = resolve_runtime(cfg, self.device, self.dist.world_size)
+        self.runtime = runtime
         runtime.apply()  # TF32
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=runtime.uses_grad_scaler)
 
@@ -94,18 +102,18 @@ class Trainer:
         self.step_fn = TrainStep(self.model, self.optimizer, self.train_loader.next_batch, runtime,
                                  clip_params=self.raw_model.parameters(), grad_clip=cfg.train.grad_clip,
                                  scaler=self.scaler, skip_nonfinite=cfg.guard.enabled, timed=True)
-        self.state, self.guard, self.logs = RunState(), TrainingGuard(cfg.guard), LogContinuity()
+        self.state = RunState()
+        self.guard = TrainingGuard(cfg.guard)
+        self.logs = LogContinuity()
         self.average = WeightAverage(self.raw_model, cfg.train.average_last, cfg.train.average_blend, cfg.train.max_steps)
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.dist, batch_layout(runtime), {
-            "model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler, "guard": self.guard,
-            "rng": ProcessRNG(), "loader": self.train_loader, "position": self.state.position, "run": self.state,
-            "logger": self.logs, "average": self.average}, {"tokenizer": self.data_meta["tokenizer"],
-                                                            "params": parameter_count(cfg.model), "runtime": runtime.record()})
+        self.checkpointer = self._make_checkpointer()
         ckpt = self.checkpointer.resume(resume) if resume else None
         self.state.resumed_from = str(ckpt) if ckpt else None
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.mfu_basis = mfu_basis(self.device, runtime.dtype, cfg.train.tf32, self.run_dir and self.run_dir.parent)
-        self.console = self.evals = None  # stay None for a run resumed at its end: it logs no launch, opens no logger
+        # Both stay None for a run resumed at its end: it logs no launch, opens no logger.
+        self.console = None
+        self.evals = None
         if self.state.step >= cfg.train.max_steps:
             return
         # After the resume: the loggers learn where this launch starts and which W&B run it continues.
@@ -113,12 +121,25 @@ class Trainer:
         self.evals = PeriodicEvals(cfg, self.raw_model, self.val_loader, self.data_meta["tokenizer"], runtime.autocast,
                                    self.console.log, self.console.print, self.is_main)
 
+    def _make_checkpointer(self) -> Checkpointer:
+        """The checkpointer, given what a checkpoint holds (each component has state_dict/load_state_dict) and
+        what every checkpoint records of the run besides."""
+        components = {"model": self.raw_model, "optimizer": self.optimizer, "scaler": self.scaler, "guard": self.guard,
+                      "rng": ProcessRNG(), "loader": self.train_loader, "position": self.state.position,
+                      "run": self.state, "logger": self.logs, "average": self.average}
+        facts = {"tokenizer": self.data_meta["tokenizer"], "params": parameter_count(self.cfg.model),
+                 "runtime": self.runtime.record()}
+        return Checkpointer(self.cfg, self.run_dir, self.dist, batch_layout(self.runtime), components, facts)
+
     def train_step(self) -> dict:
         """One optimizer step at the LRs of its step number (AdamW's is logged); the counters move on."""
         step = self.state.step + 1
         lr = set_lr(self.optimizer, step, self.cfg.train)
-        result = self.step_fn(window=attention_window_at(step, self.cfg), micro_batches=self.runtime.schedule.accum(step))
-        self.state.step, self.state.tokens = step, self.state.tokens + self.runtime.schedule.tokens_at(step)
+        window = attention_window_at(step, self.cfg)  # grown over train.window_warmup_steps
+        micro_batches = self.runtime.schedule.accum(step)  # train.batch_schedule may grow the batch
+        result = self.step_fn(window=window, micro_batches=micro_batches)
+        self.state.step = step
+        self.state.tokens += self.runtime.schedule.tokens_at(step)
         return {"loss": result.loss.item(), "lr": lr, "grad_norm": result.grad_norm.item(),
                 "skipped": result.skipped, "seconds": result.seconds}
 
@@ -132,12 +153,17 @@ class Trainer:
         if self.is_main and self.run_dir is not None:
             save_config(cfg, self.run_dir / "config.toml")
         console.start(state.step, self.runtime, self.flops_per_token, self.mfu_basis, state.resumed_from, self.init_source)
-        state.launch_start = self.checkpointer.last_save = time.time()
-        first_step, val_loss, stop = state.step + 1, None, None
+        now = time.time()
+        state.launch_start = now
+        self.checkpointer.last_save = now
+        first_step = state.step + 1
+        val_loss = None  # this launch's latest validation loss
+        stop = None  # the stop signal all ranks agreed on
         with StopSignal() as stop_signal:
             while state.step < cfg.train.max_steps:
                 out = self.train_step()
-                step, last = state.step, state.step == cfg.train.max_steps
+                step = state.step
+                last = step == cfg.train.max_steps
                 loss, stop, minutes_due = self._agree(out["loss"], stop_signal.received, self.checkpointer.minutes_due())
                 verdict = self.guard.observe(loss, out["grad_norm"], norm_may_overflow=self.scaler.is_enabled())
                 if verdict is not None and verdict.action == "rollback":
@@ -157,16 +183,11 @@ class Trainer:
                 is_best = False
                 new_val = self.evals.after_step(step, state.tokens, last, state.best_val)
                 if new_val is not None:
-                    val_loss = state.val_loss = new_val
-                    is_best, state.best_val = new_val < state.best_val, min(state.best_val, new_val)
-                # A regular save goes into the ring; a new best alone is written to best/ only.
-                regular = self.checkpointer.regular_due(step, last, minutes_due, stop is not None)
-                best = is_best and cfg.checkpoint.save_best
-                if regular:
-                    self.guard.after_checkpoint()  # a new checkpoint: the run got past what made it roll back
-                if regular or best:
-                    path = self.checkpointer.save(ring=regular, best=best)
-                    console.log("checkpoint", step=step, path=str(path), best=best)
+                    val_loss = new_val
+                    state.val_loss = new_val
+                    is_best = new_val < state.best_val
+                    state.best_val = min(state.best_val, new_val)
+                self._save_if_due(step, last, minutes_due, stop is not None, is_best)
                 if stop:
                     console.print(f"stop signal received ({signal_name(stop)}): saved step {step}, exiting")
                     break
@@ -175,18 +196,33 @@ class Trainer:
         return {"step": state.step, "tokens": state.tokens, "val_loss": val_loss, "best_val_loss": state.best_val,
                 "reason": reason, "signal": stop}  # the stop signal's number (None: the run was not stopped)
 
+    def _save_if_due(self, step: int, last: bool, minutes_due: bool, stopping: bool, is_best: bool):
+        """A regular save goes into the ring; a new best alone is written to best/ only."""
+        regular = self.checkpointer.regular_due(step, last, minutes_due, stopping)
+        best = is_best and self.cfg.checkpoint.save_best
+        if regular:
+            self.guard.after_checkpoint()  # a new checkpoint: the run got past what made it roll back
+        if regular or best:
+            path = self.checkpointer.save(ring=regular, best=best)
+            self.console.log("checkpoint", step=step, path=str(path), best=best)
+
     def _agree(self, loss: float, signum: int | None, save_due_by_time: bool) -> tuple[float, int | None, bool]:
         """What every rank must decide alike: the rank-averaged loss (for the guard), the stop signal (any rank's;
         signals.agreed_signal), and whether the wall-clock save is due (clocks differ between hosts). One all-reduce."""
         if not self.dist.enabled:
             return loss, signum, save_due_by_time
-        t = [loss, signum is not None, signum == signal.SIGTERM, save_due_by_time]
-        mean = D.all_reduce_mean(torch.tensor(t, device=self.device, dtype=torch.float64)).tolist()
-        return mean[0], agreed_signal(mean[1] > 0, mean[2] > 0), mean[3] > 0
+        decisions = torch.tensor([loss, signum is not None, signum == signal.SIGTERM, save_due_by_time],
+                                 device=self.device, dtype=torch.float64)
+        mean_loss, any_signal, any_sigterm, any_save_due = D.all_reduce_mean(decisions).tolist()
+        return mean_loss, agreed_signal(any_signal > 0, any_sigterm > 0), any_save_due > 0
 
     def _rollback(self, reason: str, out: dict, loss: float):
         step = self.state.step
-        to_step = self.checkpointer.rollback(f"{reason} at step {step}", lambda to: self.guard.before_rollback(to, step))
+
+        def before_load(to_step: int) -> None:  # the guard may refuse a rollback that loops
+            self.guard.before_rollback(to_step, step)
+
+        to_step = self.checkpointer.rollback(f"{reason} at step {step}", before_load)
         self.console.redo_from(to_step + 1)  # before the guard record, so that the mirrors keep it
         self.console.log("guard", step=step, action="rollback", reason=reason, loss=finite_or_none(loss),
                          grad_norm=finite_or_none(out["grad_norm"]), to_step=to_step)
@@ -197,7 +233,9 @@ class Trainer:
         loss = float(D.all_reduce_mean(torch.tensor(out["loss"], device=self.device)))
         step_tokens = self.runtime.schedule.tokens_at(self.state.step)
         tok_s = step_tokens / out["seconds"]
-        mfu = tok_s * self.flops_per_token / (self.mfu_basis.flop_s * self.dist.world_size) if self.mfu_basis.flop_s else None
+        mfu = None
+        if self.mfu_basis.flop_s:  # over the peak of every rank's device
+            mfu = tok_s * self.flops_per_token / (self.mfu_basis.flop_s * self.dist.world_size)
         self.console.train_line(self.state.step, self.state.tokens, loss, out["lr"], out["grad_norm"], out["seconds"],
                                 step_tokens, mfu, first_compiled, getattr(self.train_loader, "targets_seen", None))
 
@@ -226,7 +264,7 @@ class Trainer:
 
 def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
     """Build a Trainer, run it to max_steps (or a signal), and shut the process group down. A Config is
-    resolved for this launch (runconfig.resolve_run); a RunConfig is run as it is."""
+    resolved for this launch (speed.as_run_measuring: a time budget's speed measured here); a RunConfig as it is."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
     trainer = None
     try:

@@ -3,8 +3,8 @@
 The Trainer, every stage of `gpt2train bench journey`, plan's CPU timing and memory's batch search all run
 this same step, so what they measure is what `gpt2train train` does:
 
-    lr = lr_at(step)                       set by the caller: an explicit function of the step (the
-                                           trainer's set_lr gives Muon's groups their own peak)
+    lr = lr_at(step)                       set by the caller, never here: an explicit function of the step
+                                           (the trainer's set_lr gives Muon's groups their own peak)
     window = attention_window_at(step)     the same, for a sliding attention window that grows (model.window)
     zero_grad(set_to_none)
     for each micro-batch:                  gradient accumulation (how many: the caller's batch schedule)
@@ -35,7 +35,6 @@ Batches = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (inputs, targ
 class StepResult:
     loss: torch.Tensor  # mean loss over the step's micro-batches on this rank (0-dim, on the device)
     grad_norm: torch.Tensor  # the gradient norm before clipping
-    lr: float | None  # the learning rate the step used (None: the optimizer's own)
     skipped: bool  # a non-finite loss or norm left the weights as they were
     seconds: float | None  # wall time of the step with its device work done (None when not timed)
 
@@ -72,16 +71,12 @@ class TrainStep:
         self.timed = timed
         self.grad_accum = runtime.grad_accum
 
-    def __call__(self, lr: float | None = None, window: int | None = None,
-                 micro_batches: int | None = None) -> StepResult:
-        """One step at learning rate lr and attention window `window` (None: as the optimizer's groups and
-        the model have them); micro_batches: this step's accumulation (train.batch_schedule's, from the caller;
-        None: the runtime's)."""
+    def __call__(self, window: int | None = None, micro_batches: int | None = None) -> StepResult:
+        """One step at the optimizer's learning rates (the caller's set_lr sets them) and attention window
+        `window` (None: as the model has it); micro_batches: this step's accumulation (train.batch_schedule's,
+        from the caller; None: the runtime's)."""
         start = time.perf_counter()
         n_micro = micro_batches or self.grad_accum
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
         if window is not None:
             D.unwrap(self.model).window = window  # the plain GPT's: compiled, it recompiles for a new size
         self.optimizer.zero_grad(set_to_none=True)
@@ -106,4 +101,4 @@ class TrainStep:
             if self.runtime.device.type == "cuda":
                 torch.cuda.synchronize(self.runtime.device)
             seconds = time.perf_counter() - start
-        return StepResult(loss_sum, grad_norm, lr, skipped, seconds)
+        return StepResult(loss_sum, grad_norm, skipped, seconds)
