@@ -73,7 +73,7 @@ TEST_WORKERS ?= logical
 TEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile
 
 test: setup-dev
-	$(BIN)/python -m pytest $(TEST_ARGS)
+	$(BIN)/python -m pytest $(TEST_ARGS) --durations=20  # the 20 slowest, where a slower suite shows first
 
 # The inner loop while you change code: every test that takes under a second (those not marked `slow`),
 # touching every module; about a minute on 2 cores. Needs a venv that `make test` (or `make setup-dev`) made.
