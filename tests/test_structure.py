@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     ("cli", {"cli", "cli.arguments", "cli.prepare", "cli.train", "cli.use", "cli.exports", "cli.evaluate", "cli.tools",
-             "cli.bench", "__main__"}),
+             "cli.bench", "cli.__main__", "__main__"}),
 ]
 
 
