@@ -281,3 +281,18 @@ def chat_run(tmp_path_factory) -> Path:
         return root / "run"
 
     return built_once(tmp_path_factory, "chat_run", build)
+
+
+@pytest.fixture
+def cli_here(capsys):
+    """run_cli's result for `gpt2train ARGS` run in this process (cli.main; stdout and stderr from capsys): for a
+    test of what a command prints and returns, not of a process, without a fresh interpreter's second of imports."""
+    from gpt2train.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # earlier output is not this command's
+        status = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["gpt2train", *args], status, out, err)
+
+    return run

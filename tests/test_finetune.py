@@ -56,12 +56,27 @@ def assert_same_weights(source, model):
         assert torch.equal(a, b), name
 
 
+@pytest.fixture(scope="module")
+def gpt2_data_short_val(tmp_path_factory):
+    """Tiny Shakespeare in GPT-2 tokens with a val split of 2.1% (7,576 tokens) rather than 10%: the whole split
+    is evaluated four times below, each window through a 50257-wide softmax. Its 236 windows of 32 are whole
+    batches of 4, so the trainer (which reads whole batches) and `gpt2train eval` read the very same windows."""
+    from gpt2train.data.prepare import prepare_shakespeare
+    from gpt2train.eval.val import ValWindows
+
+    out = tmp_path_factory.mktemp("gpt2_data_short_val")
+    prepare_shakespeare(out, tokenizer="gpt2", val_fraction=0.021)
+    assert len(ValWindows(out, 32)) % 4 == 0
+    return out
+
+
 @pytest.mark.slow
-def test_finetune_from_hf_starts_at_the_imported_loss_and_falls(gpt2_data, hf_dir, tmp_path):
+def test_finetune_from_hf_starts_at_the_imported_loss_and_falls(gpt2_data_short_val, hf_dir, tmp_path, capsys):
+    gpt2_data = gpt2_data_short_val
     import_hf_to_run(hf_dir, tmp_path / "imported")
-    r = run_cli("eval", "--ckpt", str(tmp_path / "imported"), "--tasks", "val", "--data", str(gpt2_data),
-                "--device", "cpu", "--dtype", "float32", "--batch-size", "4")
-    assert r.returncode == 0, r.stderr
+    status = cli.main(["eval", "--ckpt", str(tmp_path / "imported"), "--tasks", "val", "--data", str(gpt2_data),
+                       "--device", "cpu", "--dtype", "float32", "--batch-size", "4"])
+    assert status == 0, capsys.readouterr().err
     imported_val = json.loads((tmp_path / "imported" / "checkpoints" / "step_00000000" / "eval.json")
                               .read_text())["tasks"]["val"]["loss"]
 

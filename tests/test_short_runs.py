@@ -74,14 +74,14 @@ def logged_lrs(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_30_step_mixture_run_decays_to_its_minimum(char_data, tmp_path):
+def test_a_30_step_mixture_run_decays_to_its_minimum(char_data, tmp_path, cli_here):
     """Bug: a 30-step run of shakespeare-modern (WSD) over a mixture warmed up for all 30 steps and ended at
     the peak learning rate, never decaying."""
     copy = tmp_path / "copy"
     shutil.copytree(char_data, copy)
     run = tmp_path / "run"
-    r = run_cli("train", "--config", "shakespeare-modern", "--out", str(run), *shrunk(char_data), "--set", "model.depth=2",
-                "--set", f'data.sources=["{char_data}=1", "{copy}=1"]', "--set", "train.max_steps=30")
+    r = cli_here("train", "--config", "shakespeare-modern", "--out", str(run), *shrunk(char_data), "--set", "model.depth=2",
+                 "--set", f'data.sources=["{char_data}=1", "{copy}=1"]', "--set", "train.max_steps=30")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
     lrs, peak = logged_lrs(run), load_config("shakespeare-modern").train.lr  # AdamW's, the one logged
@@ -125,20 +125,21 @@ def test_the_cpu_fine_tune_preset_starts_from_the_quickstarts_run():
 
 
 @pytest.mark.slow
-def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path):
+def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path, cli_here, monkeypatch):
     """The quickstart's run made tiny (runs/shakespeare in the working folder, as `make quickstart` leaves it),
     then the preset as it ships, but for the data folder and its length: the weights come from that run."""
-    r = run_cli("train", "--config", "shakespeare-cpu", "--out", "runs/shakespeare", *shrunk(char_data),
-                "--set", "train.max_steps=3", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    r = cli_here("train", "--config", "shakespeare-cpu", "--out", "runs/shakespeare", *shrunk(char_data),
+                 "--set", "train.max_steps=3")
     assert r.returncode == 0, r.stderr
-    r = run_cli("train", "--config", "finetune-cpu", "--out", "runs/mine", "--set", f"data.dir={char_data}",
-                "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.device=cpu",
-                "--set", "train.dtype=float32", "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0",
-                "--set", "log.interval=1", cwd=tmp_path)
+    r = cli_here("train", "--config", "finetune-cpu", "--out", "runs/mine", "--set", f"data.dir={char_data}",
+                 "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.device=cpu",
+                 "--set", "train.dtype=float32", "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0",
+                 "--set", "log.interval=1")
     assert r.returncode == 0, r.stderr
     assert "weights from runs/shakespeare/checkpoints/step_00000003 (train.init_from)" in r.stdout
     assert "finished at step 20" in r.stdout and "warning" not in r.stderr
     lrs = logged_lrs(tmp_path / "runs" / "mine")
     assert lrs[0] == pytest.approx(3e-4) and lrs[15] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(3e-5)
-    r = run_cli("sample", "--ckpt", str(tmp_path / "runs" / "mine"), "--prompt", "RO", "--max-new-tokens", "5")
+    r = cli_here("sample", "--ckpt", str(tmp_path / "runs" / "mine"), "--prompt", "RO", "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr
