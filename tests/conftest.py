@@ -291,7 +291,10 @@ def cli_here(capsys):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         capsys.readouterr()  # earlier output is not this command's
-        status = main(list(args))
+        try:
+            status = main(list(args))
+        except SystemExit as e:  # argparse's usage errors (exit 2) and --help (exit 0), as the process exits
+            status = e.code
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["gpt2train", *args], status, out, err)
 

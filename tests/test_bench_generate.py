@@ -82,9 +82,9 @@ def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     (["--llama-cpp", "--batch-sizes", "2,4"], "--llama-cpp times batch 1"),
 ])
 @pytest.mark.slow
-def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
+def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says, cli_here):
     out = tmp_path / "generate.json"
-    r = run_cli("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
+    r = cli_here("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
