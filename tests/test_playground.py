@@ -81,9 +81,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path):
 
 
 @contextmanager
-def running_server(ckpt: Path, log: Path, api_key: str | None = None):
-    """`gpt2train serve` on 127.0.0.1 and a free port, on the CPU in float32 and eager, with or without an API key;
-    yields its base URL and stops it after."""
+def running_server(ckpt: Path, log: Path, api_key: str | None = None, options: tuple[str, ...] = ()):
+    """`gpt2train serve` on 127.0.0.1 and a free port, on the CPU in float32 and eager, with or without an API key
+    and with `options` added; yields its base URL and stops it after."""
     from gpt2train.serve.app import API_KEY_ENV
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -93,7 +93,8 @@ def running_server(ckpt: Path, log: Path, api_key: str | None = None):
         env[API_KEY_ENV] = api_key
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(ckpt), "--host", "127.0.0.1",
-                                 "--port", url.rsplit(":", 1)[1], "--device", "cpu", "--dtype", "float32", "--compile", "false"],
+                                 "--port", url.rsplit(":", 1)[1], "--device", "cpu", "--dtype", "float32", "--compile", "false",
+                                 *options],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, proc, log)
@@ -195,6 +196,9 @@ def fill_settings(page, prompt: str, max_tokens: int):
 def test_playground_streams_text_and_stop_ends_it(page, server, tmp_path):
     status = page.get_by_role("status")
     expect(page.locator("#model")).to_contain_text(f"context {BLOCK_SIZE} tokens")  # GET /v1/models was read
+    # serve's default limit is the context: nothing goes past it, and the page does not say it would
+    expect(page.locator("#model")).to_contain_text(f"tokens · up to {BLOCK_SIZE} tokens a request")
+    expect(page.locator("#model")).not_to_contain_text("past it")
     fill_settings(page, "hello world", max_tokens=BLOCK_SIZE - 100)
     page.get_by_role("button", name="Generate").click()
     expect(status).to_have_text("Generating…")
@@ -265,11 +269,15 @@ def test_playground_sends_the_api_key_it_is_given(browser, checkpoint, tmp_path)
 def test_playground_defaults_fit_a_short_context_and_go_past_it_as_sample_does(browser, tmp_path):
     """Found walking the second hour: Max tokens was 200 on a 128-token model, so the first Generate failed.
     The page reads the context (32 here) and starts at half of it; past the context the text goes on as
-    `gpt2train sample` does (docs/model.md, "Past the context"), and a prompt longer than it is cropped."""
+    `gpt2train sample` does (docs/model.md, "Past the context") where `serve --max-tokens` allows it, and a prompt
+    longer than it is cropped."""
     ckpt = streaming_checkpoint(tmp_path / "run", block_size=32, vocab=VOCAB + "ABCDEFGHIJKLMNOPQRSTUVWXYZ:")
-    with running_server(ckpt, tmp_path / "serve.log") as url, open_page(browser, url) as page:
+    with running_server(ckpt, tmp_path / "serve.log", options=("--max-tokens", "128")) as url, \
+            open_page(browser, url) as page:
         status = page.get_by_role("status")
-        expect(page.locator("#model")).to_contain_text("context 32 tokens (past it, the text goes on from the last 32)")
+        expect(page.locator("#model")).to_contain_text("context 32 tokens (past it, the text goes on from the last 32)"
+                                                       " · up to 128 tokens a request")
+        assert page.get_by_label("Max tokens").get_attribute("max") == "128"
         expect(page.get_by_label("Max tokens")).to_have_value("16")
         page.get_by_role("button", name="Generate").click()  # the page's own defaults: a newcomer's first click
         expect(status).to_have_text("Done: max tokens (length).", timeout=60_000)

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -491,6 +492,7 @@ def test_models_health_metrics_and_the_page(client):
     assert client.head("/health").status_code == 200  # was 405: uptime checks that send HEAD saw it down
     model = client.get("/v1/models").json()["data"][0]
     assert model["id"] == "tiny" and model["context_length"] == CONTEXT and model["chat"] is False
+    assert model["max_tokens"] == CONTEXT  # serve --max-tokens left out: the context
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
@@ -545,10 +547,17 @@ def test_a_bad_field_is_a_400_naming_it(client, body, field):
     assert error["param"] == field and field in error["message"] and len(error["message"].splitlines()) == 1
 
 
-def test_past_the_context_the_api_slides_and_crops_a_long_prompt_as_sample_does(client):
-    """Not refused (they were 400s): max_tokens past the context slides the window, and a prompt longer than
-    the context is cropped to its last 48 tokens, which the usage says (prompt_tokens_cropped)."""
+def test_past_the_context_the_api_slides_and_crops_a_long_prompt_as_sample_does():
+    """Not refused (they were 400s): max_tokens past the context slides the window, where the server's limit
+    (serve --max-tokens) is above the context, and a prompt longer than the context is cropped to its last 48
+    tokens, which the usage says (prompt_tokens_cropped)."""
     model = tiny_model()
+    with TestClient(tiny_app(max_tokens=CONTEXT + 10)) as client:
+        wait_ready(client)
+        past_the_context(client, model)
+
+
+def past_the_context(client, model) -> None:
     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": CONTEXT + 10, "temperature": 0})
     assert r.status_code == 200, r.text
     assert (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == greedy(model, "abc", CONTEXT + 10)
@@ -560,6 +569,44 @@ def test_past_the_context_the_api_slides_and_crops_a_long_prompt_as_sample_does(
     assert [c["text"] for c in r.json()["choices"]] == [greedy(model, long[12:], 8)[0], greedy(model, "ab", 8)[0]]
     assert r.json()["usage"] == {"prompt_tokens": CONTEXT + 2, "completion_tokens": 16, "total_tokens": CONTEXT + 18,
                                  "prompt_tokens_cropped": 12}
+
+
+def limit_message(param: str, asked: int, limit: int) -> str:
+    return f"{param} {asked} is above this server's limit of {limit} tokens per request (serve --max-tokens)"
+
+
+def test_max_tokens_above_the_servers_limit_is_a_400_naming_it(client, chat_client):
+    """A request bounded by serve --max-tokens, by default the context: max_tokens 1e9 was taken, and past the
+    context the window slid until the client hung up, holding a row. At the limit it is served; above it, a 400
+    naming the field and the limit, for completions and chat alike."""
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": CONTEXT, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == CONTEXT, r.text
+    for path, c, body in [("/v1/completions", client, {"prompt": "a"}), ("/v1/chat/completions", chat_client,
+                                                                          {"messages": ONE})]:
+        for field in ["max_tokens", "max_completion_tokens"] if c is chat_client else ["max_tokens"]:
+            for asked in (CONTEXT + 1, 1_000_000_000):
+                r = c.post(path, json={**body, field: asked, "stream": True})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"] == {"message": limit_message(field, asked, CONTEXT), "code": 400,
+                                             "type": "invalid_request_error", "param": field}
+
+
+def test_a_limit_below_the_defaults_bounds_what_is_left_out():
+    """serve --max-tokens below a completion's default of 16 and below what the context leaves a chat reply: a
+    request that leaves max_tokens out gets the limit, not a 400 for a number it did not send."""
+    with TestClient(tiny_app(max_tokens=4)) as client, TestClient(tiny_chat_app(max_tokens=4)) as chat:
+        wait_ready(client)
+        wait_ready(chat)
+        assert client.get("/v1/models").json()["data"][0]["max_tokens"] == 4
+        r = client.post("/v1/completions", json={"prompt": "a", "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy(tiny_model(), "a", 4)[0]
+        r = chat.post("/v1/chat/completions", json={"messages": ONE, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+        prompt = render_prompt(CHAT_TOKENIZER, ONE)
+        want, reason, tokens = continuation(tiny_chat_model(), CHAT_TOKENIZER, prompt, 4, CHAT_TOKENIZER.im_end_id)
+        assert (r.json()["choices"][0]["message"]["content"], r.json()["usage"]["completion_tokens"]) == (want, tokens)
+        r = chat.post("/v1/chat/completions", json={"messages": ONE, "max_tokens": 5})
+        assert r.status_code == 400 and r.json()["error"]["message"] == limit_message("max_tokens", 5, 4)
 
 
 def test_more_prompts_than_the_server_takes_are_refused_before_any_is_encoded(monkeypatch):
@@ -965,7 +1012,8 @@ def test_serve_takes_a_checkpoint_folder_and_a_hugging_face_folder(bpe_run, tmp_
 
 
 def test_a_full_queue_is_a_429(monkeypatch):
-    """One row and one waiting place, the engine held before its first step: the third request is refused."""
+    """One row and one waiting place, the engine held before its first step: the third request is refused, as
+    the openai package sees it (a RateLimitError, which it would retry after Retry-After)."""
     gate = threading.Event()
     step = Engine.step
     monkeypatch.setattr(Engine, "step", lambda self: (gate.wait(30), step(self)))
@@ -978,7 +1026,11 @@ def test_a_full_queue_is_a_429(monkeypatch):
             engine = app.state.served.engine
             while engine.queued < 2:
                 await asyncio.sleep(0.01)
-            refused = await http.post("/v1/completions", json=body)
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as e:
+                await client.completions.create(model="tiny", **body)
+            await client.close()
+            refused = e.value.response
             gate.set()
             return refused, await asyncio.gather(*first)
 

@@ -1,6 +1,7 @@
 """Real clients against `gpt2train serve` run as a command: the official `openai` package (completions and chat
-completions, and streaming; chat with the session's chat_run) and `curl -N`, with the API key on; and the
-command's one-line errors (a missing extra, a bad checkpoint, a port in use)."""
+completions, and streaming; chat with the session's chat_run) and `curl -N`, with the API key on; the bounds on a
+request's work as the openai package is told them; and the command's one-line errors (a missing extra, a bad
+checkpoint, a port in use, a bad --max-tokens)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ KEY = "test-key-1"
 
 
 @contextlib.contextmanager
-def serving_command(run: Path, log_path: Path) -> Iterator[str]:
-    """`python -m gpt2train serve` of the run on a free port, float32, the API key set; yields its base URL."""
+def serving_command(run: Path, log_path: Path, *options: str) -> Iterator[str]:
+    """`python -m gpt2train serve` of the run on a free port, float32, the API key set, and the options; yields its
+    base URL."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "GPT2TRAIN_API_KEY": KEY}
     log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "gpt2train", "serve", "--ckpt", str(run), "--port", str(port),
-                             "--dtype", "float32", "--max-batch", "4"], env=env, stdout=log, stderr=subprocess.STDOUT)
+                             "--dtype", "float32", "--max-batch", "4", *options], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -63,17 +65,19 @@ def serving_command(run: Path, log_path: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A tiny char-level model's server (no chat template); yields (base URL, run dir)."""
+    """A tiny char-level model's server (no chat template), taking requests of up to 60 tokens, past its 48-token
+    context (the window slides, as in sample); yields (base URL, run dir)."""
     run = tmp_path_factory.mktemp("serve") / "run"
     save_tiny_run(run)
-    with serving_command(run, run.parent / "server.log") as url:
+    with serving_command(run, run.parent / "server.log", "--max-tokens", "60") as url:
         yield url, run
 
 
 @pytest.fixture(scope="module")
 def chat_server(chat_run, tmp_path_factory):
-    """chat_run's server: a model fine-tuned on conversations with the template; yields its base URL."""
-    with serving_command(chat_run, tmp_path_factory.mktemp("chat_serve") / "server.log") as url:
+    """chat_run's server: a model fine-tuned on conversations with the template, replies of up to 16 tokens (half
+    its context); yields its base URL."""
+    with serving_command(chat_run, tmp_path_factory.mktemp("chat_serve") / "server.log", "--max-tokens", "16") as url:
         yield url
 
 
@@ -105,8 +109,8 @@ def test_the_openai_package_completes_and_streams(server):
 
 def test_past_the_context_the_openai_package_gets_what_sample_prints(server, capsys):
     """One context policy for sample and the API (docs/model.md, "Past the context"): max_tokens beyond the
-    48-token context slides the window, and a prompt longer than the context is cropped to its last 48
-    tokens, which sample says on stderr and the usage in prompt_tokens_cropped."""
+    48-token context (up to the server's --max-tokens 60) slides the window, and a prompt longer than the context
+    is cropped to its last 48 tokens, which sample says on stderr and the usage in prompt_tokens_cropped."""
     url, run = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     for prompt, n, cropped in (("bad cafe", 60, 0), ("dead beef " * 6, 10, 12)):
@@ -186,6 +190,52 @@ def test_the_openai_package_sees_bad_messages_and_a_model_without_the_template_a
         base.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert "not fine-tuned on conversations" in e.value.message and "/v1/completions" in e.value.message
     assert "prepare chat" in e.value.message and base.models.list().data[0].model_extra["chat"] is False
+
+
+def test_the_openai_package_is_told_each_bound_of_a_request(server, chat_server):
+    """What bounds a request's work (docs/serving.md), as the openai package sees it: tokens (serve --max-tokens,
+    in /v1/models; at the limit served, above it a 400 naming the field and the limit, completions and chat alike,
+    and a chat reply left without max_tokens within it), completions at once (n), stop strings, the body's size.
+    The prompt's length bounds nothing: it is cropped (test_past_the_context_...); the queue: test_serve.py."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    chat = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0)
+    assert [(m.model_extra["context_length"], m.model_extra["max_tokens"]) for m in client.models.list()] == [(48, 60)]
+    assert chat.models.list().data[0].model_extra["max_tokens"] == 16
+    done = client.completions.create(model="tiny", prompt="a", max_tokens=60, temperature=0)
+    assert done.usage.completion_tokens == 60
+    messages = [{"role": "user", "content": "reverse: apple"}]
+    assert chat.chat.completions.create(model="chat", messages=messages, max_tokens=16).usage.completion_tokens <= 16
+    assert chat.chat.completions.create(model="chat", messages=messages, temperature=1.0, n=4,
+                                        seed=1).usage.completion_tokens <= 4 * 16  # left out: within the limit
+    for create, limit, field, asked in [(client.completions.create, 60, "max_tokens", 61),
+                                        (client.completions.create, 60, "max_tokens", 1_000_000_000),
+                                        (chat.chat.completions.create, 16, "max_tokens", 17),
+                                        (chat.chat.completions.create, 16, "max_completion_tokens", 1_000_000_000)]:
+        body = {"prompt": "a"} if create == client.completions.create else {"messages": messages}
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="any", **body, **{field: asked})
+        assert e.value.param == field and e.value.body["message"] == (f"{field} {asked} is above this server's "
+                                                                      f"limit of {limit} tokens per request (serve "
+                                                                      "--max-tokens)")
+    for options, field, words in [({"prompt": ["a", "b"], "n": 35}, "n", "70 completions (prompts x n) asked at "
+                                   "once; this server takes at most 68 (--max-batch + --max-queue)"),
+                                  ({"prompt": "a", "stop": list("abcde")}, "stop", "at most 4 are taken"),
+                                  ({"prompt": "a", "stop": "a" * 201}, "stop", "1 to 200 characters")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", max_tokens=2, **options)
+        assert e.value.param == field and words in e.value.message, e.value.message
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="tiny", prompt="a" * (1 << 20), max_tokens=2)
+    assert e.value.status_code == 413 and "exceeds this server's 1,048,576" in e.value.message
+
+
+def test_serve_refuses_a_max_tokens_below_one_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--ckpt", "x", "--max-tokens", "0"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and lines == [
+        "error: argument --max-tokens: 0 is out of range; it must be >= 1; see `gpt2train serve --help`"], lines
 
 
 def test_the_openai_package_sees_a_wrong_key_and_a_bad_field(server):

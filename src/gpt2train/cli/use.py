@@ -144,6 +144,9 @@ def add_serve(sub) -> None:
                    help="completions that may wait for a free row; more get 429 (default %(default)s)")
     p.add_argument("--prefill-tokens", type=COUNT, default=0, help="the most prompt tokens that join the batch at "
                    "one step, one prompt at least; 0: 2048 on CUDA, 64 on a CPU (default %(default)s)")
+    p.add_argument("--max-tokens", type=POSITIVE_INT, help="the most tokens a request may ask for (max_tokens), per "
+                   "completion; more get 400; above the context the window slides, as in sample (default: the "
+                   "model's context)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -160,5 +163,5 @@ def cmd_serve(args) -> int:
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           dtype=args.dtype, compile=COMPILE_SETTINGS[args.compile], device=args.device,
-          prefill_tokens=args.prefill_tokens)
+          prefill_tokens=args.prefill_tokens, max_tokens=args.max_tokens)
     return 0

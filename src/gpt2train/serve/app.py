@@ -1,9 +1,10 @@
 """The HTTP face of `gpt2train serve`: OpenAI's POST /v1/completions and POST /v1/chat/completions (one JSON
 answer, or server-sent events with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics
 (Prometheus text) and the playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its
-status: 400 a field's type or range (named), 401 the API key, 413 the body's size, 415 a body not declared as
-JSON, 429 a full queue, 503 the model still loading, or stopped on a failure it could not recover from; a
-request never reaches the engine unless it is good, and never gets a 500 for its own fault.
+status: 400 a field's type or range (named), or more than the server's bounds (tokens, completions), 401 the
+API key, 413 the body's size, 415 a body not declared as JSON, 429 a full queue, 503 the model still loading, or
+stopped on a failure it could not recover from; a request never reaches the engine unless it is good, and never
+gets a 500 for its own fault.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from starlette.requests import ClientDisconnect
 from gpt2train.chat import ConversationError, fit_prompt, has_chat_tokens
 from gpt2train.counting import parameter_count
 from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
-from gpt2train.serve.request import BadRequest, ChatRequest, CompletionRequest, SamplingRequest, parse_request
+from gpt2train.serve.request import DEFAULT_MAX_TOKENS, BadRequest, ChatRequest, CompletionRequest, SamplingRequest, parse_request
 from gpt2train.units import format_count
 
 API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
@@ -88,12 +89,15 @@ class Metrics:
 
 class Served:
     """What the app serves, and how: the engine once loaded (or why loading failed, or why the engine stopped),
-    the model's id, the API key, the body limit and the metrics. The routes reach it as a dependency."""
+    the model's id, the API key, the limits on a request (its body's bytes, its tokens) and the metrics. The
+    routes reach it as a dependency."""
 
     def __init__(self, load: Callable[[], Engine], model_id: str, api_key: str | None, max_body_bytes: int,
-                 on_load_error: Callable[[BaseException], None] | None, on_loaded: Callable[[Engine], None] | None):
+                 max_tokens: int | None, on_load_error: Callable[[BaseException], None] | None,
+                 on_loaded: Callable[[Engine], None] | None):
         self.load, self.on_load_error, self.on_loaded = load, on_load_error, on_loaded
         self.model_id, self.api_key, self.max_body_bytes = model_id, api_key, max_body_bytes
+        self.token_limit = max_tokens  # None: the model's context, known once it is loaded
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.error: str | None = None
@@ -124,11 +128,17 @@ class Served:
         """Why the model is not served (it failed to load, or the engine stopped); None while it is or loads."""
         return self.engine.failure if self.engine is not None else self.error
 
+    def max_tokens(self, engine: Engine) -> int:
+        """The most tokens a request may ask for, per completion: serve --max-tokens, else the model's context."""
+        return self.token_limit or engine.context
+
     def model_entry(self) -> dict:
-        """OpenAI's model entry, with the context and whether /v1/chat/completions serves the model (ours)."""
+        """OpenAI's model entry, with (ours) the context, the most tokens a request may ask for, and whether
+        /v1/chat/completions serves the model."""
         engine = self.ready()
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "gpt2train",
-                "context_length": engine.context, "chat": has_chat_tokens(engine.tokenizer)}
+                "context_length": engine.context, "max_tokens": self.max_tokens(engine),
+                "chat": has_chat_tokens(engine.tokenizer)}
 
 
 class CountRequests:
@@ -254,10 +264,11 @@ async def completions(request: Request, served: ServedDep,
                       started: Annotated[float, Depends(arrival)],  # before the body: its arrival counts in TTFT
                       req: Annotated[CompletionRequest, Depends(completion_request)],
                       engine: Annotated[Engine, Depends(ready_engine)]):
-    check_capacity(engine, req)  # before encoding, which costs CPU for every prompt
+    check_bounds(served, engine, req)  # before encoding, which costs CPU for every prompt
     prompt_ids, cropped = await asyncio.to_thread(encode_prompts, engine, req)  # a long one holds up no other request
     noted = {"prompt_tokens_cropped": cropped} if cropped else {}
-    return await answer(request, served, engine, Answer, req, prompt_ids, req.max_tokens, started, noted)
+    max_tokens = req.reply_tokens or min(DEFAULT_MAX_TOKENS, served.max_tokens(engine))
+    return await answer(request, served, engine, Answer, req, prompt_ids, max_tokens, started, noted)
 
 
 @v1.post("/chat/completions")
@@ -270,9 +281,9 @@ async def chat_completions(request: Request, served: ServedDep,
                          "tokenizer has no <|im_start|> and <|im_end|> tokens): send text to continue to "
                          "/v1/completions, or fine-tune it on conversations made with `gpt2train prepare chat` "
                          "(docs/chat.md)")
-    check_capacity(engine, req)
+    check_bounds(served, engine, req)
     prompt_ids, dropped = await asyncio.to_thread(chat_prompt, engine, req)
-    max_tokens = req.reply_tokens or engine.context - len(prompt_ids)
+    max_tokens = req.reply_tokens or min(engine.context - len(prompt_ids), served.max_tokens(engine))
     noted = {"prompt_messages_dropped": dropped} if dropped else {}
     return await answer(request, served, engine, ChatAnswer, req, [prompt_ids], max_tokens, started, noted,
                         end_id=engine.tokenizer.im_end_id)
@@ -301,15 +312,16 @@ async def internal_error(request: Request, e: Exception):  # a bug: still JSON, 
 
 
 def create_app(load: Callable[[], Engine], model_id: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES,
+               max_body_bytes: int = MAX_BODY_BYTES, max_tokens: int | None = None,
                on_load_error: Callable[[BaseException], None] | None = None,
                on_loaded: Callable[[Engine], None] | None = None) -> FastAPI:
     """The app; `load` builds the engine in a thread at startup (/health answers 503 until it is done), then
-    calls on_loaded(engine), or on_load_error(exception) when it failed."""
+    calls on_loaded(engine), or on_load_error(exception) when it failed. max_tokens: the most tokens a request
+    may ask for, per completion (None: the model's context)."""
     app = FastAPI(title="gpt2train", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   exception_handlers={ApiError: api_error, BadRequest: bad_request, HTTPException: http_error,
                                       Exception: internal_error})
-    app.state.served = Served(load, model_id, api_key, max_body_bytes, on_load_error, on_loaded)
+    app.state.served = Served(load, model_id, api_key, max_body_bytes, max_tokens, on_load_error, on_loaded)
     app.add_middleware(CountRequests, metrics=app.state.served.metrics)
     app.include_router(pages)
     app.include_router(v1)
@@ -348,7 +360,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def check_capacity(engine: Engine, req: SamplingRequest) -> None:
+def check_bounds(served: Served, engine: Engine, req: SamplingRequest) -> None:
+    """The server's bounds on a request's work, before any prompt is encoded: its completions (prompts x n) within
+    --max-batch + --max-queue, and its tokens within --max-tokens (docs/serving.md, "What bounds a request's
+    work"); a 400 naming the field otherwise."""
+    req.check_token_limit(served.max_tokens(engine))
     if req.choices > engine.capacity:
         raise BadRequest("n", f"{req.choices} completions (prompts x n) asked at once; this server takes at most "
                          f"{engine.capacity} (--max-batch + --max-queue)")
@@ -648,9 +664,11 @@ def stopped_by_signal(signum: int) -> KeyboardInterrupt:
 
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-          dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0) -> None:
+          dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0,
+          max_tokens: int | None = None) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
-    weights load while the server already answers /health (503 until they are in)."""
+    weights load while the server already answers /health (503 until they are in). max_tokens: the most tokens a
+    request may ask for (None: the model's context)."""
     import uvicorn
 
     from gpt2train.distributed import resolve_device
@@ -674,7 +692,7 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
         print(f"model loaded: {ckpt} ({params} parameters, context {engine.context} tokens); serving on {url}",
               file=sys.stderr, flush=True)
 
-    app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None,
+    app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None, max_tokens=max_tokens,
                      on_load_error=stop_on_failure, on_loaded=say_loaded)
     server = uvicorn_server_class()(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
     listening = listen(host, port)  # a port in use fails here in one line, before uvicorn logs anything

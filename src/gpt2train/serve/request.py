@@ -2,7 +2,8 @@
 (plus top_k) as pydantic models, CompletionRequest and ChatRequest, on the fields they share (SamplingRequest);
 what they refuse is a BadRequest whose one-line message names the field. The numbers take the ranges `gpt2train
 sample` takes (ranges.py); what needs the tokenizer (a prompt it cannot encode, a conversation longer than the
-context) is checked by the app."""
+context) is checked by the app, and so is what needs the served model: the most tokens a request may ask for
+(check_token_limit, with the app's limit: serve --max-tokens, or the model's context)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from gpt2train.ranges import NEW_TOKENS, SAMPLES, SEEDS, TEMPERATURES, TOP_K, TO
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 200  # each is looked for in the text after every token
+DEFAULT_MAX_TOKENS = 16  # a completion's max_tokens left out, as OpenAI's
 
 RANGES = {"max_tokens": NEW_TOKENS, "max_completion_tokens": NEW_TOKENS, "temperature": TEMPERATURES, "top_p": TOP_P,
           "top_k": TOP_K, "n": SAMPLES, "seed": SEEDS}
@@ -90,7 +92,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     neutral: ClassVar[dict[str, tuple]] = {}
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS (a chat reply: what the context leaves), within the limit
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # not OpenAI's: 0 is no limit
@@ -158,6 +160,24 @@ class SamplingRequest(BaseModel):
         return self
 
     @property
+    def reply_tokens(self) -> int | None:
+        """The most tokens each completion may take, as asked; None: left out."""
+        return self.max_tokens
+
+    @property
+    def tokens_param(self) -> str:
+        """The field that asked for them, as a refusal names it."""
+        return "max_tokens"
+
+    def check_token_limit(self, limit: int) -> None:
+        """A request may ask for `limit` tokens per completion at most (serve --max-tokens, by default the model's
+        context): past the context the window slides, so without a limit one request could hold a row until its
+        client hangs up. Above it: a 400 naming the field and the limit, as OpenAI's and vLLM's."""
+        if self.reply_tokens is not None and self.reply_tokens > limit:
+            raise BadRequest(self.tokens_param, f"{self.tokens_param} {self.reply_tokens} is above this server's "
+                             f"limit of {limit} tokens per request (serve --max-tokens)")
+
+    @property
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
 
@@ -193,12 +213,11 @@ class CompletionRequest(SamplingRequest):
 class ChatRequest(SamplingRequest):
     """The body of POST /v1/chat/completions: the conversation so far, whose next assistant message is asked for.
     max_tokens (or OpenAI's newer name for it, max_completion_tokens) left out: the reply may take the context
-    the conversation leaves."""
+    the conversation leaves, up to the server's limit."""
 
     neutral: ClassVar[dict[str, tuple]] = CHAT_NEUTRAL
 
     messages: Any  # checked by gpt2train.chat.check_messages, in its words
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
     # CHAT_NEUTRAL: any JSON value, refused unless neutral
     logprobs: Any = None
@@ -228,6 +247,10 @@ class ChatRequest(SamplingRequest):
     def reply_tokens(self) -> int | None:
         """The most tokens the reply may take; None: what the context leaves."""
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
+    def tokens_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     @property
     def choices(self) -> int:
