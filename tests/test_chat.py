@@ -127,6 +127,24 @@ def test_prepare_chat_names_the_bad_line(tmp_path):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_prepare_chat_refuses_a_file_mostly_not_text_and_counts_a_few_bad_bytes(tmp_path):
+    """Issue 58: conversations whose contents are mostly invalid UTF-8 (valid JSON around them) are refused,
+    naming the file and its share, before anything is written; a few bad bytes are replaced and counted."""
+    def line(content: bytes) -> bytes:
+        return (b'{"messages": [{"role": "user", "content": "' + content +
+                b'"}, {"role": "assistant", "content": "ok"}]}\n')
+
+    noisy = tmp_path / "noisy.jsonl"
+    noisy.write_bytes(line(b"\xff" * 200) * 20)
+    with pytest.raises(SourceError, match=r"noisy.jsonl is not UTF-8 text: 4,000 invalid UTF-8 sequences in its "
+                                          r"[0-9,]+ bytes \([0-9]+%; more than 25% is refused"):
+        prepare_chat([noisy], tmp_path / "out", val_fraction=0.1)
+    assert not (tmp_path / "out").exists()
+    few = tmp_path / "few.jsonl"
+    few.write_bytes(line(b"caf\xe9 au lait") * 20)
+    assert prepare_chat([few], tmp_path / "out", val_fraction=0.1)["invalid_utf8_replacements"] == 20
+
+
 def test_prepared_folder_holds_masks_and_starts(chat_data):
     meta = json.loads((chat_data / "meta.json").read_text())
     assert meta["chat"]["template"] == "chatml" and meta["tokenizer"]["chat"] == {IM_START: 50257, IM_END: 50258}

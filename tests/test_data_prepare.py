@@ -27,7 +27,7 @@ from gpt2train.data.prepare import (
 )
 from gpt2train.data.prepared import load_meta
 from gpt2train.data.shards import ShardError, open_shard, read_header, write_shard
-from gpt2train.data.sources import DocumentReader, decode_utf8
+from gpt2train.data.sources import MAX_UNDECODABLE_SHARE, DocumentReader, decode_utf8
 from gpt2train.tokenizer import GPT2Tokenizer, package_file, tokenizer_from_spec, train_bpe
 
 
@@ -476,6 +476,33 @@ def test_cli_dedup_says_how_many_documents_it_dropped(duplicated, tmp_path):
 
 
 # --- bad input ---------------------------------------------------------------------------------------
+def test_a_file_mostly_not_text_is_refused_naming_it_and_its_share_and_writes_nothing(tmp_path, cli_here):
+    """Issue 58: a file of random bytes prepared with a warning that thousands of invalid sequences were
+    replaced, and trained on noise. More than MAX_UNDECODABLE_SHARE of a file's bytes invalid: refused in one
+    line naming the file and its share, before anything is written; at the share, replaced and counted."""
+    assert MAX_UNDECODABLE_SHARE == 0.25
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes())
+    broken_json = tmp_path / "broken.jsonl"  # valid JSON lines whose text is mostly invalid bytes
+    broken_json.write_bytes((b'{"text": "' + b"\xff" * 30 + b' ok"}\n') * 4)
+    over = tmp_path / "over.txt"
+    over.write_bytes(b"\xff" * 26 + b"a" * 74)  # 26%
+    (tmp_path / "fine.txt").write_text("plain text beside it " * 50)
+    for bad in (noise, broken_json, over):
+        r = cli_here("prepare", "files", str(bad), str(tmp_path / "fine.txt"), "--tokenizer", "char",
+                     "--out", str(tmp_path / "out"))
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith(f"error: {bad} is not UTF-8 text: ") and "more than 25% is refused" in r.stderr
+        assert not (tmp_path / "out").exists()
+    assert "(26%;" in r.stderr
+    at = tmp_path / "at.txt"
+    at.write_bytes(b"\xff" * 25 + b"a" * 75)  # 25%: replaced, counted and said
+    r = cli_here("prepare", "files", str(at), "--tokenizer", "char", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "warning: 25 invalid UTF-8 sequences" in r.stderr
+    assert load_meta(tmp_path / "out")["invalid_utf8_replacements"] == 25
+
+
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, gpt2, capsys):
     assert decode_utf8(b"ok \xff\xfe and \xe2\x82 \xef\xbf\xbd") == ("ok \ufffd\ufffd and \ufffd \ufffd", 3)
     (tmp_path / "in").mkdir()

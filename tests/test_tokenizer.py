@@ -334,12 +334,19 @@ def test_tokenizer_train_on_a_folder_without_inputs_says_it_found_none(tmp_path)
 
 
 def test_tokenizer_train_warns_of_bytes_that_are_not_utf8(tmp_path):
-    """A binary file given by name was trained on in silence (its bytes as U+FFFD); prepare files warns of them."""
+    """A binary file given by name was trained on in silence (its bytes as U+FFFD); now, as prepare files does, a
+    few such bytes are a warning and a file mostly of them (issue 58: more than a quarter) is refused in one line."""
     (tmp_path / "model.bin").write_bytes(bytes(range(128, 256)) * 20 + b"some text " * 50)
     r = run_cli("tokenizer", "train", str(tmp_path / "model.bin"), "--vocab-size", "300", "--out",
                 str(tmp_path / "t.json"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {tmp_path / 'model.bin'} is not UTF-8 text: 2,560 invalid UTF-8 sequences")
+    assert not (tmp_path / "t.json").exists()
+    (tmp_path / "latin1.txt").write_bytes(bytes(range(128, 256)) + b"some text " * 50)
+    r = run_cli("tokenizer", "train", str(tmp_path / "latin1.txt"), "--vocab-size", "300", "--out",
+                str(tmp_path / "t.json"))
     assert r.returncode == 0 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("warning: 2,560 invalid UTF-8 sequences") and "re-encode" in r.stderr
+    assert r.stderr.startswith("warning: 128 invalid UTF-8 sequences") and "re-encode" in r.stderr
 
 
 def test_tokenizer_train_replaces_a_tokenizer_but_no_other_file(tmp_path):

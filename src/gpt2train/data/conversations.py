@@ -27,6 +27,7 @@ from gpt2train.data.shards import MASK_DTYPE, ShardWriter
 from gpt2train.data.sources import (
     UTF8_BOM,
     SourceError,
+    check_mostly_text,
     decode_utf8,
     expand_inputs,
     hf_rows,
@@ -72,12 +73,14 @@ def read_conversations(paths) -> tuple[list[list[dict]], int]:
         if path.suffix.lower() not in (".jsonl", ".ndjson"):
             raise SourceError(f"{path} is not a .jsonl file; `prepare chat` reads JSON lines of {{\"messages\": [...]}} "
                               "(Parquet files and saved datasets: --hf PATH)")
+        file_replaced = 0
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 raw = raw.removeprefix(UTF8_BOM) if lineno == 1 else raw
                 if not raw.strip():
                     continue
                 line, bad = decode_utf8(raw)
+                file_replaced += bad
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
@@ -85,6 +88,7 @@ def read_conversations(paths) -> tuple[list[list[dict]], int]:
                 messages, surrogates = checked(row, f"{path}:{lineno}", "line")
                 replaced += bad + surrogates
                 conversations.append(messages)
+        check_mostly_text(path, file_replaced, path.stat().st_size)
     return conversations, replaced
 
 

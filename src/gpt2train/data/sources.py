@@ -34,6 +34,20 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
         return text, text.count("\ufffd") - genuine
 
 
+# A file whose invalid UTF-8 sequences pass this share of its bytes is not text with a few bad bytes (those are
+# replaced and counted) but another format: random bytes give about two in five, Latin-1 prose a few in a hundred.
+MAX_UNDECODABLE_SHARE = 0.25
+
+
+def check_mostly_text(path: Path, replaced: int, size: int) -> None:
+    """SourceError naming the file and its share when more than MAX_UNDECODABLE_SHARE of its bytes were invalid
+    UTF-8; below that, the replacements stand and are counted."""
+    if size and replaced > MAX_UNDECODABLE_SHARE * size:
+        raise SourceError(f"{path} is not UTF-8 text: {replaced:,} invalid UTF-8 sequences in its {size:,} bytes "
+                          f"({replaced / size:.0%}; more than {MAX_UNDECODABLE_SHARE:.0%} is refused, fewer are "
+                          f"replaced by U+FFFD); leave it out, or re-encode it as UTF-8")
+
+
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -102,7 +116,9 @@ class DocumentReader:
             elif path.suffix.lower() == ".arrow":
                 yield from self._columnar(self._arrow_file(path), path)
             else:  # any other file is text: one file, one document
-                text, bad = decode_utf8(path.read_bytes().removeprefix(UTF8_BOM))
+                data = path.read_bytes().removeprefix(UTF8_BOM)
+                text, bad = decode_utf8(data)
+                check_mostly_text(path, bad, len(data))
                 self.replacements += bad
                 yield text
 
@@ -127,6 +143,7 @@ class DocumentReader:
         return files
 
     def _jsonl(self, path: Path) -> Iterator[str]:
+        replaced = 0
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 if lineno == 1:
@@ -134,12 +151,14 @@ class DocumentReader:
                 if not raw.strip():
                     continue
                 line, bad = decode_utf8(raw)
+                replaced += bad
                 self.replacements += bad
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise SourceError(f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove that line") from None
                 yield self._field(row, path, lineno)
+        check_mostly_text(path, replaced, path.stat().st_size)  # before prepare installs anything it read
 
     def _field(self, row, path: Path, where) -> str:
         if not isinstance(row, dict) or self.text_field not in row:
