@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -283,19 +285,16 @@ def chat_run(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "chat_run", build)
 
 
-@pytest.fixture
-def cli_here(capsys):
-    """run_cli's result for `gpt2train ARGS` run in this process (cli.main; stdout and stderr from capsys): for a
-    test of what a command prints and returns, not of a process, without a fresh interpreter's second of imports."""
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """run_cli's result for `gpt2train ARGS` run in this process (cli.main, its stdout and stderr captured,
+    argparse's exit as the status): for a test of what a command prints and returns, not of a process, without
+    a fresh interpreter's second of imports. Hypothesis tests use it too: it needs no function-scoped fixture."""
     from gpt2train.cli import main
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        capsys.readouterr()  # earlier output is not this command's
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             status = main(list(args))
         except SystemExit as e:  # argparse's usage errors (exit 2) and --help (exit 0), as the process exits
             status = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["gpt2train", *args], status, out, err)
-
-    return run
+    return subprocess.CompletedProcess(["gpt2train", *args], status, out.getvalue(), err.getvalue())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import run_here, tiny_config
 from gpt2train import runtime
 from gpt2train.bench import journey
 from gpt2train.bench.journey import (
@@ -235,9 +235,9 @@ def test_forced_fused_or_plain_adamw_keeps_the_library_groups():
     (["--skip", "bf17"], "unknown technique 'bf17'"),
     (["--model", "gpt3"], "argument --model: invalid choice: 'gpt3' (choose from 'gpt2', "),
 ])
-def test_cli_bench_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says, cli_here):
+def test_cli_bench_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     out = tmp_path / "bench"
-    r = cli_here("bench", "journey", "--device", "cpu", *args, "--out", str(out))
+    r = run_here("bench", "journey", "--device", "cpu", *args, "--out", str(out))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()

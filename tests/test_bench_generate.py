@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import missing, run_cli
+from conftest import missing, run_cli, run_here
 from gpt2train.bench.generate import GenerateOptions, decode_bytes_per_step, run_generate_bench
 from gpt2train.devices import find_device
 from gpt2train.model import GPT, GPTConfig
@@ -82,9 +82,9 @@ def test_bench_generate_command_writes_json(tmp_path, cpu_kind):
     (["--llama-cpp", "--batch-sizes", "2,4"], "--llama-cpp times batch 1"),
 ])
 @pytest.mark.slow
-def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says, cli_here):
+def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
     out = tmp_path / "generate.json"
-    r = cli_here("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
+    r = run_here("bench", "generate", "--model", "gpt2-tiny", "--device", "cpu", "--no-hf", *args, "--out", str(out))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()

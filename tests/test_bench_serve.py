@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_here
 from gpt2train import cli
 from gpt2train.bench.serve import Level, ServeBenchOptions, targets
 from gpt2train.ranges import UsageError
@@ -55,8 +55,8 @@ def test_the_targets_of_issue_31():
     (["--concurrency", "0"], "0 is out of range"),
     (["--new-tokens", "200"], "exceed gpt2-tiny's block_size 128"),
 ])
-def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says, cli_here):
-    r = cli_here("bench", "serve", "--model", "gpt2-tiny", *args, "--out", str(tmp_path / "serve.json"))
+def test_bad_arguments_are_one_usage_line_before_any_work(tmp_path, args, says):
+    r = run_here("bench", "serve", "--model", "gpt2-tiny", *args, "--out", str(tmp_path / "serve.json"))
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error:") and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import gpt2train.checkpoint as C
 import gpt2train.checkpoint.format as checkpoint_format  # where the files are written: faults go in there
-from conftest import MUON_RECIPE, REPO, one_line, run_cli, tiny_config
+from conftest import MUON_RECIPE, REPO, one_line, run_cli, run_here, tiny_config
 from gpt2train import cli
 from gpt2train.config import config_from_resolved, dump_toml, to_dict
 from gpt2train.loading import load_for_inference
@@ -167,8 +167,8 @@ def test_a_crash_between_the_renames_of_an_overwrite_is_undone(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tmp_path, cli_here):
-    r = cli_here("ckpt", "inspect", str(trained_run))
+def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tmp_path):
+    r = run_here("ckpt", "inspect", str(trained_run))
     assert r.returncode == 0, r.stderr
     for text in ("step_00000010", "step        10 of 10", "tokens      1,280", "val loss", "saved", "model       2 layers",
                  "tokenizer   char", "config      data", "ring        step_00000005, step_00000010 (latest)"):
@@ -179,19 +179,19 @@ def test_inspect_prints_a_summary_and_reports_damage_in_one_line(trained_run, tm
     shutil.copytree(trained_run / "checkpoints" / "step_00000010", damaged)
     data = (damaged / "model.safetensors").read_bytes()
     (damaged / "model.safetensors").write_bytes(data[: len(data) - 100])
-    r = cli_here("ckpt", "inspect", str(damaged))
+    r = run_here("ckpt", "inspect", str(damaged))
     assert r.returncode == 1 and r.stdout == ""  # a damaged file found while working: exit 1
     assert r.stderr.count("\n") == 1 and "model.safetensors is" in r.stderr and "truncated" in r.stderr
 
     (damaged / "model.safetensors").write_bytes(data)
     flip_a_byte(damaged / "model.safetensors")  # the size intact: only the checksum sees it
-    r = cli_here("ckpt", "inspect", str(damaged))
+    r = run_here("ckpt", "inspect", str(damaged))
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and "model.safetensors changed after it was saved" in r.stderr
 
     (damaged / "model.safetensors").write_bytes(data)
     (damaged / "meta.json").write_text('{"step": 10, "conf')
-    r = cli_here("ckpt", "inspect", str(damaged))
+    r = run_here("ckpt", "inspect", str(damaged))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "meta.json is unreadable" in r.stderr
 
 

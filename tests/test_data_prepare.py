@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpt2train.data.prepare as prepare_module
-from conftest import one_line, run_cli
+from conftest import one_line, run_cli, run_here
 from gpt2train.data.prepare import (
     prepare_documents,
     prepare_files,
@@ -476,7 +476,7 @@ def test_cli_dedup_says_how_many_documents_it_dropped(duplicated, tmp_path):
 
 
 # --- bad input ---------------------------------------------------------------------------------------
-def test_a_file_mostly_not_text_is_refused_naming_it_and_its_share_and_writes_nothing(tmp_path, cli_here):
+def test_a_file_mostly_not_text_is_refused_naming_it_and_its_share_and_writes_nothing(tmp_path):
     """Issue 58: a file of random bytes prepared with a warning that thousands of invalid sequences were
     replaced, and trained on noise. More than MAX_UNDECODABLE_SHARE of a file's bytes invalid: refused in one
     line naming the file and its share, before anything is written; at the share, replaced and counted."""
@@ -489,7 +489,7 @@ def test_a_file_mostly_not_text_is_refused_naming_it_and_its_share_and_writes_no
     over.write_bytes(b"\xff" * 26 + b"a" * 74)  # 26%
     (tmp_path / "fine.txt").write_text("plain text beside it " * 50)
     for bad in (noise, broken_json, over):
-        r = cli_here("prepare", "files", str(bad), str(tmp_path / "fine.txt"), "--tokenizer", "char",
+        r = run_here("prepare", "files", str(bad), str(tmp_path / "fine.txt"), "--tokenizer", "char",
                      "--out", str(tmp_path / "out"))
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith(f"error: {bad} is not UTF-8 text: ") and "more than 25% is refused" in r.stderr
@@ -497,7 +497,7 @@ def test_a_file_mostly_not_text_is_refused_naming_it_and_its_share_and_writes_no
     assert "(26%;" in r.stderr
     at = tmp_path / "at.txt"
     at.write_bytes(b"\xff" * 25 + b"a" * 75)  # 25%: replaced, counted and said
-    r = cli_here("prepare", "files", str(at), "--tokenizer", "char", "--out", str(tmp_path / "out"))
+    r = run_here("prepare", "files", str(at), "--tokenizer", "char", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert "warning: 25 invalid UTF-8 sequences" in r.stderr
     assert load_meta(tmp_path / "out")["invalid_utf8_replacements"] == 25

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_here
 from gpt2train.bench.journey import JourneyResult, StageResult
 from gpt2train.config import Config, save_config
 from gpt2train.doctor import Diagnosis, check_records, diagnose, format_diagnosis
@@ -401,25 +401,25 @@ def test_diagnosis_to_dict_is_json():
 
 
 @pytest.mark.slow
-def test_cli_doctor(tmp_path, cli_here):
+def test_cli_doctor(tmp_path):
     good = write_run(tmp_path / "good", healthy())
-    out = cli_here("doctor", str(good))
+    out = run_here("doctor", str(good))
     assert out.returncode == 0, out.stderr
     assert "healthy: no symptom found" in out.stdout
 
     bad = write_run(tmp_path / "bad", spikes())
-    out = cli_here("doctor", str(bad))
+    out = run_here("doctor", str(bad))
     assert out.returncode == 1 and "WARNING  2 loss spike(s)" in out.stdout
 
     worse = write_run(tmp_path / "worse", nonfinite())
-    out = cli_here("doctor", str(worse), "--json")
+    out = run_here("doctor", str(worse), "--json")
     assert out.returncode == 2
     result = json.loads(out.stdout)
     assert result["exit_status"] == 2 and result["findings"][0]["rule"] == "nonfinite"
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    out = cli_here("doctor", str(tmp_path / "empty"))
+    out = run_here("doctor", str(tmp_path / "empty"))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and "is empty" in out.stderr and out.stderr.count("\n") == 1
 

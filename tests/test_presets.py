@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from conftest import REPO, one_line, run_cli
+from conftest import REPO, one_line, run_cli, run_here
 from gpt2train.config import ConfigError, dump_toml, load_config, preset_descriptions, preset_files
 from gpt2train.runconfig import resolve_run
 
@@ -108,7 +108,7 @@ def test_the_wheel_ships_the_presets(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["shakespeare-modern", "gpt2-modern"])
-def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path, cli_here):
+def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path):
     """The recipe's presets as a user runs them, shrunk to a few steps of a two-layer model (the value table
     feeds the first and the last block: one layer cannot hold it)."""
     shrink = ["--set", f"data.dir={char_data}", "--set", "model.n_layer=2", "--set", "model.n_head=2",
@@ -120,12 +120,12 @@ def test_a_modern_preset_trains_resumes_and_samples(preset, char_data, tmp_path,
     cfg = load_config(preset)
     assert (cfg.train.optimizer, cfg.model.position, cfg.model.tied_head) == ("muon", "rotary", False)
     run = tmp_path / "run"
-    r = cli_here("train", "--config", preset, "--out", str(run), "--set", "train.max_steps=3", *shrink)
+    r = run_here("train", "--config", preset, "--out", str(run), "--set", "train.max_steps=3", *shrink)
     assert r.returncode == 0, r.stderr
-    r = cli_here("train", "--config", preset, "--out", str(run), "--resume", "auto", "--set", "train.max_steps=5", *shrink)
+    r = run_here("train", "--config", preset, "--out", str(run), "--resume", "auto", "--set", "train.max_steps=5", *shrink)
     assert r.returncode == 0, r.stderr
     assert "resumed" in r.stdout.lower() and "finished at step 5" in r.stdout
-    r = cli_here("sample", "--ckpt", str(run), "--prompt", "ab", "--max-new-tokens", "5", "--seed", "0")
+    r = run_here("sample", "--ckpt", str(run), "--prompt", "ab", "--max-new-tokens", "5", "--seed", "0")
     assert r.returncode == 0, r.stderr
-    r = cli_here("export-hf", "--ckpt", str(run), "--out", str(tmp_path / "hf"))
+    r = run_here("export-hf", "--ckpt", str(run), "--out", str(tmp_path / "hf"))
     assert r.returncode == 1 and "cannot be exported" in r.stderr and not (tmp_path / "hf").exists()

@@ -8,9 +8,7 @@ CI sees the same ones every run.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import shutil
 from pathlib import Path
 
@@ -18,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO, tiny_config
-from gpt2train import cli
+from conftest import REPO, run_here, tiny_config
 from gpt2train.config import RANGES, Config, ConfigError, dump_toml, from_dict, to_dict, validate
 from gpt2train.runconfig import Environment, resolve_run
 
@@ -115,15 +112,11 @@ def world(tmp_path_factory, char_data):
 def run_main(argv: list[str], world: Path) -> tuple[int, list[str]]:
     """cli.main(argv) from an empty working folder: (exit status, stderr lines); checks what it may touch."""
     run_before, repo_before = tree_digest(world / "run"), sorted(p.name for p in REPO.iterdir())
-    err = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with pytest.MonkeyPatch.context() as mp:
         mp.chdir(world / "cwd")
-        try:
-            status = cli.main(argv)
-        except SystemExit as e:  # argparse's usage errors
-            status = e.code
-    lines = err.getvalue().strip().splitlines()
-    assert "Traceback" not in err.getvalue()
+        r = run_here(*argv)
+    status, lines = r.returncode, r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr
     if status != 0:
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, lines)
         assert "internal error" not in lines[0], (argv, lines)  # a bug, not a message for the user

@@ -9,7 +9,6 @@ GPT2TRAIN_PROPERTY_EXAMPLES=2000 runs a longer hunt.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -28,7 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import gpt2train.checkpoint as C
-from gpt2train.cli import main
+from conftest import run_here
 from gpt2train.config import Config, to_dict
 from gpt2train.data.loader import TokenLoader
 from gpt2train.data.prepare import prepare_files
@@ -122,13 +121,8 @@ def tree_hashes(root: Path, skip: Path | None = None) -> dict[str, str]:
 
 def run_main(argv: list[str]) -> tuple[int, str]:
     """cli.main in this process: (status, stderr). An exception escaping main fails the test as it is."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            status = main(argv)
-        except SystemExit as e:  # argparse usage errors
-            status = e.code
-    return status, err.getvalue()
+    r = run_here(*argv)
+    return r.returncode, r.stderr
 
 
 def assert_one_error_line(status: int, stderr: str) -> None:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_here
 from gpt2train.config import TrainConfig, load_config, preset_files
 from gpt2train.runconfig import Environment, resolve_run
 from gpt2train.training.optim import lr_at, schedule_warning
@@ -74,13 +74,13 @@ def logged_lrs(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_30_step_mixture_run_decays_to_its_minimum(char_data, tmp_path, cli_here):
+def test_a_30_step_mixture_run_decays_to_its_minimum(char_data, tmp_path):
     """Bug: a 30-step run of shakespeare-modern (WSD) over a mixture warmed up for all 30 steps and ended at
     the peak learning rate, never decaying."""
     copy = tmp_path / "copy"
     shutil.copytree(char_data, copy)
     run = tmp_path / "run"
-    r = cli_here("train", "--config", "shakespeare-modern", "--out", str(run), *shrunk(char_data), "--set", "model.depth=2",
+    r = run_here("train", "--config", "shakespeare-modern", "--out", str(run), *shrunk(char_data), "--set", "model.depth=2",
                  "--set", f'data.sources=["{char_data}=1", "{copy}=1"]', "--set", "train.max_steps=30")
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr
@@ -125,14 +125,14 @@ def test_the_cpu_fine_tune_preset_starts_from_the_quickstarts_run():
 
 
 @pytest.mark.slow
-def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path, cli_here, monkeypatch):
+def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path, monkeypatch):
     """The quickstart's run made tiny (runs/shakespeare in the working folder, as `make quickstart` leaves it),
     then the preset as it ships, but for the data folder and its length: the weights come from that run."""
     monkeypatch.chdir(tmp_path)
-    r = cli_here("train", "--config", "shakespeare-cpu", "--out", "runs/shakespeare", *shrunk(char_data),
+    r = run_here("train", "--config", "shakespeare-cpu", "--out", "runs/shakespeare", *shrunk(char_data),
                  "--set", "train.max_steps=3")
     assert r.returncode == 0, r.stderr
-    r = cli_here("train", "--config", "finetune-cpu", "--out", "runs/mine", "--set", f"data.dir={char_data}",
+    r = run_here("train", "--config", "finetune-cpu", "--out", "runs/mine", "--set", f"data.dir={char_data}",
                  "--set", "train.seq_len=32", "--set", "train.max_steps=20", "--set", "train.device=cpu",
                  "--set", "train.dtype=float32", "--set", "eval.val_batches=1", "--set", "eval.sample_interval=0",
                  "--set", "log.interval=1")
@@ -141,5 +141,5 @@ def test_the_cpu_fine_tune_preset_fine_tunes_a_tiny_stand_in(char_data, tmp_path
     assert "finished at step 20" in r.stdout and "warning" not in r.stderr
     lrs = logged_lrs(tmp_path / "runs" / "mine")
     assert lrs[0] == pytest.approx(3e-4) and lrs[15] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(3e-5)
-    r = cli_here("sample", "--ckpt", str(tmp_path / "runs" / "mine"), "--prompt", "RO", "--max-new-tokens", "5")
+    r = run_here("sample", "--ckpt", str(tmp_path / "runs" / "mine"), "--prompt", "RO", "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr
