@@ -91,7 +91,17 @@ def wait_ready(client, timeout: float = 60) -> None:
 @contextlib.contextmanager
 def running(app, ready: bool = True) -> Iterator[str]:
     """The app served by uvicorn on a free port of 127.0.0.1, in a thread; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    with served_by(uvicorn.Server(uvicorn_config(app)), ready) as url:
+        yield url
+
+
+def uvicorn_config(app) -> uvicorn.Config:
+    return uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+
+
+@contextlib.contextmanager
+def served_by(server: uvicorn.Server, ready: bool = True) -> Iterator[str]:
+    """The uvicorn server (of uvicorn_config) run in a thread; yields its base URL."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -147,6 +147,10 @@ def add_serve(sub) -> None:
     p.add_argument("--max-tokens", type=POSITIVE_INT, help="the most tokens a request may ask for (max_tokens), per "
                    "completion; more get 400; above the context the window slides, as in sample (default: the "
                    "model's context)")
+    p.add_argument("--grace-seconds", type=ranged(float, between(0, 24 * 3600)), default=30.0,
+                   help="on SIGTERM or Ctrl-C, new requests get 503 while those in flight get this long to finish; "
+                   "what is left is then cut, a stream with its last chunk (finish_reason length) and [DONE] "
+                   "(default %(default)g)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -163,5 +167,6 @@ def cmd_serve(args) -> int:
                           f"pip install 'gpt2train[serve]'") from None
     serve(args.ckpt, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
           dtype=args.dtype, compile=COMPILE_SETTINGS[args.compile], device=args.device,
-          prefill_tokens=args.prefill_tokens, max_tokens=args.max_tokens)
+          prefill_tokens=args.prefill_tokens, max_tokens=args.max_tokens,
+          grace_seconds=args.grace_seconds)
     return 0

@@ -2,9 +2,12 @@
 answer, or server-sent events with stream=true) and GET /v1/models over an Engine; GET /health, GET /metrics
 (Prometheus text) and the playground page at GET /. Every refusal is a JSON error in OpenAI's shape with its
 status: 400 a field's type or range (named), or more than the server's bounds (tokens, completions), 401 the
-API key, 413 the body's size, 415 a body not declared as JSON, 429 a full queue, 503 the model still loading, or
-stopped on a failure it could not recover from; a request never reaches the engine unless it is good, and never
-gets a 500 for its own fault.
+API key, 413 the body's size, 415 a body not declared as JSON, 429 a full queue, 503 the model still loading, the
+server stopping, or stopped on a failure it could not recover from; a request never reaches the engine unless it
+is good, and never gets a 500 for its own fault.
+
+A stop signal drains the server before uvicorn shuts it down (Served.drain, from GracefulServer): new requests get
+503, those in flight finish within the grace period or are cut, a stream with a last chunk and [DONE].
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ from starlette.requests import ClientDisconnect
 
 from gpt2train.chat import ConversationError, fit_prompt, has_chat_tokens
 from gpt2train.counting import parameter_count
-from gpt2train.serve.engine import Completion, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
+from gpt2train.serve.engine import Completion, Draining, Engine, EngineStopped, Inbox, Piece, QueueFull, Sampling, one_line
 from gpt2train.serve.request import DEFAULT_MAX_TOKENS, BadRequest, ChatRequest, CompletionRequest, SamplingRequest, parse_request
 from gpt2train.units import format_count
 
 API_KEY_ENV = "GPT2TRAIN_API_KEY"  # when set, /v1/* needs `Authorization: Bearer <it>`
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413)
+GRACE_SECONDS = 30.0  # a stop signal's drain: Kubernetes' default grace period before it kills a pod
 log = logging.getLogger("gpt2train.serve")
 
 
@@ -101,6 +105,7 @@ class Served:
         self.created = int(time.time())
         self.engine: Engine | None = None
         self.error: str | None = None
+        self.stopping = False  # a stop signal came: no new request is taken (drain)
         self.metrics = Metrics(self)
 
     def load_engine(self) -> None:
@@ -117,12 +122,26 @@ class Served:
                 self.on_load_error(e)
 
     def ready(self) -> Engine:
+        if self.stopping:
+            raise ApiError(503, STOPPING, "server_error", headers={"Retry-After": "5"})
         if self.engine is None:
             raise ApiError(503, f"the model failed to load: {self.error}" if self.error else "the model is loading",
                            "server_error", headers={"Retry-After": "5"})
         if self.engine.failure is not None:
             raise ApiError(503, str(EngineStopped(self.engine.failure)), "server_error")
         return self.engine
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop taking requests (503, and /health says "stopping"), let the engine finish those it holds within
+        grace_seconds and cut the rest (Engine.drain); returns once it holds nothing."""
+        self.stopping = True
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.drain, grace_seconds)
+
+    def end_grace(self) -> None:
+        """Cut what the drain still waits for, now."""
+        if self.engine is not None:
+            self.engine.cut()
 
     def failure(self) -> str | None:
         """Why the model is not served (it failed to load, or the engine stopped); None while it is or loads."""
@@ -139,6 +158,9 @@ class Served:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "gpt2train",
                 "context_length": engine.context, "max_tokens": self.max_tokens(engine),
                 "chat": has_chat_tokens(engine.tokenizer)}
+
+
+STOPPING = "the server is stopping and takes no new requests; retry, on another replica if there is one"
 
 
 class CountRequests:
@@ -236,6 +258,8 @@ async def page():
 async def health(served: ServedDep):
     if served.failure() is not None:
         return JSONResponse({"status": "failed", "error": served.failure()}, 503)
+    if served.stopping:
+        return JSONResponse({"status": "stopping"}, 503)
     if served.engine is None:
         return JSONResponse({"status": "loading"}, 503)
     return {"status": "ok", "model": served.model_id}
@@ -423,6 +447,8 @@ async def answer(request: Request, served: Served, engine: Engine, kind: type[An
                        headers={"Retry-After": "1"}) from None
     except EngineStopped as e:  # since ready_engine
         raise ApiError(503, str(e), "server_error") from None
+    except Draining:
+        raise ApiError(503, STOPPING, "server_error", headers={"Retry-After": "5"}) from None
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # as OpenAI counts them: once, whatever n
     served.metrics.prompt_tokens.inc(prompt_tokens)
     reply = kind(served.model_id, jobs, prompt_tokens, served.metrics, started, engine, noted)
@@ -454,10 +480,13 @@ class Answer:
         self.texts = [""] * len(jobs)
         self.tokens = [0] * len(jobs)
         self.finish: list[str | None] = [None] * len(jobs)
+        self.cut = 0  # completions cut short by the server's stop (Engine.drain)
         self.last_arrival: list[float | None] = [None] * len(jobs)
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
-        """(index, piece) as they come, a completion's pieces of one hand-over merged into one."""
+        """(index, piece) as they come, a completion's pieces of one hand-over merged into one. One cut short by
+        the server's stop ends as OpenAI's "length" (the client keeps what it got, as at max_tokens), and the
+        request is logged in one line once all have ended."""
         open_ = len(self.jobs)
         while open_:
             merged: dict[int, Piece] = {}
@@ -468,9 +497,15 @@ class Answer:
                 else:
                     merged[index] = piece
             for index, piece in merged.items():
+                if piece.finish_reason == "cut":
+                    self.cut += 1
+                    piece = Piece(piece.text, piece.tokens, "length")
                 self.observe(index, piece)
                 open_ -= piece.finish_reason is not None
                 yield index, piece
+        if self.cut:
+            log.warning("%s cut short by the server's stop: %d of its %d completion(s) unfinished, %d token(s) "
+                        "generated", self.id, self.cut, len(self.jobs), sum(self.tokens))
 
     def observe(self, index: int, piece: Piece) -> None:
         now = time.perf_counter()
@@ -552,6 +587,10 @@ class Answer:
         if "error" in self.finish:
             return error_response(self.error_status(), next(t for t, f in zip(self.texts, self.finish) if f == "error"),
                                   "server_error")
+        if self.cut:
+            return error_response(503, f"the server stopped before this request was done ({self.cut} of its "
+                                  f"{len(self.jobs)} completion(s) unfinished); send it again", "server_error",
+                                  headers={"Retry-After": "5"})
         choices = [self.choice(i, text, reason) for i, (text, reason) in enumerate(zip(self.texts, self.finish))]
         return JSONResponse(self.chunk(choices, self.whole_object, usage=self.usage()))
 
@@ -639,21 +678,43 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server_class():
+def graceful_server_class():
     import uvicorn
 
-    class SignalledServer(uvicorn.Server):
-        """uvicorn's server, remembering the stop signal it shut down for. uvicorn raises the signal again once it
-        has shut down, so that Ctrl-C exits as Ctrl-C does (130); under load that was sometimes lost, asyncio's
-        own SIGINT handler taking it, and serve exited 0. serve raises it itself then."""
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, draining before it shuts down: the first stop signal (SIGTERM, Ctrl-C) starts
+        Served.drain at uvicorn's next tick (it still listens, and answers new requests 503), and uvicorn's own
+        shutdown follows once the drain is over. A second signal ends the grace period at once; a third is
+        uvicorn's own stop. It remembers the first: serve exits by it (uvicorn raises again only the signals it
+        handled itself)."""
 
-        stopped_by: int | None = None
+        def __init__(self, config: uvicorn.Config, served: Served, grace_seconds: float):
+            super().__init__(config)
+            self.served, self.grace_seconds = served, grace_seconds
+            self.stopped_by: int | None = None
+            self.signals = 0  # acted on at the next tick: a signal handler must not wait for the engine's lock
+            self.drain: asyncio.Task | None = None
+            self.hurried = False
 
         def handle_exit(self, sig: int, frame) -> None:
-            self.stopped_by = sig
-            super().handle_exit(sig, frame)
+            self.signals += 1
+            if self.stopped_by is None:
+                self.stopped_by = sig
+            if self.signals > 2:
+                super().handle_exit(sig, frame)
 
-    return SignalledServer
+        async def on_tick(self, counter: int) -> bool:
+            if self.signals and self.drain is None:
+                print(f"stopping: no new requests; those in flight get up to {self.grace_seconds:g} s to finish "
+                      "(Ctrl-C again ends them now)", file=sys.stderr, flush=True)
+                self.drain = asyncio.create_task(self.served.drain(self.grace_seconds))
+            if self.signals > 1 and not self.hurried:
+                print("stopping now: the requests in flight are cut", file=sys.stderr, flush=True)
+                self.hurried = True
+                self.served.end_grace()
+            return await super().on_tick(counter) or (self.drain is not None and self.drain.done())
+
+    return GracefulServer
 
 
 def stopped_by_signal(signum: int) -> KeyboardInterrupt:
@@ -665,10 +726,11 @@ def stopped_by_signal(signum: int) -> KeyboardInterrupt:
 
 def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           dtype: str = "auto", compile: bool | str = "auto", device: str = "auto", prefill_tokens: int = 0,
-          max_tokens: int | None = None) -> None:
+          max_tokens: int | None = None, grace_seconds: float = GRACE_SECONDS) -> None:
     """`gpt2train serve`: the checkpoint's tokenizer is read now (a bad path fails here, in one line); its
     weights load while the server already answers /health (503 until they are in). max_tokens: the most tokens a
-    request may ask for (None: the model's context)."""
+    request may ask for (None: the model's context); grace_seconds: how long a stop signal lets the requests in
+    flight run before they are cut."""
     import uvicorn
 
     from gpt2train.distributed import resolve_device
@@ -694,7 +756,8 @@ def serve(ckpt: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int =
 
     app = create_app(load, model_id=str(ckpt), api_key=os.environ.get(API_KEY_ENV) or None, max_tokens=max_tokens,
                      on_load_error=stop_on_failure, on_loaded=say_loaded)
-    server = uvicorn_server_class()(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    server = graceful_server_class()(config, app.state.served, grace_seconds)
     listening = listen(host, port)  # a port in use fails here in one line, before uvicorn logs anything
     key = f"; /v1/* needs the API key in {API_KEY_ENV}" if os.environ.get(API_KEY_ENV) else ""
     print(f"loading {Path(ckpt)} to serve on {url} ({torch_device}, {str(torch_dtype).removeprefix('torch.')}, "

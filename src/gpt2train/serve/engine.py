@@ -16,6 +16,8 @@ The loop runs in a thread of its own, so the server's event loop never waits for
      a prompt that fills the context alone slides from its first token;
   5. each row draws its next token with its own settings and generator, and its new text (held back while
      a character or a stop string is incomplete) goes to its request's Inbox.
+A server that stops drains it (Engine.drain): no completion is taken from then on, those it holds run to their
+end for a grace period, and any still held after it are cut at a step's start, each with a last piece.
 Greedy rows are the argmax of their own logits, so in float32 a request's greedy tokens are the same
 alone or beside others (up to the rounding of batched matmuls, which generate_batch's rows share).
 """
@@ -47,7 +49,8 @@ class Sampling:
 @dataclass
 class Piece:
     """What one completion produced since its last piece: text (possibly empty), the tokens it covers, and
-    on its last piece why it ended: "stop" (its end token or a stop string), "length", or "error"."""
+    on its last piece why it ended: "stop" (its end token or a stop string), "length", "error", or "cut" (the
+    server stopped first: Engine.drain)."""
 
     text: str
     tokens: int = 1
@@ -56,6 +59,10 @@ class Piece:
 
 class QueueFull(Exception):
     """More completions than free rows plus the waiting places: try again later."""
+
+
+class Draining(Exception):
+    """The engine takes no new completions: the server is stopping (Engine.drain)."""
 
 
 class EngineStopped(Exception):
@@ -175,14 +182,14 @@ class Row:
             return self.end("length", shown)
         return Piece(shown)
 
-    def end(self, reason: str, shown: str, flush: bool = True) -> Piece:
+    def end(self, reason: str, shown: str, flush: bool = True, tokens: int = 1) -> Piece:
         """The last piece: what was held back (an incomplete character, a possible stop string's start)."""
         self.ended = True
         if flush:
             more, stopped = self.stop.push(self.text.flush())
             shown += more if stopped else more + self.stop.flush()
             reason = "stop" if stopped else reason
-        return Piece(shown, 1, reason)
+        return Piece(shown, tokens, reason)
 
 
 class BatchCache(KVCache):
@@ -271,6 +278,8 @@ class Engine:
         self.wakeup = threading.Condition()
         self.thread: threading.Thread | None = None
         self.stopping = False
+        self.draining = False  # submit refuses (Draining); the loop wakes drain() after each step
+        self.cutting = False  # drain's grace is over: the next step ends every completion held
         self.failure: str | None = None  # why the engine stopped for good (its thread has ended); None: it runs
         self.steps = 0  # forwards run (decode steps and prefills)
         # Sampling stays within the tokenizer's ids (the model's vocabulary may be padded beyond them).
@@ -305,6 +314,8 @@ class Engine:
         with self.wakeup:
             if self.failure is not None:
                 raise EngineStopped(self.failure)
+            if self.draining:
+                raise Draining("the server is stopping")
             self.drop_cancelled_waiting()
             free = self.max_batch - self.running - len(self.joining)
             if len(self.waiting) + len(completions) > max(free, 0) + self.max_queue:
@@ -312,7 +323,7 @@ class Engine:
                                 f"{max(free, 0)} free row(s) and {self.max_queue} waiting place(s) take at most "
                                 f"{max(free, 0) + self.max_queue}")
             self.waiting.extend(completions)
-            self.wakeup.notify()
+            self.wakeup.notify_all()  # all: drain() may wait on the same condition as the loop
 
     def start(self) -> Engine:
         self.thread = threading.Thread(target=self.run, name="gpt2train-engine", daemon=True)
@@ -322,9 +333,31 @@ class Engine:
     def stop(self) -> None:
         with self.wakeup:
             self.stopping = True
-            self.wakeup.notify()
+            self.wakeup.notify_all()
         if self.thread is not None:
             self.thread.join()
+
+    def drain(self, grace_seconds: float) -> None:
+        """Take no new completions; wait up to grace_seconds (or until cut() is called) for those held, running or
+        waiting, to end; then cut those still held. Blocks until the engine holds nothing: call it from a thread
+        of its own, not from an event loop."""
+        with self.wakeup:
+            self.draining = True
+            self.wakeup.wait_for(lambda: self.cutting or self.drained(), timeout=grace_seconds)
+        self.cut()
+        with self.wakeup:
+            self.wakeup.wait_for(self.drained)
+
+    def cut(self) -> None:
+        """End every completion held at the next step's start, each with a last piece, finish_reason "cut"."""
+        with self.wakeup:
+            self.cutting = True
+            self.wakeup.notify_all()
+
+    def drained(self) -> bool:
+        """Nothing is held, or nothing will run any more (the engine stopped, or failed for good)."""
+        held = self.rows or self.sliding or self.joining or self.waiting
+        return self.stopping or self.failure is not None or not held
 
     # ------------------------------------------------------------------ the loop
 
@@ -340,6 +373,8 @@ class Engine:
     def loop(self) -> None:
         while True:
             with self.wakeup:
+                if self.draining:
+                    self.wakeup.notify_all()  # a step is over: drain() looks again at what is held
                 while not (self.running or self.waiting or self.stopping):
                     self.wakeup.wait()
                 if self.stopping:
@@ -350,6 +385,8 @@ class Engine:
                 self.fail_all(one_line(e))
 
     def step(self) -> None:
+        if self.cutting:
+            return self.cut_all()
         self.drop_ended(cancelled=True)  # cancelled since the last step
         self.drop_cancelled_waiting()
         self.slide_full_rows()
@@ -369,7 +406,17 @@ class Engine:
 
     def finish(self, produced: list[tuple[Row, Piece]]) -> None:
         self.drop_ended()  # rows that ended leave before their last piece is out
-        self.deliver(produced)
+        self.deliver([(row.completion, piece) for row, piece in produced])
+
+    def cut_all(self) -> None:
+        """drain's grace is over: every completion held ends now, a running one with the text it held back."""
+        with self.wakeup:
+            rows, waiting = self.rows + self.sliding, list(self.waiting)
+            self.rows, self.sliding = [], []
+            self.waiting.clear()
+        self.cache.realign([], 0)
+        self.deliver([(row.completion, row.end("cut", "", tokens=0)) for row in rows]
+                     + [(c, Piece("", 0, "cut")) for c in waiting])
 
     def drop_ended(self, cancelled: bool = False) -> None:
         """Rows whose completion ended (and, at a step's start, was cancelled) leave; the last rows move into
@@ -509,20 +556,20 @@ class Engine:
         return [(row, row.push(token, eot_id if row.completion.end_id is None else row.completion.end_id))
                 for row, token in zip(rows, tokens)]
 
-    def deliver(self, produced: list[tuple[Row, Piece]]) -> None:
+    def deliver(self, produced: list[tuple[Completion, Piece]]) -> None:
         """Each request's pieces in one hand-over to its event loop (not one per token)."""
         by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
-        for row, piece in produced:
-            row.completion.finished |= piece.finish_reason is not None
-            if not row.completion.cancelled:
-                by_inbox.setdefault(row.completion.inbox, []).append((row.completion.index, piece))
+        for completion, piece in produced:
+            completion.finished |= piece.finish_reason is not None
+            if not completion.cancelled:
+                by_inbox.setdefault(completion.inbox, []).append((completion.index, piece))
         for inbox, items in by_inbox.items():
             try:
                 inbox.put(items)
             except RuntimeError:  # its event loop is closed: nobody reads these any more
-                for row, _ in produced:
-                    if row.completion.inbox is inbox:
-                        row.completion.cancel()
+                for completion, _ in produced:
+                    if completion.inbox is inbox:
+                        completion.cancel()
 
     def fail_all(self, reason: str) -> None:
         """A step failed: every running and waiting completion ends with an error piece; the cache starts empty."""
@@ -544,12 +591,4 @@ class Engine:
         return [c for c in held if not c.finished]
 
     def end_with_error(self, completions: list[Completion], message: str) -> None:
-        by_inbox: dict[Inbox, list[tuple[int, Piece]]] = {}
-        for c in completions:
-            c.finished = True
-            by_inbox.setdefault(c.inbox, []).append((c.index, Piece(message, 0, "error")))
-        for inbox, items in by_inbox.items():
-            try:
-                inbox.put(items)
-            except RuntimeError:  # its event loop is closed: nobody reads these any more
-                pass
+        self.deliver([(c, Piece(message, 0, "error")) for c in completions])
