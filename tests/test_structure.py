@@ -35,7 +35,11 @@ LAYERS: list[tuple[str, set[str]]] = [
                "bench.prepare", "bench.scaling", "bench.recipe", "bench.multiplier", "bench.profile"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
-    ("cli", {"cli", "cli.arguments", "cli.prepare", "cli.train", "cli.use", "cli.exports", "cli.evaluate", "cli.tools",
+    # the whole job: stages that are the CLI's commands, run through the CLI's main (handed in, not imported)
+    ("pipeline", {"pipeline", "pipeline.definition", "pipeline.runner", "pipeline.measure", "pipeline.estimate",
+                  "pipeline.card"}),
+    ("cli", {"cli", "cli.pipeline", "cli.arguments", "cli.prepare", "cli.train", "cli.use", "cli.exports", "cli.evaluate",
+             "cli.tools",
              "cli.bench", "cli.__main__", "__main__"}),
 ]
 

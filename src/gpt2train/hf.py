@@ -350,6 +350,15 @@ def is_hf_folder(path: str | Path) -> bool:
 # ----------------------------------------------------------------------------------------- export
 
 
+def check_exportable(cfg: GPTConfig) -> None:
+    """Refuse, in one line, a model Hugging Face's GPT-2 cannot hold (before anything is written)."""
+    if not cfg.bias:
+        raise HFConversionError("a model with bias = false cannot be exported: Hugging Face's GPT-2 always has biases")
+    if cfg.beyond_gpt2():
+        raise HFConversionError(f"a model with {', '.join(cfg.beyond_gpt2())} cannot be exported: Hugging Face's "
+                                "GPT-2 holds only GPT-2's recipe; use the checkpoint with gpt2train itself")
+
+
 def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict | None = None,
               dtype: str = "float32", card: str | None = None) -> Path:
     """Write config.json + model.safetensors + the tokenizer's files into out_dir, loadable with transformers'
@@ -363,11 +372,7 @@ def export_hf(model: torch.nn.Module, out_dir: str | Path, tokenizer_spec: dict 
     from gpt2train.distributed import unwrap
 
     cfg: GPTConfig = unwrap(model).config
-    if not cfg.bias:
-        raise HFConversionError("a model with bias = false cannot be exported: Hugging Face's GPT-2 always has biases")
-    if cfg.beyond_gpt2():
-        raise HFConversionError(f"a model with {', '.join(cfg.beyond_gpt2())} cannot be exported: Hugging Face's "
-                                "GPT-2 holds only GPT-2's recipe; use the checkpoint with gpt2train itself")
+    check_exportable(cfg)
     tokenizer_files = hf_tokenizer_files(tokenizer_spec, cfg.block_size)
     bos_id, eos_id = special_ids(cfg, tokenizer_spec)
     out = Path(out_dir)

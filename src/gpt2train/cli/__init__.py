@@ -1,7 +1,7 @@
 """The `gpt2train` command: the entry point. It builds the parser from each command group's builders, runs the
 chosen command's handler, and turns any failure into one line. Each group keeps its commands' arguments beside
 their handlers: prepare.py (prepare, tokenizer), train.py, use.py (sample, chat, serve), exports.py (import-hf,
-export-hf, export-gguf), evaluate.py (eval), tools.py (report, plan, doctor, ckpt, memory, config), bench.py;
+export-hf, export-gguf), evaluate.py (eval), tools.py (report, plan, doctor, ckpt, memory, config), bench.py, pipeline.py;
 arguments.py holds the argument types they share. A handler calls the library and prints what it returns.
 
 Every argument has a type and a range (arguments.py) and every config key too (config.RANGES), both checked
@@ -28,6 +28,7 @@ from gpt2train.cli.arguments import AUTO_DTYPE_HELP
 from gpt2train.cli.bench import add_bench
 from gpt2train.cli.evaluate import add_eval
 from gpt2train.cli.exports import add_export_gguf, add_export_hf, add_import_hf
+from gpt2train.cli.pipeline import add_pipeline
 from gpt2train.cli.prepare import add_prepare, add_tokenizer
 from gpt2train.cli.tools import add_ckpt, add_config, add_doctor, add_memory, add_plan, add_report
 from gpt2train.cli.train import add_train
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     # one builder per command or group of commands, in the order `gpt2train --help` lists them
     for add_commands in (add_prepare, add_tokenizer, add_train, add_sample, add_chat, add_serve, add_import_hf,
                          add_export_hf, add_export_gguf, add_report, add_eval, add_plan, add_doctor, add_ckpt, add_bench,
-                         add_memory, add_config):
+                         add_memory, add_config, add_pipeline):
         add_commands(sub)
     return parser
 

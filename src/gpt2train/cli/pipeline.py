@@ -1,0 +1,64 @@
+"""`gpt2train pipeline`: its arguments and its handler, which loads the pipeline (every stage's command checked
+before any runs), then plans it (--plan) or runs it and writes the report card."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from gpt2train.cli.arguments import POSITIVE_INT
+
+
+def add_pipeline(sub) -> None:
+    p = sub.add_parser("pipeline", help="the whole job in one resumable command: data, pretraining, the suite, a chat "
+                       "fine-tune, its eval, the exports and a report card (docs/pipeline.md)")
+    p.add_argument("--config", default="pipeline-cpu", help="a pipeline TOML file, or a preset: pipeline-cpu (Tiny "
+                   "Shakespeare to a chat model on a CPU), pipeline-gpt2 (FineWeb-Edu, GPT-2 124M, GPUs) (default "
+                   "%(default)s)")
+    p.add_argument("--out", help="the pipeline's folder, {out} in its commands (default: the file's [pipeline] out)")
+    p.add_argument("--set", action="append", metavar="STAGE.KEY=VALUE", help="a train stage's config key "
+                   "(pretrain.train.max_steps=50), or another stage's flag (data.val-fraction=0.2); repeatable")
+    p.add_argument("--plan", action="store_true", help="say each stage's work, time and memory, and the total; run nothing")
+    p.add_argument("--device", default="auto", help="with --plan: H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, "
+                   "CPU, or auto: this machine (default %(default)s)")
+    p.add_argument("--gpus", type=POSITIVE_INT, default=1, help="with --plan: devices the training uses (default "
+                   "%(default)s; a run under torchrun uses its ranks)")
+    p.set_defaults(func=cmd_pipeline)
+
+
+def cmd_pipeline(args) -> int:
+    from gpt2train import cli
+    from gpt2train.distributed import launch_env
+    from gpt2train.pipeline.card import write_card
+    from gpt2train.pipeline.definition import load_pipeline
+    from gpt2train.pipeline.estimate import estimate_pipeline, format_estimates
+    from gpt2train.pipeline.runner import Runner
+    from gpt2train.ranges import UsageError
+
+    if not args.plan and (args.device != "auto" or args.gpus != 1):
+        raise UsageError("--device and --gpus go with --plan (a run uses this machine, and torchrun's ranks)")
+    pipeline = load_pipeline(args.config, cli.build_parser(), out=args.out, overrides=args.set or [])
+    rank, _, world_size = launch_env()
+    if args.plan:
+        print(format_estimates(estimate_pipeline(pipeline, args.device, args.gpus), args.device, args.gpus))
+        return 0
+    command = continue_command(args)
+    if rank == 0:
+        print(f"pipeline {pipeline.name}: {len(pipeline.stages)} stages into {pipeline.out} "
+              f"({', '.join(s.name for s in pipeline.stages)}); `{command} --plan` estimates them", flush=True)
+    runner = Runner(pipeline, cli.main, say=lambda line: print(line, flush=True) if rank == 0 else None, rank=rank,
+                    continue_command=command)
+    status = runner.run()
+    if status or rank != 0:
+        return status
+    card = write_card(pipeline, runner.outcomes, args.config, command)
+    sys.stdout.write(card.read_text())
+    print(f"wrote {card} and {card.with_suffix('.html')}")
+    return 0
+
+
+def continue_command(args) -> str:
+    """The command that runs this pipeline again (and skips what is done)."""
+    words = ["gpt2train", "pipeline", "--config", args.config, *(["--out", args.out] if args.out else [])]
+    words += [w for item in args.set or [] for w in ("--set", item)]
+    return shlex.join(words)
