@@ -108,7 +108,7 @@ def load_pipeline(source: str, parser: argparse.ArgumentParser, out: str | None 
             raise PipelineError(f"{name}: [stage.{stage_name}] needs run = \"COMMAND ...\" (a gpt2train command)")
         commands[stage_name] = shlex.split(table["run"].replace("{out}", str(folder)))
     for item in overrides:
-        apply_override(commands, item)
+        set_stage_flag(commands, item)
     built = [parse_stage(stage_name, argv, parser, folder) for stage_name, argv in commands.items()]
     pipeline = Pipeline(name, head.get("description", ""), folder, built)
     check_order(pipeline)
@@ -122,7 +122,7 @@ def unknown(table: dict, allowed: set[str], what: str) -> None:
         raise PipelineError(f"{what} {extra[0]!r}; it takes {', '.join(sorted(allowed))}")
 
 
-def apply_override(commands: dict[str, list[str]], item: str) -> None:
+def set_stage_flag(commands: dict[str, list[str]], item: str) -> None:
     """`STAGE.KEY=VALUE` into that stage's command: --set KEY=VALUE for a train stage's config key (it has a dot),
     else --KEY VALUE, in place of the flag's value where the command has it."""
     target, eq, value = item.partition("=")
