@@ -132,6 +132,25 @@ def test_an_interrupted_pipeline_resumes_inside_its_stage_and_ends_as_the_uninte
         assert len(logged[0]) >= 3 and logged[0].items() <= logged[1].items() and len(logged[1]) <= len(logged[0]) + 1
 
 
+@pytest.mark.slow
+def test_under_torchrun_the_ranks_train_and_evaluate_together_and_rank_0_prepares(tmp_path):
+    """Two CPU ranks (gloo), as `torchrun -m gpt2train pipeline` runs on a GPU node: data on rank 0, the training
+    and then its eval on both ranks in one process group (an eval after a train stage hung when each stage made
+    its own), the card once."""
+    pipeline = tiny_pretraining(tmp_path, steps=4)
+    with open(pipeline, "a") as f:
+        f.write('\n[stage.suite]\nrun = "eval --ckpt {out}/base --tasks val"\n')
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "gpt2train", "pipeline", "--config", str(pipeline), "--out", str(tmp_path / "p")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "world size 2" in ran.stdout and "2 rank(s)" in ran.stdout  # the train and the eval stage
+    assert ran.stdout.count("# Report card: two") == 1 and ran.stdout.count("stage data: gpt2train prepare") == 1
+    assert json.loads((tmp_path / "p" / ".pipeline" / "suite.json").read_text())["status"] == "done"
+
+
 def test_plan_of_the_gpu_preset_on_8_h100s_needs_no_gpu_and_no_data():
     """Each stage's work, time and memory, and the total, before anything is spent: the pretraining is plan's
     estimate of gpt2-modern on 8 H100s, the fine-tune planned with the base's shape (not made yet)."""

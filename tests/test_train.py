@@ -77,6 +77,18 @@ def test_error_during_setup_still_destroys_the_process_group(char_data, tmp_path
             dist.destroy_process_group()
 
 
+def test_a_process_group_there_before_a_run_is_left_for_its_owner(char_data, tmp_path):
+    """A pipeline's stages under torchrun share one group (a second rendezvous in one process never met: the
+    eval after a train stage hung); a run that ends well leaves a group it did not join."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        train(tiny_config(char_data, max_steps=2), tmp_path / "run")
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # --- learning rate -----------------------------------------------------------------------------------
 
 def schedule(name: str) -> TrainConfig:

@@ -164,6 +164,12 @@ def check_gpu_for_rank(local_rank: int, gpus: int):
                          "on CPU with gloo")
 
 
+def in_process_group() -> bool:
+    """Whether this process has joined a process group already (then a command run inside it, as a pipeline's
+    stage is, uses that group and leaves it for its owner to shut down)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def shutdown_distributed(clean: bool = True):
     """Leave the process group. After an error skip the barrier: the other ranks may never reach it,
     and destroying the group is what lets every process exit instead of hanging."""

@@ -49,13 +49,27 @@ def cmd_pipeline(args) -> int:
               f"({', '.join(s.name for s in pipeline.stages)}); `{command} --plan` estimates them", flush=True)
     runner = Runner(pipeline, cli.main, say=lambda line: print(line, flush=True) if rank == 0 else None, rank=rank,
                     continue_command=command)
-    status = runner.run()
+    status = run_in_one_group(runner) if world_size > 1 else runner.run()
     if status or rank != 0:
         return status
     card = write_card(pipeline, runner.outcomes, args.config, command)
     sys.stdout.write(card.read_text())
     print(f"wrote {card} and {card.with_suffix('.html')}")
     return 0
+
+
+def run_in_one_group(runner) -> int:
+    """Under torchrun: the ranks join one process group for the whole pipeline, which its train and eval stages
+    use (each would otherwise leave it at its end, and a second rendezvous in one process does not meet)."""
+    from gpt2train import distributed as D
+
+    D.init_distributed("auto")
+    status = 1
+    try:
+        status = runner.run()
+    finally:
+        D.shutdown_distributed(clean=status == 0)
+    return status
 
 
 def continue_command(args) -> str:

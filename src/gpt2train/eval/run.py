@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from gpt2train import distributed as D
 from gpt2train.checkpoint import resolve_checkpoint
@@ -131,7 +130,7 @@ def evaluate_checkpoint(ckpt: str | Path, tasks: str | list[str] | None = None, 
     options = replace(options or EvalOptions(), **settings)
     tasks = None if tasks is None else parse_tasks(tasks)  # an unknown name fails before the model loads
     ckpt_dir = resolve_checkpoint(ckpt)
-    owns_group = not (dist.is_available() and dist.is_initialized())
+    owns_group = not D.in_process_group()
     info = D.init_distributed(options.device)
     try:
         loaded = load_for_tasks(ckpt_dir, tasks, options, info)

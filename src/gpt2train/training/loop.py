@@ -263,9 +263,12 @@ class Trainer:
 
 
 def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Path | None = None) -> dict:
-    """Build a Trainer, run it to max_steps (or a signal), and shut the process group down. A Config is
-    resolved for this launch (speed.as_run_measuring: a time budget's speed measured here); a RunConfig as it is."""
+    """Build a Trainer, run it to max_steps (or a signal), and shut the process group down: after a failure always
+    (every rank must be able to exit), after a run only one it joined (a group there before, a pipeline's, stays
+    for its next stage). A Config is resolved for this launch (speed.as_run_measuring: a time budget's speed
+    measured here); a RunConfig as it is."""
     use_expandable_segments()  # nothing on the CLI path has touched CUDA yet
+    owns_group = not D.in_process_group()
     trainer = None
     try:
         trainer = Trainer(cfg, run_dir, resume)
@@ -283,6 +286,7 @@ def train(cfg: Config | RunConfig, run_dir: str | Path | None, resume: str | Pat
             raise lost from e  # one line instead of gloo's traceback; the CLI exits 1
         raise
     trainer.close()
-    with StopSignal():  # torchrun's SIGTERM to the ranks still leaving, once one stopped rank exited 130/143, waits
-        D.shutdown_distributed(clean=True)
+    if owns_group:
+        with StopSignal():  # torchrun's SIGTERM to the ranks still leaving, once one stopped rank exited 130/143, waits
+            D.shutdown_distributed(clean=True)
     return out
