@@ -106,7 +106,7 @@ def load_pipeline(source: str, parser: argparse.ArgumentParser, out: str | None 
         unknown(table, STAGE_KEYS, f"{name}: [stage.{stage_name}] has an unknown key")
         if not isinstance(table.get("run"), str):
             raise PipelineError(f"{name}: [stage.{stage_name}] needs run = \"COMMAND ...\" (a gpt2train command)")
-        commands[stage_name] = shlex.split(table["run"].replace("{out}", str(folder)))
+        commands[stage_name] = shlex.split(table["run"].replace("{out}", shlex.quote(str(folder))))
     for item in overrides:
         set_stage_flag(commands, item)
     built = [parse_stage(stage_name, argv, parser, folder) for stage_name, argv in commands.items()]

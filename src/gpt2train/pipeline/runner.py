@@ -38,7 +38,7 @@ class StageRecord:
 
     fingerprint: str
     status: str  # "running", "done" or "failed"
-    started: float  # time.time()
+    started: float  # time.time() when it began
     seconds: float | None = None
     measured: dict = field(default_factory=dict)
 
@@ -128,20 +128,22 @@ class Runner:
             self.outcomes.append(Outcome(stage, record, skipped=True))
             return 0
         mine = self.rank == 0 or stage.argv[0] in DISTRIBUTED_COMMANDS
+        began = time.time()
         if self.rank == 0:
             self.prepare_to_run(stage, record, fp)
-            write_record(path, StageRecord(fp, "running", time.time()))
+            write_record(path, StageRecord(fp, "running", began))
         self.say(f"stage {stage.name}: {stage.line}")
         started = time.monotonic()
         status = self.run_command(list(stage.argv)) if mine else self.wait_for_rank_0(path, fp)
         if self.rank != 0:
             return status
         if status:
-            write_record(path, StageRecord(fp, "failed", time.time(), time.monotonic() - started))
+            write_record(path, StageRecord(fp, "failed", began, time.monotonic() - started))
             return status
         from gpt2train.pipeline.measure import measure
 
-        done = StageRecord(fp, "done", time.time(), time.monotonic() - started, measure(stage))
+        seconds = time.monotonic() - started  # the command's own time, not the measuring after it
+        done = StageRecord(fp, "done", began, seconds, measure(stage))
         write_record(path, done)
         self.outcomes.append(Outcome(stage, done, skipped=False))
         return 0
@@ -149,7 +151,8 @@ class Runner:
     def prepare_to_run(self, stage: Stage, record: StageRecord | None, fp: str) -> None:
         """Interrupted (same fingerprint): run it again, as it is. Otherwise what it wrote before is set aside."""
         if record is not None and record.fingerprint == fp and record.status != "done":
-            self.say(f"stage {stage.name}: it was interrupted; running it again (a train stage resumes from its last "
+            why = "was interrupted" if record.status == "running" else "failed"
+            self.say(f"stage {stage.name}: it {why}; running it again (a train stage resumes from its last "
                      "checkpoint)")
             return
         if stage.writes is None or not stage.writes.exists():
