@@ -132,15 +132,15 @@ def tiny_config(data_dir: Path, **train) -> Config:
     return cfg
 
 
-def random_checkpoint(run: Path, vocab_size: int, tokenizer: dict) -> Path:
-    """A random 1-layer model (block_size 32, float32) saved as an imported run is, with `tokenizer` (its spec):
-    a checkpoint for `gpt2train eval` that needs no training."""
+def random_checkpoint(run: Path, vocab_size: int, tokenizer: dict, block_size: int = 32) -> Path:
+    """A random 1-layer model (float32) saved as an imported run is, with `tokenizer` (its spec): a checkpoint for
+    `gpt2train eval` that needs no training."""
     from gpt2train.checkpoint import model_state, save_checkpoint
     from gpt2train.config import to_dict
     from gpt2train.model import GPT
 
     cfg = Config()
-    cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size)
+    cfg.model = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=block_size, vocab_size=vocab_size)
     cfg.train.dtype = "float32"  # eval's --dtype auto is the run's own
     torch.manual_seed(0)
     save_checkpoint(run, step=0, weights=model_state(GPT(cfg.model)), state={},

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from conftest import chat_conversations as conversations
 from conftest import run_cli, tiny_config, write_jsonl
 from gpt2train.chat import ConversationError, check_conversation, check_messages, fit_prompt, render, render_prompt, render_text
+from gpt2train.classifier import chunked_cross_entropy, scored_rows
 from gpt2train.data.chat_loader import ChatLoader
 from gpt2train.data.conversations import prepare_chat
 from gpt2train.data.sources import SourceError
@@ -214,6 +215,24 @@ def test_masked_positions_have_zero_gradient_and_the_loss_is_the_unmasked_mean(l
     with torch.no_grad():  # and the whole model's loss is the same mean
         _, masked = model(x, torch.where(keep, y, -1))
         assert torch.allclose(masked, F.cross_entropy(model(x)[keep].float(), y[keep]), atol=1e-5)
+
+
+def test_the_classifier_scores_only_the_rows_whose_target_counts():
+    """On a CPU the masked rows never reach the classifier (chat data trains a sixth of each row): the same loss and
+    the same gradients of the hidden states and of the head's weight as the plain loss over every row."""
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(20, 8, requires_grad=True), torch.randn(64, 8, requires_grad=True)
+    targets = torch.where(torch.rand(20) < 0.3, torch.randint(0, 60, (20,)), -1)
+    kept, kept_targets = scored_rows(hidden, targets)
+    assert torch.equal(kept, hidden[targets != -1]) and torch.equal(kept_targets, targets[targets != -1])
+    every = torch.randint(0, 60, (20,))
+    assert scored_rows(hidden, every)[0] is hidden  # nothing masked: the rows as they are
+    loss = chunked_cross_entropy(hidden, weight, targets, chunk=3, vocab_size=60)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    reference = F.cross_entropy((hidden @ weight.t())[:, :60], targets, ignore_index=-1)
+    expected = torch.autograd.grad(reference, (hidden, weight))
+    assert torch.allclose(loss, reference, atol=1e-6)
+    assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, expected))
 
 
 # --- training -----------------------------------------------------------------------------------------

@@ -3,16 +3,28 @@ offline demo's conversations (`prepare chat --demo`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 
 import pytest
 import torch
 
-from conftest import chat_conversations, random_checkpoint, run_cli
+from conftest import chat_conversations, random_checkpoint, run_cli, run_here
 from gpt2train.chat import render, render_prompt
 from gpt2train.cli import main
-from gpt2train.data.chat_demo import NAMES, PLACES, demo_conversations, most_conversations
+from gpt2train.config import load_config
+from gpt2train.data.chat_demo import (
+    DEMOS,
+    KINDS,
+    NAMES,
+    ORDINALS,
+    PLACES,
+    THINGS,
+    demo_conversations,
+    most_conversations,
+)
 from gpt2train.data.chat_loader import ChatLoader, split_conversations
 from gpt2train.data.prepared import load_meta
 from gpt2train.eval.chat import exact_match, held_out_replies, last_reply, reply_text
@@ -61,12 +73,91 @@ def test_prepare_chat_demo_writes_a_split_whose_held_out_pairs_are_unseen(tmp_pa
     assert not {facts(rows[i]) for i in held_out} & train_pairs
 
 
+def test_recall_is_the_same_file_it_always_was():
+    """The demo's figures in docs/chat.md were measured on these conversations: the other tasks must not move them."""
+    text = json.dumps(demo_conversations("recall", 5000, seed=0))
+    assert hashlib.sha256(text.encode()).hexdigest() == "05bb86ef67923e9b3442938e383337338eea4a0f462754af2774e39f0ad848c6"
+
+
+def stated(row: dict) -> tuple:
+    """What a pick or count conversation's user states, before the question: the list of things, or the
+    (number, kind) pairs."""
+    first = row["messages"][0]["content"]
+    statement = first[: first.index(".") + 1]
+    numbers = re.findall(r"(\d+) ([a-z]+)", statement)
+    if numbers:
+        return tuple((int(n), kind) for n, kind in numbers)
+    return tuple(word for word in re.findall(r"[a-z]+", statement) if word in THINGS)
+
+
+def expected_answer(row: dict) -> str:
+    """The answer worked out here from the statement and the question, independently of the generator."""
+    facts, asked = stated(row), row["messages"][-2]["content"]
+    question = asked[asked.index(".") + 1:] if len(row["messages"]) == 2 else asked  # after the statement
+    if isinstance(facts[0], tuple):  # count
+        kind = next(k for k in KINDS if re.search(rf"\b{k}\b", question))
+        number = next(n for n, k in facts if k == kind)
+        return f"There are {number} {kind}."
+    if "last" in question:
+        return f"The last one is the {facts[-1]}."
+    ordinal = next((o for o in ORDINALS if o in question), None)
+    if ordinal:
+        return f"The {ordinal} one is the {facts[ORDINALS.index(ordinal)]}."
+    before = next(t for t in THINGS if re.search(rf"the {t}\?", question))
+    return f"After the {before} comes the {facts[facts.index(before) + 1]}."
+
+
+@pytest.mark.parametrize("demo", ["pick", "count"])
+def test_pick_and_count_are_seeded_and_answered_from_what_the_user_said(demo):
+    rows = demo_conversations(demo, 600, seed=7)
+    assert rows == demo_conversations(demo, 600, seed=7) and rows != demo_conversations(demo, 600, seed=8)
+    statements = [stated(row) for row in rows]
+    assert len(set(statements)) == len(rows)  # nothing stated twice: a held-out one is one training never saw
+    for row, facts in zip(rows, statements):
+        assert 2 <= len(facts) <= 5 and len(set(facts)) == len(facts)
+        if demo == "count":  # one number per kind, each different: the asked kind's number is the only right one
+            assert len({n for n, _ in facts}) == len(facts) and len({k for _, k in facts}) == len(facts)
+        assert row["messages"][-1]["content"] == expected_answer(row)
+    # every way of asking comes up, one turn and two
+    assert {len(row["messages"]) for row in rows} == {2, 4}
+    if demo == "pick":
+        answers = " ".join(row["messages"][-1]["content"] for row in rows)
+        assert all(f"The {o} one" in answers for o in ORDINALS) and "The last one" in answers and "After the" in answers
+
+
+@pytest.mark.parametrize("demo", DEMOS)
+def test_every_demo_conversation_fits_a_row_of_chat_cpu(demo):
+    """chat-cpu's rows hold seq_len + 1 tokens: a longer conversation would be skipped, not trained or scored."""
+    tok = with_chat_tokens(tokenizer_from_name("gpt2"))
+    row_tokens = load_config("chat-cpu").train.seq_len + 1
+    longest = max(len(render(tok, row["messages"])[0]) for row in demo_conversations(demo, 2000, seed=1))
+    assert 30 < longest <= row_tokens
+
+
+@pytest.mark.parametrize("demo", ["pick", "count"])
+def test_prepare_chat_demo_holds_out_statements_training_never_saw(tmp_path, demo):
+    r = run_here("prepare", "chat", "--demo", demo, "--conversations", "300", "--seed", "2", "--out",
+                 str(tmp_path / "chat"))
+    assert r.returncode == 0, r.stderr
+    assert f"300 conversations of the {demo} demo" in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "chat" / f"{demo}.jsonl").read_text().splitlines()]
+    assert rows == demo_conversations(demo, 300, seed=2)
+    assert load_meta(tmp_path / "chat")["documents"] == {"train": 270, "val": 30}
+    tok = with_chat_tokens(tokenizer_from_name("gpt2"))
+    val = [tok.decode(ids) for ids, _ in split_conversations(tmp_path / "chat", "val")]
+    held_out = set(range(9, 300, 10))
+    assert val == [tok.decode(render(tok, rows[i]["messages"])[0]) for i in sorted(held_out)]
+    train = {stated(rows[i]) for i in range(300) if i not in held_out}
+    assert not {stated(rows[i]) for i in held_out} & train
+
+
 @pytest.mark.parametrize("args,problem", [
     (["x.jsonl", "--demo", "recall"], "(one of the three)"),
     (["--hf", "x", "--demo", "recall"], "(one of the three)"),
     ([], "(one of the three)"),
     (["x.jsonl", "--seed", "1"], "read only with --demo"),
     (["--demo", "recall", "--conversations", "999999"], "more than the recall demo makes"),
+    (["--demo", "count", "--conversations", "999999"], "more than the count demo makes"),
 ])
 def test_prepare_chat_demo_usage_errors(tmp_path, args, problem, capsys):
     assert main(["prepare", "chat", *args, "--out", str(tmp_path / "chat")]) == 2

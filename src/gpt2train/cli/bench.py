@@ -1,5 +1,6 @@
 """`gpt2train bench BENCHMARK`: each benchmark's arguments beside its handler, which makes the benchmark's options
-from them, runs it and prints its table (journey, profile, generate, serve, quality, scaling, multiplier, prepare)."""
+from them, runs it and prints its table (journey, profile, generate, serve, quality, scaling, multiplier, prepare,
+chat)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from gpt2train.cli.arguments import (
     ranged,
     seed_list,
 )
+from gpt2train.data.chat_demo import DEFAULT_CONVERSATIONS, DEMOS
 from gpt2train.ranges import COMPILE_SETTINGS, DTYPE_NAMES, at_least
 from gpt2train.units import name_stamp
 
@@ -50,7 +52,7 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="performance lab: measured speedups, technique by technique")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     for add_benchmark in (add_bench_journey, add_bench_profile, add_bench_generate, add_bench_serve, add_bench_quality,
-                          add_bench_scaling, add_bench_multiplier, add_bench_prepare):
+                          add_bench_scaling, add_bench_multiplier, add_bench_prepare, add_bench_chat):
         add_benchmark(bench)
 
 
@@ -381,4 +383,48 @@ def cmd_bench_prepare(args) -> int:
     result = run_prepare_bench(options, out)
     print(result["markdown"])
     print(f"wrote {out}")
+    return 0
+
+
+def add_bench_chat(bench) -> None:
+    p = bench.add_parser("chat", help="the chat fine-tune on each offline demo task: prepare its conversations, "
+                         "fine-tune a base run with a chat preset, score the held-out replies (exact match)")
+    p.add_argument("--tasks", type=task_list, default=",".join(DEMOS), help="comma-separated demo tasks: "
+                   f"{', '.join(DEMOS)} (default %(default)s; docs/chat.md, The demo)")
+    p.add_argument("--base", default="runs/shakespeare", help="the run (or checkpoint, or Hugging Face GPT-2 folder) "
+                   "every fine-tune starts from (default %(default)s: the quickstart's)")
+    p.add_argument("--config", default="chat-cpu", help=CONFIG_HELP + " (default %(default)s)")
+    p.add_argument("--conversations", type=POSITIVE_INT, default=DEFAULT_CONVERSATIONS, help="conversations per "
+                   "task, one in ten held out (default %(default)s)")
+    p.add_argument("--seed", type=COUNT, default=0, help="the demos' seed (default %(default)s)")
+    p.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every fine-tune (default: the config's)")
+    p.add_argument("--limit", type=COUNT, default=0, help="held-out conversations scored per task, 0: all "
+                   "(default %(default)s)")
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config key of every "
+                   "fine-tune (repeatable), e.g. train.lr=1e-3 (default: none)")
+    p.add_argument("--device", type=device_name, help="train.device of every fine-tune, and eval's (default: the "
+                   "config's)")
+    p.add_argument("--out", type=OUT_FOLDER, help="output folder (default runs/bench-chat-<time>)")
+    p.set_defaults(func=cmd_bench_chat)
+
+
+def task_list(text: str) -> list[str]:
+    """--tasks: demo tasks separated by commas, each once."""
+    tasks = [part.strip() for part in text.split(",") if part.strip()]
+    if not tasks or any(t not in DEMOS for t in tasks) or len(set(tasks)) != len(tasks):
+        raise argparse.ArgumentTypeError(f"{text!r}: give demo tasks ({', '.join(DEMOS)}) separated by commas, "
+                                         "each once")
+    return tasks
+
+
+def cmd_bench_chat(args) -> int:
+    from gpt2train.bench.chat import ChatBenchOptions, run_chat_bench
+
+    options = ChatBenchOptions(tasks=args.tasks, base=args.base, config=args.config, conversations=args.conversations,
+                               seed=args.seed, steps=args.steps or 0, limit=args.limit, overrides=args.set or [],
+                               device=args.device or "")
+    out = Path(args.out) if args.out else Path("runs") / name_stamp("bench-chat")
+    result = run_chat_bench(options, out)
+    print(result["markdown"])
+    print(f"wrote {out}/chat.md, chat.json; each task's data and run in {out}/TASK/")
     return 0

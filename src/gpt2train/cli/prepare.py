@@ -123,9 +123,10 @@ def add_prepare_chat(prep) -> None:
     c.add_argument("--config", help="with --hf: the dataset's configuration (default: its default)")
     c.add_argument("--split", help="with --hf: the dataset's split (default train)")
     c.add_argument("--column", help="with --hf: the column holding each conversation's messages (default messages)")
-    c.add_argument("--demo", choices=DEMOS, help="instead of files, make the offline demo's conversations (written "
-                   "to OUT/NAME.jsonl first): recall, the user's name and city asked back (docs/chat.md, The demo) "
-                   "(default: none, read the PATHs)")
+    c.add_argument("--demo", choices=DEMOS, help="instead of files, make an offline demo task's conversations "
+                   "(written to OUT/NAME.jsonl first): recall, the user's name and city asked back; pick, one thing of "
+                   "the user's list, by its place or the one before it; count, how many of one kind the user said "
+                   "they have (docs/chat.md, The demo) (default: none, read the PATHs)")
     c.add_argument("--conversations", type=POSITIVE_INT, help=f"how many --demo makes (default {DEFAULT_CONVERSATIONS:,})")
     c.add_argument("--seed", type=COUNT, help="--demo's seed (default 0)")
     c.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards, masks and meta.json")
