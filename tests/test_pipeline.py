@@ -47,6 +47,8 @@ def test_the_default_pipeline_runs_end_to_end_and_prints_its_report_card(finishe
     out, done, card = finished
     assert done.returncode == 0, done.stderr[-2000:]
     assert card and card in done.stdout  # printed, and written
+    plan = done.stdout.splitlines()[1:len(STAGES) + 3]  # the run's first lines: each stage's estimate, the total
+    assert plan[0] == "plan on this machine:" and [line.split()[0] for line in plan[1:]] == [*STAGES, "total"]
     rows = {line.split(" | ")[0].strip("| "): line for line in card.splitlines() if line.startswith("| ")}
     assert [name for name in rows if name in STAGES] == STAGES
     assert "8 steps" in rows["pretrain"] and "best val loss" in rows["pretrain"]
@@ -122,7 +124,7 @@ def test_an_interrupted_pipeline_resumes_inside_its_stage_and_ends_as_the_uninte
     resumed = run_here("pipeline", "--config", str(pipeline), "--out", str(out), "--set", "pretrain.train.max_steps=24")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "stage data: done (" in resumed.stdout
-    assert "stage pretrain: it was interrupted; running it again" in resumed.stdout
+    assert "stage pretrain: it was stopped; running it again" in resumed.stdout
     final = [load_file(folder / "base" / "checkpoints" / "step_00000024" / "model.safetensors") for folder in
              (tmp_path / "whole", out)]
     assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
@@ -168,7 +170,7 @@ def test_plan_of_the_gpu_preset_on_8_h100s_needs_no_gpu_and_no_data():
 
 def test_ranks_other_than_0_run_train_and_eval_stages_and_wait_for_rank_0_on_the_others(tmp_path):
     """Under torchrun every rank runs the pipeline: a train stage is torchrun's own (each rank runs it), a prepare
-    stage is rank 0's alone (the others wait for its record)."""
+    stage is rank 0's alone (the others wait for its record of this run)."""
     pipeline = load_pipeline(str(tiny_pretraining(tmp_path)), build_parser(), out=str(tmp_path / "p"))
     ran: list[str] = []
     runner = Runner(pipeline, lambda argv: ran.append(argv[0]) or 0, say=lambda line: None, rank=1)
@@ -179,6 +181,8 @@ def test_ranks_other_than_0_run_train_and_eval_stages_and_wait_for_rank_0_on_the
         time.sleep(0.5)
         write_record(record_path(pipeline, data), StageRecord(fp, "done", time.time(), 0.1, {}))
 
+    # an earlier run's record of the stage, failed: no answer to this run's wait
+    write_record(record_path(pipeline, data), StageRecord(fp, "failed", time.time() - 3600, 0.1, {}))
     threading.Thread(target=rank_0_prepares).start()
     started = time.monotonic()
     assert runner.run() == 0

@@ -35,7 +35,7 @@ class ChatBenchOptions:
     tasks: list[str] = field(default_factory=lambda: list(DEMOS))
     base: str = "runs/shakespeare"  # train.init_from of every fine-tune: a run, a checkpoint or a HF GPT-2 folder
     config: str = "chat-cpu"
-    conversations: int = DEFAULT_CONVERSATIONS  # per task, one in ten held out
+    conversations: int = 0  # per task, one in ten held out; 0: each task's default (DEFAULT_CONVERSATIONS)
     seed: int = 0  # the demos' seed
     steps: int = 0  # train.max_steps; 0: the config's
     limit: int = 0  # held-out conversations scored; 0: all
@@ -46,13 +46,14 @@ class ChatBenchOptions:
         if not self.tasks or any(t not in DEMOS for t in self.tasks) or len(set(self.tasks)) != len(self.tasks):
             raise UsageError(f"tasks {self.tasks}: give demo tasks ({', '.join(DEMOS)}), each once")
         most = min(most_conversations(task) for task in self.tasks)
-        if not 20 <= self.conversations <= most:  # 20: two held out, and a batch of the rest
+        if self.conversations and not 20 <= self.conversations <= most:  # 20: two held out, and a batch of the rest
             raise UsageError(f"conversations must be 20 to {most:,} (what the demos make), not {self.conversations:,}")
 
 
 @dataclass
 class TaskResult:
     task: str
+    conversations: int = 0  # made, one in ten held out
     status: str = "ok"  # ok | failed
     reason: str = ""
     steps: int = 0
@@ -91,9 +92,9 @@ def run_chat_bench(options: ChatBenchOptions, out_dir: str | Path, progress: boo
 def run_task(task: str, options: ChatBenchOptions, folder: Path) -> TaskResult:
     """One task: its conversations prepared, the fine-tune (console in run/console.log), then eval. A failing
     fine-tune (the guard giving up, a config the data cannot feed) is reported with its error; the others go on."""
-    result = TaskResult(task)
+    result = TaskResult(task, conversations=options.conversations or DEFAULT_CONVERSATIONS[task])
     data, run = folder / "data", folder / "run"
-    prepare_chat([write_demo(task, data, options.conversations, options.seed)], data)
+    prepare_chat([write_demo(task, data, result.conversations, options.seed)], data)
     cfg = load_config(options.config, [*options.overrides, f"data.dir={data}", f"train.init_from={options.base}"])
     cfg.train.max_steps = options.steps or cfg.train.max_steps
     cfg.train.device = options.device or cfg.train.device
@@ -161,6 +162,10 @@ def table(tasks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def conversations(tasks: list[dict]) -> str:
+    return ", ".join(f"{t['task']} {t['conversations']:,}" for t in tasks)
+
+
 def to_markdown(record: dict) -> str:
     o, hw = record["options"], record["hardware"]
     device = hw.get("device_name") or hw.get("device") or "n/a"
@@ -169,8 +174,8 @@ def to_markdown(record: dict) -> str:
              f"- date: {record['date']}; torch {record['torch']}; device {device}, torch threads: "
              f"{record['cpu_threads']}",
              f"- command: `{record['command']}`",
-             f"- per task: {o['conversations']:,} conversations (seed {o['seed']}), one in ten held out; exact match: "
-             "greedy replies equal to the held-out answer",
+             f"- per task: {conversations(record['tasks'])} conversations (seed {o['seed']}), one in ten held out; "
+             "exact match: greedy replies equal to the held-out answer",
              "", table(record["tasks"]), "",
              f"{len(reached)} of {len(record['tasks'])} tasks reach {record['target']} held-out exact match"
              + (f": {', '.join(reached)}" if reached else "")]

@@ -394,8 +394,9 @@ def add_bench_chat(bench) -> None:
     p.add_argument("--base", default="runs/shakespeare", help="the run (or checkpoint, or Hugging Face GPT-2 folder) "
                    "every fine-tune starts from (default %(default)s: the quickstart's)")
     p.add_argument("--config", default="chat-cpu", help=CONFIG_HELP + " (default %(default)s)")
-    p.add_argument("--conversations", type=POSITIVE_INT, default=DEFAULT_CONVERSATIONS, help="conversations per "
-                   "task, one in ten held out (default %(default)s)")
+    p.add_argument("--conversations", type=COUNT, default=0, help="conversations per task, one in ten held out; "
+                   "0: each task's default (" + ", ".join(f"{t} {n:,}" for t, n in DEFAULT_CONVERSATIONS.items())
+                   + ") (default %(default)s)")
     p.add_argument("--seed", type=COUNT, default=0, help="the demos' seed (default %(default)s)")
     p.add_argument("--steps", type=POSITIVE_INT, help="train.max_steps of every fine-tune (default: the config's)")
     p.add_argument("--limit", type=COUNT, default=0, help="held-out conversations scored per task, 0: all "

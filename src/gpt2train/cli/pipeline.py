@@ -45,8 +45,8 @@ def cmd_pipeline(args) -> int:
         return 0
     command = continue_command(args)
     if rank == 0:
-        print(f"pipeline {pipeline.name}: {len(pipeline.stages)} stages into {pipeline.out} "
-              f"({', '.join(s.name for s in pipeline.stages)}); `{command} --plan` estimates them", flush=True)
+        print(f"pipeline {pipeline.name}: {len(pipeline.stages)} stages into {pipeline.out}", flush=True)
+        print(first_plan(pipeline, world_size), flush=True)
     runner = Runner(pipeline, cli.main, say=lambda line: print(line, flush=True) if rank == 0 else None, rank=rank,
                     continue_command=command)
     status = run_in_one_group(runner) if world_size > 1 else runner.run()
@@ -56,6 +56,17 @@ def cmd_pipeline(args) -> int:
     sys.stdout.write(card.read_text())
     print(f"wrote {card} and {card.with_suffix('.html')}")
     return 0
+
+
+def first_plan(pipeline, world_size: int) -> str:
+    """The plan a run starts with (what --plan prints for this machine); a stage it cannot estimate yet is no
+    reason not to run, so a failure is said in one line instead."""
+    from gpt2train.pipeline.estimate import estimate_pipeline, format_estimates
+
+    try:
+        return format_estimates(estimate_pipeline(pipeline, "auto", world_size), "auto", world_size)
+    except (ValueError, OSError) as e:  # a config that resolves only once an earlier stage has run, ...
+        return f"plan: not estimated ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 
 
 def run_in_one_group(runner) -> int:

@@ -127,7 +127,8 @@ def add_prepare_chat(prep) -> None:
                    "(written to OUT/NAME.jsonl first): recall, the user's name and city asked back; pick, one thing of "
                    "the user's list, by its place or the one before it; count, how many of one kind the user said "
                    "they have (docs/chat.md, The demo) (default: none, read the PATHs)")
-    c.add_argument("--conversations", type=POSITIVE_INT, help=f"how many --demo makes (default {DEFAULT_CONVERSATIONS:,})")
+    c.add_argument("--conversations", type=POSITIVE_INT, help="how many --demo makes (default: "
+                   + ", ".join(f"{n:,} for {demo}" for demo, n in DEFAULT_CONVERSATIONS.items()) + ")")
     c.add_argument("--seed", type=COUNT, help="--demo's seed (default 0)")
     c.add_argument("--out", type=OUT_FOLDER, required=True, help="output folder for shards, masks and meta.json")
     c.add_argument("--tokenizer", default="gpt2", help="gpt2 or bpe:PATH/TO/tokenizer.json (default %(default)s)")
@@ -156,7 +157,7 @@ def cmd_prepare_chat(args) -> int:
     else:
         paths = args.paths
         if args.demo:
-            n, most = args.conversations or DEFAULT_CONVERSATIONS, most_conversations(args.demo)
+            n, most = args.conversations or DEFAULT_CONVERSATIONS[args.demo], most_conversations(args.demo)
             if n > most:
                 raise UsageError(f"--conversations {n:,} is more than the {args.demo} demo makes ({most:,}); lower it")
             paths = [write_demo(args.demo, args.out, n, args.seed or 0)]

@@ -28,7 +28,9 @@ from gpt2train.units import format_duration
 
 STATE_DIR = ".pipeline"
 DISTRIBUTED_COMMANDS = ("train", "eval")  # run on every rank under torchrun
+STOPPED_BY_SIGNAL = (130, 143)  # Ctrl-C, SIGTERM: a train stage saved first
 WAIT_POLL_S = 1.0
+CLOCK_SKEW_S = 5.0  # between the ranks' clocks: rank 0's record of this run may seem that much older
 
 
 @dataclass
@@ -37,7 +39,7 @@ class StageRecord:
     what it measured (the report card's numbers)."""
 
     fingerprint: str
-    status: str  # "running", "done" or "failed"
+    status: str  # "running" (or killed while it ran), "done", "stopped" (by a signal) or "failed"
     started: float  # time.time() when it began
     seconds: float | None = None
     measured: dict = field(default_factory=dict)
@@ -103,6 +105,7 @@ class Runner:
     rank: int = 0
     continue_command: str = "gpt2train pipeline"
     outcomes: list[Outcome] = field(default_factory=list)
+    since: float = field(default_factory=time.time)  # this run's start: an older record is an earlier run's
 
     def run(self) -> int:
         """Every stage in order; the first that fails (or is stopped) ends the pipeline with its exit status."""
@@ -138,7 +141,8 @@ class Runner:
         if self.rank != 0:
             return status
         if status:
-            write_record(path, StageRecord(fp, "failed", began, time.monotonic() - started))
+            ended = "stopped" if status in STOPPED_BY_SIGNAL else "failed"
+            write_record(path, StageRecord(fp, ended, began, time.monotonic() - started))
             return status
         from gpt2train.pipeline.measure import measure
 
@@ -151,7 +155,7 @@ class Runner:
     def prepare_to_run(self, stage: Stage, record: StageRecord | None, fp: str) -> None:
         """Interrupted (same fingerprint): run it again, as it is. Otherwise what it wrote before is set aside."""
         if record is not None and record.fingerprint == fp and record.status != "done":
-            why = "was interrupted" if record.status == "running" else "failed"
+            why = {"running": "was interrupted", "stopped": "was stopped"}.get(record.status, "failed")
             self.say(f"stage {stage.name}: it {why}; running it again (a train stage resumes from its last "
                      "checkpoint)")
             return
@@ -167,6 +171,7 @@ class Runner:
         """Another rank's turn at a stage rank 0 alone runs: wait for its record to say done (0) or failed (1)."""
         while True:
             record = read_record(path)
-            if record is not None and record.fingerprint == fp and record.status in ("done", "failed"):
+            ended = record is not None and record.status in ("done", "failed", "stopped")
+            if ended and record.fingerprint == fp and record.started >= self.since - CLOCK_SKEW_S:
                 return 0 if record.status == "done" else 1
             time.sleep(WAIT_POLL_S)
