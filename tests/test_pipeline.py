@@ -194,6 +194,7 @@ BAD = {
     "a command that is no stage": ('[stage.talk]\nrun = "serve --ckpt runs/x"\n',
                                    "stage talk: runs 'serve'; a stage runs one of prepare, tokenizer, train, eval, "
                                    "export-hf, export-gguf"),
+    "a stage that is no table": ('stage = 3\n', "bad: [pipeline] and each [stage.NAME] must be tables"),
     "an unknown key": ('[stage.data]\nrun = "prepare shakespeare --out {out}/d"\nruns = 2\n',
                        "bad: [stage.data] has an unknown key 'runs'; it takes run"),
     "a bad argument": ('[stage.data]\nrun = "prepare shakespeare --out {out}/d --val-fraction 2"\n',

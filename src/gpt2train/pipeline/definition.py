@@ -96,6 +96,8 @@ def load_pipeline(source: str, parser: argparse.ArgumentParser, out: str | None 
     except tomllib.TOMLDecodeError as e:
         raise PipelineError(f"{name}: invalid TOML: {e}") from None
     head, stages = data.pop("pipeline", {}), data.pop("stage", {})
+    if not isinstance(head, dict) or not isinstance(stages, dict) or not all(isinstance(t, dict) for t in stages.values()):
+        raise PipelineError(f"{name}: [pipeline] and each [stage.NAME] must be tables (a stage: run = \"COMMAND ...\")")
     unknown(data, {"pipeline", "stage"}, f"{name}: unknown table")
     unknown(head, PIPELINE_KEYS, f"{name}: [pipeline] has an unknown key")
     if not stages:
