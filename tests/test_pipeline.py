@@ -61,7 +61,8 @@ def test_the_default_pipeline_runs_end_to_end_and_prints_its_report_card(finishe
             continue
         assert measured["max_logit_diff"] < within and measured["agreement"] >= 0.9, measured
     assert "[reference] " in card  # the held-out conversations, answered
-    assert "<table>" in (out / "report.html").read_text()
+    page = (out / "report.html").read_text()  # in the style of `gpt2train report`'s page
+    assert "<th>stage</th>" in page and "<td>pretrain</td>" in page and "border-collapse" in page
     for name in ("data", "base", "chat_data", "chat", "hf", "chat.gguf"):
         assert (out / name).exists()
 

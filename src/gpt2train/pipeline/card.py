@@ -143,13 +143,20 @@ def commit() -> str:
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}}
-table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}
-pre{{background:#f6f6f6;padding:8px;white-space:pre-wrap}}code{{background:#f6f6f6}}</style></head>
+{style}</head>
 <body>
 {body}
 </body></html>
 """
+
+
+def report_style() -> str:
+    """The <style> of `gpt2train report`'s page (templates/report.html): the card looks like the run's report."""
+    import importlib.resources
+
+    page = importlib.resources.files("gpt2train").joinpath("templates/report.html").read_text(encoding="utf-8")
+    start, end = page.find("<style>"), page.find("</style>")
+    return page[start:end + len("</style>")] if 0 <= start < end else ""
 
 
 def card_html(markdown: str, name: str) -> str:
@@ -165,8 +172,9 @@ def card_html(markdown: str, name: str) -> str:
             continue
         if line.startswith("|"):
             cells = [c.strip() for c in line.strip("|").split("|")]
+            tag = "th" if not table else "td"  # a table's first row is its header
             if not set("".join(cells)) <= set("-: "):
-                table.append("<tr>" + "".join(f"<td>{inline(c)}</td>" for c in cells) + "</tr>")
+                table.append("<tr>" + "".join(f"<{tag}>{inline(c)}</{tag}>" for c in cells) + "</tr>")
             continue
         if table:
             out.append("<table>" + "".join(table) + "</table>")
@@ -180,7 +188,7 @@ def card_html(markdown: str, name: str) -> str:
             out.append(f"<p>{inline(line)}</p>")
     if table:
         out.append("<table>" + "".join(table) + "</table>")
-    return PAGE.format(title=html.escape(f"Report card: {name}"), body="\n".join(out))
+    return PAGE.format(title=html.escape(f"Report card: {name}"), style=report_style(), body="\n".join(out))
 
 
 def inline(text: str) -> str:
