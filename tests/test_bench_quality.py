@@ -11,7 +11,7 @@ import pytest
 
 from conftest import one_line, run_cli, tiny_config
 from gpt2train import cli
-from gpt2train.bench import quality
+from gpt2train.bench import quality, runs
 from gpt2train.bench.quality import (
     QualityOptions,
     SeedRun,
@@ -238,17 +238,17 @@ def test_a_row_that_raises_is_reported_failed_and_a_stop_signal_stops_the_bench(
     base, recipe = pair
     options = QualityOptions(config=str(base), modern=str(recipe), eval_interval=2)
 
-    def diverges(cfg, run_dir):
+    def diverges(cfg, run_dir, resume=None):
         raise ValueError("guard: loss spike at step 3 and no checkpoint to roll back to\nmore")
 
-    monkeypatch.setattr(quality, "train", diverges)
+    monkeypatch.setattr(runs, "train", diverges)  # bench/runs.py trains every bench's runs
     result = run_quality(options, tmp_path / "failed", progress=False)
     assert [r.runs[0].status for r in result.rows] == ["failed", "failed"]
     assert result.rows[0].runs[0].reason == "ValueError: guard: loss spike at step 3 and no checkpoint to roll back to"
     assert "| GPT-2 | failed |" in result.markdown and "GPT-2, seed 1337: failed: ValueError: guard" in result.markdown
     assert result.target["tokens_ratio"] is None and (tmp_path / "failed" / "quality.png").is_file()
 
-    monkeypatch.setattr(quality, "train", lambda cfg, run_dir: {"reason": "signal", "signal": signal.SIGTERM})
+    monkeypatch.setattr(runs, "train", lambda cfg, run_dir, resume=None: {"reason": "signal", "signal": signal.SIGTERM})
     with pytest.raises(KeyboardInterrupt) as stopped:
         run_quality(options, tmp_path / "stopped", progress=False)
     assert stopped.value.signum == signal.SIGTERM  # the command exits 143, as the trainer stopped by it would

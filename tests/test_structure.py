@@ -32,7 +32,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("tools", {"memory", "plan", "doctor", "report", "chat_terminal"}),
     # The benchmarks measure the library from above it: nothing below imports them.
     ("bench", {"bench", "bench.journey", "bench.find_batch", "bench.generate", "bench.quality", "bench.serve",
-               "bench.prepare", "bench.scaling", "bench.recipe", "bench.multiplier", "bench.profile", "bench.chat"}),
+               "bench.prepare", "bench.scaling", "bench.recipe", "bench.runs", "bench.multiplier", "bench.profile",
+               "bench.chat"}),
     # serve/ needs the optional FastAPI and uvicorn: above every other layer, so only the CLI imports it
     ("serve", {"serve", "serve.request", "serve.engine", "serve.app"}),
     # the whole job: stages that are the CLI's commands, run through the CLI's main (handed in, not imported)

@@ -8,7 +8,6 @@ Each step is the library function its command calls: write_demo and prepare_chat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -16,15 +15,13 @@ from pathlib import Path
 
 import torch
 
-from gpt2train import runlog
+from gpt2train.bench.runs import run_hardware, train_logged
 from gpt2train.config import load_config
 from gpt2train.data.chat_demo import DEFAULT_CONVERSATIONS, DEMOS, most_conversations, write_demo
 from gpt2train.data.conversations import prepare_chat
 from gpt2train.eval.run import evaluate_checkpoint
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
-from gpt2train.training.loop import train
-from gpt2train.training.signals import Interrupted
 from gpt2train.units import format_utc
 
 TARGET = 0.8  # issue 58: every task's held-out exact match from the quickstart's run
@@ -102,10 +99,7 @@ def run_task(task: str, options: ChatBenchOptions, folder: Path) -> TaskResult:
     run.mkdir(parents=True)
     start = time.perf_counter()
     try:
-        with open(run / "console.log", "w") as console, contextlib.redirect_stdout(console):
-            trained = train(cfg, run)
-        if trained["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the bench
-            raise Interrupted(trained["signal"])
+        trained = train_logged(cfg, run)
         result.steps, result.train_s = trained["step"], time.perf_counter() - start
         start = time.perf_counter()
         scored = evaluate_checkpoint(run, "val,chat", limit=options.limit, device=options.device or "auto",
@@ -124,9 +118,9 @@ def run_task(task: str, options: ChatBenchOptions, folder: Path) -> TaskResult:
 def hardware(out: Path, results: list[TaskResult]) -> dict:
     """The device the first fine-tune that started trained on, from its run_start record."""
     for r in results:
-        starts = runlog.load_run(out / r.task / "run").of(runlog.RUN_START) if (out / r.task / "run").is_dir() else []
-        if starts:
-            return starts[-1].get("hardware") or {}
+        hardware = run_hardware(out / r.task / "run") if (out / r.task / "run").is_dir() else {}
+        if hardware:
+            return hardware
     return {}
 
 

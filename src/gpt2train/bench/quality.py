@@ -15,7 +15,6 @@ of the others, since it carries one-off costs (compilation where on, allocator a
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -29,12 +28,11 @@ import torch
 
 from gpt2train import runlog
 from gpt2train.bench.recipe import Row, plan_rows, recipe_changes
+from gpt2train.bench.runs import run_hardware, train_logged
 from gpt2train.config import Config, load_config, validate
 from gpt2train.data.prepared import load_meta
 from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
-from gpt2train.training.loop import train
-from gpt2train.training.signals import Interrupted
 from gpt2train.units import format_count, format_duration, format_utc
 
 FLOPS_TARGET, TIME_TARGET = 0.2, 0.3  # issue 45: the recipe's share of GPT-2's training FLOPs and time
@@ -245,7 +243,7 @@ def run_quality(options: QualityOptions, out_dir: str | Path, progress: bool = T
         for seed in seeds:
             run = train_row(row, seed, out / "runs" / f"{row.slug}-seed{seed}", options.target)
             if run.status == "ok" and "hardware" not in environment:
-                environment["hardware"] = run_hardware(run)
+                environment["hardware"] = run_hardware(run.run_dir)
             gpt2 = {r.seed: r for r in results[0].runs}.get(seed) if results else run  # row 0 is its own target
             score(run, gpt2, options.target)
             runs.append(run)
@@ -271,10 +269,7 @@ def train_row(row: Row, seed: int, run_dir: Path, target: str = "val") -> SeedRu
     run_dir.mkdir(parents=True)
     start = time.perf_counter()
     try:
-        with open(run_dir / "console.log", "w") as console, contextlib.redirect_stdout(console):
-            out = train(cfg, run_dir)
-        if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the bench
-            raise Interrupted(out["signal"])  # the command exits 130 or 143, as the trainer's
+        train_logged(cfg, run_dir)
         run = read_seed_run(run_dir, seed, target)
     except Exception as e:  # noqa: BLE001 - the other rows still tell something
         message = str(e).splitlines()[0] if str(e) else ""
@@ -294,10 +289,6 @@ def release(cfg: Config) -> None:
         torch.cuda.empty_cache()
 
 
-def run_hardware(run: SeedRun) -> dict:
-    """The device a run trained on, from its run_start record."""
-    starts = runlog.load_run(run.run_dir).of(runlog.RUN_START)
-    return (starts[-1].get("hardware") or {}) if starts else {}
 
 
 def describe_run(run: SeedRun, target: str = "val") -> str:

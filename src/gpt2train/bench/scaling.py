@@ -14,7 +14,6 @@ own entropy (meta.json's loss_floor), or --floor; on text with no known bound, 0
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -34,7 +33,6 @@ from gpt2train.files import write_json_atomic, write_text_atomic
 from gpt2train.ranges import UsageError
 from gpt2train.runconfig import RunConfig, resolve_run
 from gpt2train.sizing import scaling_parameters
-from gpt2train.training.signals import Interrupted
 from gpt2train.units import format_count, format_duration, format_utc
 
 TARGET_ERROR = 0.02  # issue 34: the held-out rung within 2% of its prediction
@@ -157,14 +155,11 @@ def check_fresh_data(rungs: list[Rung], cfg: Config, meta: dict) -> int:
 def train_rung(run: RunConfig, rung: Rung, run_dir: Path) -> Rung:
     """Train one rung into run_dir (resuming its newest checkpoint if it has one), read its final validation
     loss and write rung.json, which marks it finished."""
-    from gpt2train.training.loop import train
+    from gpt2train.bench.runs import train_logged
 
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(run_dir / "console.log", "a") as console, contextlib.redirect_stdout(console):
-        out = train(run, run_dir, resume="auto")
-    if out["reason"] == "signal":  # Ctrl-C or SIGTERM: the trainer stopped cleanly, and so does the ladder
-        raise Interrupted(out["signal"])  # the command exits 130 or 143, as the trainer's
+    train_logged(run, run_dir, resume="auto")
     vals = [r for r in runlog.load_run(run_dir).of(runlog.VAL)
             if r["step"] == run.config.train.max_steps and runlog.is_finite(r.get("val_loss"))]
     if not vals:
