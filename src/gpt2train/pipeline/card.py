@@ -72,7 +72,7 @@ def summary(o: Outcome) -> str:
         bpb = "" if m.get("best_val_bpb") is None else f" ({m['best_val_bpb']:.4f} bits/byte)"
         return f"{m.get('steps') or 0:,} steps, {format_count(m.get('tokens') or 0)} tokens{loss}{bpb}"
     if command == "eval":
-        return "; ".join(task_line(task, r) for task, r in m["tasks"].items() if task_line(task, r))
+        return "; ".join(filter(None, (task_line(task, r) for task, r in m["tasks"].items())))
     size = format_bytes(m.get("bytes", 0))
     if m.get("agreement") is None:
         return f"{size}; greedy agreement not measured ({m.get('why', 'no reader')})"

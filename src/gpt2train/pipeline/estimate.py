@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2train.pipeline.definition import Pipeline, Stage
+from gpt2train.pipeline.measure import folder_bytes
 from gpt2train.units import format_bytes, format_count, format_duration
 
 # Forward-only tokens of an eval's tasks (a rough count: windows and choices of typical length). The suite: ten
@@ -94,9 +95,7 @@ def other_work(stage: Stage) -> str:
         return f"make and tokenize the {args.demo} demo's conversations (seconds)"
     paths = [Path(p) for p in getattr(args, "paths", None) or []]
     if paths:
-        size = sum(p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-                   for p in paths if p.exists())
-        return f"tokenize {format_bytes(size)} of text"
+        return f"tokenize {format_bytes(sum(folder_bytes(p) for p in paths if p.exists()))} of text"
     if command.startswith("export"):
         return "write the weights (seconds); then measure the export's greedy agreement"
     return f"{command} (seconds to minutes)"

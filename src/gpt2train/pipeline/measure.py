@@ -56,6 +56,7 @@ def exported(stage: Stage) -> dict:
 
 
 def folder_bytes(path: Path) -> int:
+    """A file's size, or the sizes of every file under a folder."""
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -87,7 +88,7 @@ def agreement(stage: Stage) -> dict:
         prompts = [tokenizer.encode(text) for text in BASE_PROMPTS]
     n = max(1, min(AGREEMENT_TOKENS, model.config.block_size - max(len(p) for p in prompts)))
     try:
-        reader = export_reader(stage)
+        reader = export_reader(stage, model.config.block_size)
     except ImportError as e:
         return {"agreement": None, "why": f"{e.name} is not installed"}
     same, worst = 0, 0.0
@@ -103,8 +104,9 @@ def agreement(stage: Stage) -> dict:
     return {"agreement": same / (n * len(prompts)), "tokens": n * len(prompts), "max_logit_diff": worst}
 
 
-def export_reader(stage: Stage):
-    """tokens -> the export's logits at each position (T, V), read by transformers or llama.cpp."""
+def export_reader(stage: Stage, context: int):
+    """tokens (at most `context`, the model's) -> the export's logits at each position (T, V), read by transformers
+    or llama.cpp."""
     import numpy as np
     import torch
 
@@ -121,9 +123,11 @@ def export_reader(stage: Stage):
         return read
     import llama_cpp
 
+    llm = llama_cpp.Llama(model_path=str(stage.writes), n_ctx=context, logits_all=True,
+                          n_threads=2, seed=0, verbose=False)  # loaded once; each prompt starts from an empty cache
+
     def read(tokens: list[int]) -> torch.Tensor:
-        llm = llama_cpp.Llama(model_path=str(stage.writes), n_ctx=len(tokens), logits_all=True, n_threads=2, seed=0,
-                              verbose=False)
+        llm.reset()
         llm.eval(tokens)
         return torch.from_numpy(np.array(llm.scores[:len(tokens)]))
     return read

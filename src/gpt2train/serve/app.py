@@ -123,7 +123,7 @@ class Served:
 
     def ready(self) -> Engine:
         if self.stopping:
-            raise ApiError(503, STOPPING, "server_error", headers={"Retry-After": "5"})
+            raise stopping()
         if self.engine is None:
             raise ApiError(503, f"the model failed to load: {self.error}" if self.error else "the model is loading",
                            "server_error", headers={"Retry-After": "5"})
@@ -160,7 +160,10 @@ class Served:
                 "chat": has_chat_tokens(engine.tokenizer)}
 
 
-STOPPING = "the server is stopping and takes no new requests; retry, on another replica if there is one"
+def stopping() -> ApiError:
+    """A new request's answer once a stop signal came (ready() refuses it, and so does a submit that came after)."""
+    return ApiError(503, "the server is stopping and takes no new requests; retry, on another replica if there is one",
+                    "server_error", headers={"Retry-After": "5"})
 
 
 class CountRequests:
@@ -448,7 +451,7 @@ async def answer(request: Request, served: Served, engine: Engine, kind: type[An
     except EngineStopped as e:  # since ready_engine
         raise ApiError(503, str(e), "server_error") from None
     except Draining:
-        raise ApiError(503, STOPPING, "server_error", headers={"Retry-After": "5"}) from None
+        raise stopping() from None
     prompt_tokens = sum(len(ids) for ids in prompt_ids)  # as OpenAI counts them: once, whatever n
     served.metrics.prompt_tokens.inc(prompt_tokens)
     reply = kind(served.model_id, jobs, prompt_tokens, served.metrics, started, engine, noted)
