@@ -32,7 +32,6 @@ def cmd_pipeline(args) -> int:
     from gpt2train.distributed import launch_env
     from gpt2train.pipeline.card import write_card
     from gpt2train.pipeline.definition import load_pipeline
-    from gpt2train.pipeline.estimate import estimate_pipeline, format_estimates
     from gpt2train.pipeline.runner import Runner
     from gpt2train.ranges import UsageError
 
@@ -41,7 +40,7 @@ def cmd_pipeline(args) -> int:
     pipeline = load_pipeline(args.config, cli.build_parser(), out=args.out, overrides=args.set or [])
     rank, _, world_size = launch_env()
     if args.plan:
-        print(format_estimates(estimate_pipeline(pipeline, args.device, args.gpus), args.device, args.gpus))
+        print(planned(pipeline, args.device, args.gpus))
         return 0
     command = continue_command(args)
     if rank == 0:
@@ -58,13 +57,18 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
+def planned(pipeline, device: str, gpus: int) -> str:
+    """What --plan prints: each stage's estimate on `gpus` x `device`, and the total."""
+    from gpt2train.pipeline.estimate import estimate_pipeline, format_estimates
+
+    return format_estimates(estimate_pipeline(pipeline, device, gpus), device, gpus)
+
+
 def first_plan(pipeline, world_size: int) -> str:
     """The plan a run starts with (what --plan prints for this machine); a stage it cannot estimate yet is no
     reason not to run, so a failure is said in one line instead."""
-    from gpt2train.pipeline.estimate import estimate_pipeline, format_estimates
-
     try:
-        return format_estimates(estimate_pipeline(pipeline, "auto", world_size), "auto", world_size)
+        return planned(pipeline, "auto", world_size)
     except (ValueError, OSError) as e:  # a config that resolves only once an earlier stage has run, ...
         return f"plan: not estimated ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 

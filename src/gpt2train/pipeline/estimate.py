@@ -38,29 +38,29 @@ def estimate_pipeline(pipeline: Pipeline, device_name: str = "auto", gpus: int =
     for stage in pipeline.stages:
         command = stage.argv[0]
         if command == "train":
-            plans[stage.name] = plan = train_plan(stage, pipeline, plans, device, gpus)
+            plans[stage.name] = plan = train_plan(stage, plans, device, gpus)
             estimates.append(Estimate(stage, f"{plan.cfg.train.max_steps:,} steps of {format_count(plan.tokens_per_step)} "
                                       f"tokens, {format_count(plan.params)} parameters",
                                       plan.wall_s(plan.budget_tokens), plan.memory.total_bytes))
         elif command == "eval":
-            estimates.append(eval_estimate(stage, source_plan(stage, pipeline, plans)))
+            estimates.append(eval_estimate(stage, source_plan(stage, plans)))
         else:
             estimates.append(Estimate(stage, other_work(stage), None))
     return estimates
 
 
-def source_plan(stage: Stage, pipeline: Pipeline, plans: dict):
+def source_plan(stage: Stage, plans: dict):
     """The plan of the train stage whose model this stage reads (its checkpoint or init_from), if any."""
     return next((plans[name] for name in stage.after if name in plans), None)
 
 
-def train_plan(stage: Stage, pipeline: Pipeline, plans: dict, device, gpus: int):
+def train_plan(stage: Stage, plans: dict, device, gpus: int):
     from gpt2train.plan import make_plan
     from gpt2train.runconfig import Environment
     from gpt2train.training.speed import resolve_measuring
 
     overrides = list(stage.args.set or [])
-    source = source_plan(stage, pipeline, plans)
+    source = source_plan(stage, plans)
     if source is not None:  # its init_from is made by an earlier stage: not there yet, its shape known
         m = source.cfg.model
         overrides += ["train.init_from=", *(f"model.{k}={getattr(m, k)}" for k in
