@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -24,11 +25,12 @@ from pathlib import Path
 
 from gpt2train.files import write_json_atomic
 from gpt2train.pipeline.definition import Pipeline, Stage, inside
+from gpt2train.training.signals import exit_status
 from gpt2train.units import format_duration
 
 STATE_DIR = ".pipeline"
 DISTRIBUTED_COMMANDS = ("train", "eval")  # run on every rank under torchrun
-STOPPED_BY_SIGNAL = (130, 143)  # Ctrl-C, SIGTERM: a train stage saved first
+STOPPED_BY_SIGNAL = tuple(exit_status(s) for s in (signal.SIGINT, signal.SIGTERM))  # a train stage saved first
 WAIT_POLL_S = 1.0
 CLOCK_SKEW_S = 5.0  # between the ranks' clocks: rank 0's record of this run may seem that much older
 
